@@ -1,0 +1,218 @@
+"""Shared machinery of the fused optimizers: validation, state, launch groups, AMP, state_dict.
+
+A subclass declares its state (``_init_state``) and its update for one launch group
+(``_update``); this base class keeps torch.optim's public contract:
+
+* same constructor arguments, ``param_groups``, ``add_param_group``, ``zero_grad``, LR
+  schedulers (``lr`` may be a float or a 0-d tensor);
+* ``state`` uses torch.optim's keys (``step``, ``exp_avg``, ``exp_avg_sq``,
+  ``max_exp_avg_sq``, ``momentum_buffer``), so state_dicts load into the torch class and back;
+* ``torch.amp.GradScaler`` support (``_step_supports_amp_scaling``): the scaler hands us
+  ``grad_scale``/``found_inf``; grads are unscaled inside the kernel, and a found inf skips the
+  step leaving params and state untouched (one host read of ``found_inf``, as GradScaler's own
+  non-fused path does).
+
+[Note: launch groups]
+Within a param group, parameters are bucketed by (device, param dtype, grad dtype, master copy
+or not, subclass key — e.g. the step count, which only differs after ``add_param_group`` or
+when some params had no grad). Each bucket is one kernel launch, however many parameters it
+holds; a model trained in one dtype takes one launch per param group per step.
+
+[Note: master weights]
+``master_weights=True`` keeps an fp32 copy (``state["master_param"]``) for every fp16/bf16
+param, with fp32 moments; the kernel updates master and moments and writes the rounded param in
+the same pass. ``Optimizer.load_state_dict`` would cast every state tensor to the param's
+dtype, so :meth:`FusedOptimizer.load_state_dict` restores fp32 for these params afterwards. A
+state_dict from a torch optimizer (no ``master_param``) starts the master from the param.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+
+from .runtime import resolve_backend
+
+__all__ = ["FusedOptimizer", "check_betas", "check_nonneg"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_nonneg(name: str, value: float | torch.Tensor) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value >= 0`` (floats or 0-d tensors)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} as a tensor must have one element, got shape {tuple(value.shape)}")
+        value = float(value)
+    if not value >= 0.0:  # also rejects NaN
+        raise ValueError(f"Invalid {name}: {value} (must be >= 0)")
+
+
+def check_betas(betas: tuple[float, float], name: str = "betas") -> None:
+    """Raise ``ValueError`` unless both betas lie in [0, 1)."""
+    if len(betas) != 2:
+        raise ValueError(f"{name} must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"Invalid {name}[{i}]: {float(b)} (must be in [0, 1))")
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class of shardkit's fused optimizers (not used directly).
+
+    Args:
+        params: iterable of tensors or of param-group dicts, as for ``torch.optim``.
+        defaults: hyper-parameter defaults, validated by the subclass.
+        master_weights: keep fp32 master weights and moments for fp16/bf16 params.
+        backend: ``"auto"`` (compiled Triton on CUDA, torch fast path on CPU), ``"triton"``
+            (on CPU: Triton's interpreter — correctness checks only), or ``"torch"``.
+    """
+
+    _step_supports_amp_scaling = True
+    #: state keys held in fp32 when a master copy is kept (restored after load_state_dict)
+    _fp32_state_keys: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        defaults: dict[str, Any],
+        *,
+        master_weights: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        resolve_backend(backend, torch.device("cpu"))  # validates the name
+        if not isinstance(master_weights, bool):
+            raise TypeError(f"master_weights must be a bool, got {type(master_weights).__name__}")
+        self.master_weights = master_weights
+        self.backend = backend
+        super().__init__(params, defaults)
+
+    # ---- construction-time checks ---------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (validated: floating fp32/fp16/bf16, non-complex, leaf tensors)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():
+                raise TypeError(f"{type(self).__name__} does not support complex params (param {i})")
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(
+                    f"{type(self).__name__}: param {i} has dtype {p.dtype}; "
+                    "supported: float32, float16, bfloat16"
+                )
+        self._validate_group(group)
+
+    def _validate_group(self, group: dict[str, Any]) -> None:
+        """Subclasses check their hyper-parameters here (called for every group)."""
+
+    # ---- subclass interface -----------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _bucket_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
+        """Extra launch-group key (e.g. the step count); see [Note: launch groups]."""
+        return None
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor], grad_scale: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
+    # ---- shared helpers ---------------------------------------------------------------------
+    def _uses_master(self, p: torch.Tensor) -> bool:
+        return self.master_weights and p.dtype != torch.float32
+
+    def _state_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self._uses_master(p) else p.dtype
+
+    def _zeros_state(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=self._state_dtype(p), memory_format=torch.contiguous_format)
+
+    def _ensure_master(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        if self._uses_master(p) and "master_param" not in state:
+            state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
+
+    def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+
+    def _masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [self.state[p]["master_param"] for p in params if self._uses_master(p)]
+
+    # ---- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Perform one optimization step over every param group.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.sum() > 0):
+            return loss  # overflow: skip, params and state untouched
+        if grad_scale is not None:
+            grad_scale = grad_scale.to(torch.float32).reshape(1)
+        for group in self.param_groups:
+            buckets: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                self._check_grad(p, i)
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, state, group)
+                self._ensure_master(p, state)
+                key = (p.device, p.dtype, p.grad.dtype, self._uses_master(p), self._bucket_key(state, group))
+                buckets[key].append(p)
+            for (device, *_), params in buckets.items():
+                scale = grad_scale.to(device) if grad_scale is not None else None
+                self._update(group, params, scale)
+        return loss
+
+    def _check_grad(self, p: torch.Tensor, index: int) -> None:
+        g = p.grad
+        name = type(self).__name__
+        if g.is_sparse:
+            raise TypeError(f"{name} does not support sparse gradients (param {index})")
+        if g.device != p.device:
+            raise ValueError(f"{name}: param {index} is on {p.device} but its grad is on {g.device}")
+        if g.shape != p.shape:
+            raise ValueError(f"{name}: param {index} has shape {tuple(p.shape)}, grad {tuple(g.shape)}")
+        if g.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: grad of param {index} has unsupported dtype {g.dtype}")
+        if not p.is_contiguous():
+            raise ValueError(f"{name}: param {index} must be contiguous (got strides {p.stride()})")
+
+    # ---- state_dict ---------------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict (ours or the matching torch.optim class's).
+
+        See [Note: master weights] for how fp32 master state survives the load.
+        """
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                saved = saved_state.get(index)
+                index += 1
+                if saved is None or not self._uses_master(p):
+                    continue
+                state = self.state[p]
+                for key in (*self._fp32_state_keys, "master_param"):
+                    if isinstance(saved.get(key), torch.Tensor):
+                        state[key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True)
+
+    @staticmethod
+    def _step_tensor() -> torch.Tensor:
+        # torch.optim keeps ``step`` as a float32 CPU scalar (non-capturable): same here, so
+        # state_dicts interchange, and bias corrections are computed on the host with no sync.
+        return torch.tensor(0.0, dtype=torch.float32)
