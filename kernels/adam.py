@@ -216,3 +216,29 @@ def _adam_step_torch(
     )  # fmt: skip
     if masters:
         torch._foreach_copy_(list(params), list(masters))
+
+
+def _aot_configs() -> list[dict]:
+    """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
+    import triton.language as tl
+
+    sig = {
+        "ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32",
+        "n_tensors": "i32", "grad_scale_ptr": "*fp32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32",
+        "eps": "fp32", "weight_decay": "fp32", "step_size": "fp32", "bc2_sqrt": "fp32",
+    }  # fmt: skip
+    block, num_warps = adam_launch_config(torch.device("cuda"), 1 << 20)
+    base = dict(DECOUPLED=True, AMSGRAD=False, MAXIMIZE=False, HAS_GRAD_SCALE=False, ALIGNED=True, BLOCK=block)
+    fp32 = dict(base, P_DTYPE=tl.float32, G_DTYPE=tl.float32, S_DTYPE=tl.float32, HAS_MASTER=False, MASTER_ROW=4)
+    bf16 = dict(base, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, S_DTYPE=tl.float32, HAS_MASTER=True, MASTER_ROW=4)
+    return [
+        dict(kernel=_ADAM, name="adamw_fp32", signature=sig, constexprs=fp32, num_warps=num_warps,
+             pointer_args=["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr", "grad_scale_ptr"],
+             elements_per_program=block, bytes_per_element=28),
+        dict(kernel=_ADAM, name="adamw_bf16_master", signature=sig, constexprs=bf16, num_warps=num_warps,
+             pointer_args=["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr", "grad_scale_ptr"],
+             elements_per_program=block, bytes_per_element=28),
+    ]  # fmt: skip
+
+
+AOT_CONFIGS = _aot_configs
