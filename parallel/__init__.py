@@ -1,1 +1,25 @@
-"""placeholder"""
+"""Data / sharded / tensor / pipeline parallelism, composed from shardkit.kernels and shardkit.comm.
+
+Example:
+    >>> from shardkit.comm import ParallelContext
+    >>> from shardkit.parallel import DataParallel, DynamicLossScaler
+    >>> ctx = ParallelContext.from_env()
+    >>> model = DataParallel(model, ctx)
+"""
+
+from .buckets import BucketedGradReducer, GradBucket, plan_buckets
+from .data_parallel import DataParallel
+from .grad_utils import clip_grad_norm_, unscale_and_check
+from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, OverflowReport
+
+__all__ = [
+    "BucketedGradReducer",
+    "DataParallel",
+    "DynamicLossScaler",
+    "GradBucket",
+    "LossScaleAtMinimumError",
+    "OverflowReport",
+    "clip_grad_norm_",
+    "plan_buckets",
+    "unscale_and_check",
+]

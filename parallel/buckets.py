@@ -1,0 +1,186 @@
+"""Gradient buckets and the backward hooks that launch one collective per bucket.
+
+This is the part of data parallelism that ZeRO reuses: :func:`plan_buckets` decides which
+parameters share a flat buffer, :class:`GradBucket` owns that buffer and its layout, and
+:class:`BucketedGradReducer` watches backward and calls a strategy's ``launch(bucket)`` as soon
+as every grad of a bucket is ready — DDP launches an all-reduce there, ZeRO-2 a reduce-scatter
+into its shard — and ``finish(bucket, work)`` once backward is over.
+
+[Note: bucket launch order]
+Every rank must issue the same collectives in the same order, or NCCL/gloo deadlock. Buckets
+are numbered in reverse registration order (roughly the order backward produces grads) and a
+bucket is launched only after every lower-numbered bucket was launched, so a rank whose grads
+arrive in another order still issues the same sequence. Buckets whose params got no grad in
+this backward (unused parameters) are launched, with zeros for the missing grads, by the
+end-of-backward callback — again in order. ``finish`` is called in bucket order after every
+bucket was launched, so waits are issued in launch order too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["plan_buckets", "GradBucket", "BucketedGradReducer"]
+
+#: torch DDP's default: a small first bucket so communication starts early in backward.
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+def plan_buckets(
+    nbytes: Sequence[int],
+    keys: Sequence[Hashable],
+    *,
+    cap_bytes: int,
+    first_cap_bytes: int | None = FIRST_BUCKET_BYTES,
+) -> list[list[int]]:
+    """Group parameter indices into buckets, in reverse registration order.
+
+    A pure function. Parameters are visited from last to first; a bucket is closed when adding
+    the next parameter would exceed its cap (a parameter larger than the cap gets a bucket of
+    its own). Parameters with different ``keys`` (device, dtype) never share a bucket: a bucket
+    holding one key is closed when a parameter of another key arrives.
+
+    Args:
+        nbytes: gradient bytes of each parameter, in registration order.
+        keys: bucketing key of each parameter (e.g. ``(device, dtype)``).
+        cap_bytes: bucket capacity in bytes (> 0).
+        first_cap_bytes: capacity of the first bucket (None: same as ``cap_bytes``).
+
+    Returns:
+        Lists of parameter indices, bucket 0 first.
+
+    Example:
+        >>> plan_buckets([400, 400, 400], ["f32"] * 3, cap_bytes=800, first_cap_bytes=None)
+        [[2, 1], [0]]
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"cap_bytes must be > 0, got {cap_bytes}")
+    if len(nbytes) != len(keys):
+        raise ValueError(f"nbytes and keys differ in length: {len(nbytes)} vs {len(keys)}")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    current_key: Hashable = None
+    for i in reversed(range(len(nbytes))):
+        cap = first_cap_bytes if (not buckets and first_cap_bytes) else cap_bytes
+        if current and (keys[i] != current_key or current_bytes + nbytes[i] > cap):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(i)
+        current_bytes += nbytes[i]
+        current_key = keys[i]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass(eq=False)
+class GradBucket:
+    """A flat gradient buffer shared by a few parameters.
+
+    Attributes:
+        index: launch position (see [Note: bucket launch order]).
+        params: the parameters, packed in this order.
+        offsets: element offset of each parameter's grad in ``buffer``.
+        buffer: 1-D contiguous buffer (the grads' dtype and device), ``numel >= sum(sizes)``.
+    """
+
+    index: int
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat buffer (what one collective over it moves per rank)."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def grads_or_zeros(self) -> list[torch.Tensor]:
+        """Each param's grad, or a zero tensor for a param that got none this backward."""
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+
+
+class BucketedGradReducer:
+    """Watches backward and launches one collective per bucket, in order.
+
+    Args:
+        buckets: the buckets (``index`` = launch order).
+        launch: called with a bucket once all its grads are ready; returns an opaque work
+            handle (e.g. the flatten + async all-reduce of DDP).
+        finish: called as ``finish(bucket, work)`` for every bucket, in order, at the end of
+            backward (e.g. wait + unflatten the averaged grads into ``p.grad``).
+
+    Example:
+        >>> reducer = BucketedGradReducer(buckets, launch=start_all_reduce, finish=wait_and_copy)
+        >>> loss.backward()   # launches overlap backward; finish runs when it ends
+    """
+
+    def __init__(
+        self,
+        buckets: Sequence[GradBucket],
+        *,
+        launch: Callable[[GradBucket], Any],
+        finish: Callable[[GradBucket, Any], None],
+    ) -> None:
+        self.buckets = list(buckets)
+        self._launch = launch
+        self._finish = finish
+        self._where: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        for b in self.buckets:
+            for j, p in enumerate(b.params):
+                self._where[p] = (b.index, j)
+        self._works: list[Any] = []
+        self._callback_queued = False
+        self.enabled = True
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._where]
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Inside the block, backward only accumulates local grads (``no_sync``)."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def remove(self) -> None:
+        """Remove the hooks (the reducer stops acting)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.enabled:
+            return
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+        b, j = self._where[p]
+        self.buckets[b].ready.add(j)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while len(self._works) < len(self.buckets):
+            bucket = self.buckets[len(self._works)]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._works.append(self._launch(bucket))
+
+    def _on_backward_end(self) -> None:
+        try:
+            while len(self._works) < len(self.buckets):  # unused params: launch in order anyway
+                self._works.append(self._launch(self.buckets[len(self._works)]))
+            for bucket, work in zip(self.buckets, self._works):
+                self._finish(bucket, work)
+        finally:
+            for bucket in self.buckets:
+                bucket.ready.clear()
+            self._works = []
+            self._callback_queued = False

@@ -1,0 +1,215 @@
+"""fp16 loss scaling with DeepSpeed's semantics and config keys.
+
+Why: fp16 has 5 exponent bits, so small gradients underflow to zero. Multiplying the loss by a
+scale S before ``backward()`` lifts them into range; gradients are divided by S before the
+optimizer step. Dynamic scaling finds the largest S that does not overflow. bf16 has fp32's
+exponent range and needs no loss scaling: train bf16 without a scaler.
+
+Rules (REFERENCE.md, "fp16 dynamic loss scaling"; DeepSpeed ``DynamicLossScaler``):
+
+* overflow (any inf/nan grad on ANY rank of ``group``): the step is skipped. If the hysteresis
+  left is 1 (or ``hysteresis`` is 1), ``S = max(S / 2, min_loss_scale)`` — or, with S already at
+  ``min_loss_scale``, raise ``LossScaleAtMinimumError`` ("Current loss scale already at minimum -
+  cannot decrease scale anymore"); otherwise hysteresis left -= 1 and S stays.
+* clean step: with ``consecutive_hysteresis`` the hysteresis is refilled. When the number of
+  clean steps since the last overflow (counting this one) is a positive multiple of
+  ``loss_scale_window``, S doubles and the hysteresis is refilled.
+* ``loss_scale > 0`` is a static scale: S never changes. Unlike DeepSpeed's static scaler, an
+  overflow still skips the step (parameters never take an inf/nan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "OverflowReport"]
+
+
+class LossScaleAtMinimumError(RuntimeError):
+    """An overflow happened with the loss scale already at ``min_loss_scale``."""
+
+
+@dataclass
+class OverflowReport:
+    """Outcome of :meth:`DynamicLossScaler.unscale_`.
+
+    Attributes:
+        overflow: an inf/nan gradient was found on some rank of the group.
+        grad_norm: global L2 norm of the unscaled gradients (``inf``/``nan`` on overflow).
+        nonfinite: names (or indices) of this rank's params with inf/nan grads, when requested.
+    """
+
+    overflow: bool
+    grad_norm: float
+    nonfinite: list[str] = field(default_factory=list)
+
+
+_DEFAULTS = dict(
+    loss_scale=0.0,
+    initial_scale_power=16,
+    loss_scale_window=1000,
+    hysteresis=2,
+    consecutive_hysteresis=False,
+    min_loss_scale=1.0,
+)
+
+
+class DynamicLossScaler:
+    """Dynamic (or static) fp16 loss scaler with DeepSpeed's config keys.
+
+    Args:
+        loss_scale: 0 for dynamic scaling; > 0 for a static scale.
+        initial_scale_power: dynamic scaling starts at ``2 ** initial_scale_power``.
+        loss_scale_window: clean steps between doublings.
+        hysteresis: overflows tolerated before the scale is halved.
+        consecutive_hysteresis: refill the hysteresis on every clean step.
+        min_loss_scale: lowest scale; an overflow there raises :class:`LossScaleAtMinimumError`.
+
+    Example:
+        >>> scaler = DynamicLossScaler.from_config({"loss_scale": 0, "initial_scale_power": 16})
+        >>> scaler.scale_loss(loss).backward()
+        >>> report = scaler.unscale_(model.parameters(), group=ctx.group("dp"))
+        >>> if not report.overflow:
+        ...     optimizer.step()
+        >>> scaler.update(report.overflow)
+    """
+
+    def __init__(
+        self,
+        *,
+        loss_scale: float = 0.0,
+        initial_scale_power: int = 16,
+        loss_scale_window: int = 1000,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        min_loss_scale: float = 1.0,
+    ) -> None:
+        if not loss_scale >= 0:
+            raise ValueError(f"loss_scale must be >= 0 (0 = dynamic), got {loss_scale}")
+        if int(loss_scale_window) < 1:
+            raise ValueError(f"loss_scale_window must be >= 1, got {loss_scale_window}")
+        if int(hysteresis) < 1:
+            raise ValueError(f"hysteresis must be >= 1, got {hysteresis}")
+        if not min_loss_scale > 0:
+            raise ValueError(f"min_loss_scale must be > 0, got {min_loss_scale}")
+        self.dynamic = loss_scale == 0
+        self.loss_scale_window = int(loss_scale_window)
+        self.hysteresis = int(hysteresis)
+        self.consecutive_hysteresis = bool(consecutive_hysteresis)
+        self.min_loss_scale = float(min_loss_scale)
+        self.cur_scale = float(2.0**initial_scale_power) if self.dynamic else float(loss_scale)
+        self.cur_hysteresis = self.hysteresis
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> DynamicLossScaler:
+        """Build from a DeepSpeed-style ``"fp16"`` config section (``enabled`` is ignored).
+
+        Raises:
+            ValueError: an unknown key (a typo would otherwise be silently ignored).
+        """
+        unknown = set(config) - set(_DEFAULTS) - {"enabled", "auto_cast"}
+        if unknown:
+            raise ValueError(f"unknown fp16 config key(s): {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+        return cls(**{k: config[k] for k in _DEFAULTS if k in config})
+
+    @property
+    def scale(self) -> float:
+        """The current loss scale S."""
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * S`` (call ``.backward()`` on the result)."""
+        return loss * self.cur_scale
+
+    def update(self, overflow: bool) -> None:
+        """Advance the scale schedule by one step (DeepSpeed's ``update_scale``).
+
+        Raises:
+            LossScaleAtMinimumError: overflow with the scale already at ``min_loss_scale``.
+        """
+        if not self.dynamic:
+            self.cur_iter += 1
+            return
+        if overflow:
+            if self.hysteresis == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale <= self.min_loss_scale:
+                    raise LossScaleAtMinimumError(
+                        "Current loss scale already at minimum - cannot decrease scale anymore "
+                        f"(scale={self.cur_scale}, min_loss_scale={self.min_loss_scale})"
+                    )
+                self.cur_scale = max(self.cur_scale / 2.0, self.min_loss_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if self.consecutive_hysteresis:
+                self.cur_hysteresis = self.hysteresis
+            if (self.cur_iter - self.last_overflow_iter) % self.loss_scale_window == 0:
+                self.cur_hysteresis = self.hysteresis
+                self.cur_scale *= 2.0
+        self.cur_iter += 1
+
+    def unscale_(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        group: Any = None,
+        max_norm: float | None = None,
+        report_nonfinite: bool = False,
+        backend: str = "auto",
+    ) -> OverflowReport:
+        """Unscale grads by 1/S in place, detect inf/nan, and optionally clip — fused.
+
+        One epilogue launch per (device, dtype) over all grads: unscale, inf/nan flag, and sum of
+        squares for the norm; the overflow flag (and, with ``group``, the squared norm when grads
+        are sharded) is agreed across ``group`` with one all-reduce, so every rank skips the same
+        steps. With ``max_norm`` the grads are then clipped by global norm (one more launch).
+
+        Args:
+            params: parameters, or ``(name, param)`` pairs (names appear in the report).
+            group: process group over which the overflow is agreed (e.g. ``ctx.group("dp")``),
+                or None for a single process.
+            max_norm: clip to this global L2 norm (skipped on overflow).
+            report_nonfinite: list the params whose grads hold inf/nan on this rank.
+            backend: kernel backend (see :func:`shardkit.kernels.runtime.resolve_backend`).
+
+        Returns:
+            An :class:`OverflowReport`.
+        """
+        from .grad_utils import unscale_and_check
+
+        named = _named(params)
+        return unscale_and_check(
+            named, inv_scale=1.0 / self.cur_scale, group=group, max_norm=max_norm,
+            report_nonfinite=report_nonfinite, backend=backend,
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's full state (for checkpoints)."""
+        return dict(
+            cur_scale=self.cur_scale, cur_hysteresis=self.cur_hysteresis, cur_iter=self.cur_iter,
+            last_overflow_iter=self.last_overflow_iter, dynamic=self.dynamic,
+            loss_scale_window=self.loss_scale_window, hysteresis=self.hysteresis,
+            consecutive_hysteresis=self.consecutive_hysteresis, min_loss_scale=self.min_loss_scale,
+        )  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def _named(params: Iterable[Any]) -> Sequence[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, item in enumerate(params):
+        if isinstance(item, tuple):
+            out.append((str(item[0]), item[1]))
+        else:
+            out.append((f"param[{i}]", item))
+    return out

@@ -1,0 +1,254 @@
+"""DataParallel, distributed loss scaling and clipping vs single-process references.
+
+Every distributed body rebuilds the unsharded reference itself (same seed, concatenated batch)
+and returns the max deviation, so each rank checks its own replica.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardkit.comm import CommStats, ParallelContext
+from shardkit.kernels import FusedAdamW
+from shardkit.parallel import DataParallel, DynamicLossScaler, clip_grad_norm_, unscale_and_check
+
+STEPS = 10
+GLOBAL_BATCH = 8
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(13, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
+
+
+def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, 13, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+
+
+def make_opt(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "fused":
+        return FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def reference_params(kind: str, micro: int = 1) -> list[torch.Tensor]:
+    model = make_model(0)
+    opt = make_opt(kind, model.parameters())
+    for step in range(STEPS):
+        x, y = batches(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def max_dev(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+# ---- bodies run on every rank -----------------------------------------------------------------
+def _train_ddp(kind: str, backend: str, bucket_mb: float) -> dict:
+    ctx = ParallelContext.from_world()
+    rank, world = ctx.rank("dp"), ctx.size("dp")
+    # different init per rank: DataParallel must broadcast rank 0's parameters
+    model = DataParallel(make_model(rank), ctx, bucket_mb=bucket_mb, backend=backend)
+    opt = make_opt(kind, model.parameters())
+    per_rank = GLOBAL_BATCH // world
+    for step in range(STEPS):
+        x, y = batches(step)
+        xs, ys = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        opt.zero_grad()
+        model.comm_stats.reset()
+        nn.functional.mse_loss(model(xs), ys).backward()
+        opt.step()
+    ref = reference_params(kind)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = dict(
+        dev=max_dev([p.detach() for p in model.parameters()], ref),
+        all_reduce_calls=model.comm_stats.calls("all_reduce"),
+        all_reduce_bytes=model.comm_stats.bytes("all_reduce"),
+        param_bytes=param_bytes,
+        n_buckets=len(model.buckets),
+    )
+    ctx.destroy()
+    return out
+
+
+def _train_no_sync(micro: int) -> float:
+    ctx = ParallelContext.from_world()
+    rank, world = ctx.rank("dp"), ctx.size("dp")
+    model = DataParallel(make_model(0), ctx, bucket_mb=0.001)
+    opt = make_opt("fused", model.parameters())
+    per_rank = GLOBAL_BATCH // world
+    per_micro = per_rank // micro
+    for step in range(STEPS):
+        x, y = batches(step)
+        xs, ys = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        opt.zero_grad()
+        for k in range(micro):
+            chunk = slice(k * per_micro, (k + 1) * per_micro)
+            loss = nn.functional.mse_loss(model(xs[chunk]), ys[chunk]) / micro
+            if k < micro - 1:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+    dev = max_dev([p.detach() for p in model.parameters()], reference_params("fused"))
+    ctx.destroy()
+    return dev
+
+
+def _unused_param() -> float:
+    ctx = ParallelContext.from_world()
+    base = _WithUnused()
+    model = DataParallel(base, ctx, bucket_mb=0.001)
+    x, y = batches(0)
+    per = GLOBAL_BATCH // ctx.size("dp")
+    r = ctx.rank("dp")
+    nn.functional.mse_loss(model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]).backward()
+    ref = make_model(0)
+    nn.functional.mse_loss(ref(x), y).backward()
+    dev = max_dev([p.grad for p in base.net.parameters()], [p.grad for p in ref.parameters()])
+    unused_grads = [p.grad.abs().max().item() for p in base.unused.parameters()]
+    ctx.destroy()
+    return max(dev, *unused_grads)
+
+
+def _one_rank_overflows() -> tuple[bool, list[str], float]:
+    ctx = ParallelContext.from_world()
+    model = make_model(0)
+    x, y = batches(0)
+    scaler = DynamicLossScaler(initial_scale_power=4)
+    scaler.scale_loss(nn.functional.mse_loss(model(x), y)).backward()
+    if ctx.rank("dp") == 1:
+        model[2].weight.grad[3, 4] = float("inf")
+    report = scaler.unscale_(list(model.named_parameters()), group=ctx.group("dp"), report_nonfinite=True)
+    scaler.update(report.overflow)
+    ctx.destroy()
+    return report.overflow, report.nonfinite, scaler.scale
+
+
+def _clip_sharded(backend: str) -> float:
+    """Each rank holds half of the parameters' grads (as ZeRO would): the clip must use the
+    norm over both halves."""
+    ctx = ParallelContext.from_world()
+    ref = make_model(0)
+    x, y = batches(0)
+    nn.functional.mse_loss(ref(x), y).backward()
+    mine = [p for i, p in enumerate(ref.parameters()) if i % 2 == ctx.rank("dp")]
+    expected = [p.grad.clone() for p in ref.parameters()]
+    torch.nn.utils.clip_grad_norm_([_Holder(g) for g in expected], 0.1)
+    clip_grad_norm_(mine, 0.1, norm_group=ctx.group("dp"), backend=backend)
+    got = [p.grad for p in mine]
+    want = [g for i, g in enumerate(expected) if i % 2 == ctx.rank("dp")]
+    ctx.destroy()
+    return max_dev(got, want)
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model(0)
+        self.unused = nn.Linear(5, 5)  # registered last, so its bucket is launched first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class _Holder(torch.Tensor):
+    """A tensor whose ``.grad`` is the given gradient (for torch's clip on bare grads)."""
+
+    @staticmethod
+    def __new__(cls, grad: torch.Tensor):  # noqa: D102
+        t = torch.Tensor._make_subclass(cls, torch.empty_like(grad))
+        t.grad = grad
+        return t
+
+
+# ---- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind", ["fused", "torch"])
+def test_ddp_equals_single_process_big_batch(dist_pool, world_size: int, kind: str) -> None:
+    results = dist_pool.run(_train_ddp, kind, "auto", 0.001, world_size=world_size, timeout=120)
+    for r in results:
+        assert r["dev"] < 2e-5, r  # fp32, 10 steps of AdamW: only summation-order rounding
+
+
+def test_ddp_interpreted_triton_buckets(dist_pool) -> None:
+    """The flatten/unflatten Triton kernels themselves (interpreter) inside DDP."""
+    results = dist_pool.run(_train_ddp, "fused", "triton", 0.001, world_size=2, timeout=180)
+    assert all(r["dev"] < 2e-5 for r in results), results
+
+
+@pytest.mark.parametrize("bucket_mb", [0.001, 25.0])
+def test_comm_volume_is_one_all_reduce_of_every_grad(dist_pool, bucket_mb: float) -> None:
+    results = dist_pool.run(_train_ddp, "fused", "auto", bucket_mb, world_size=2, timeout=120)
+    for r in results:
+        assert r["all_reduce_bytes"] == r["param_bytes"]  # Ψ payload per step, no extras
+        assert r["all_reduce_calls"] == r["n_buckets"]
+    assert results[0]["n_buckets"] > 1 if bucket_mb < 0.01 else results[0]["n_buckets"] == 1
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_no_sync_accumulation_equals_big_batch(dist_pool, world_size: int) -> None:
+    devs = dist_pool.run(_train_no_sync, 2, world_size=world_size, timeout=120)
+    assert max(devs) < 2e-5
+
+
+def test_unused_parameters_do_not_hang(dist_pool) -> None:
+    devs = dist_pool.run(_unused_param, world_size=2, timeout=60)
+    assert max(devs) < 1e-6
+
+
+def test_overflow_on_one_rank_is_agreed_by_all(dist_pool) -> None:
+    results = dist_pool.run(_one_rank_overflows, world_size=2, timeout=60)
+    assert [r[0] for r in results] == [True, True]  # both ranks skip
+    assert results[0][1] == [] and results[1][1] == ["2.weight"]  # only rank 1 holds the inf
+    assert results[0][2] == results[1][2] == 16.0  # hysteresis 2: first overflow keeps the scale
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_clip_across_sharded_grads(dist_pool, backend: str) -> None:
+    assert max(dist_pool.run(_clip_sharded, backend, world_size=2, timeout=60)) < 1e-6
+
+
+# ---- single process -----------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_unscale_and_check_single_process(backend: str) -> None:
+    model = make_model(0)
+    x, y = batches(0)
+    (nn.functional.mse_loss(model(x), y) * 512.0).backward()
+    expected = [p.grad / 512.0 for p in model.parameters()]
+    report = unscale_and_check(list(model.named_parameters()), inv_scale=1 / 512.0, backend=backend)
+    assert not report.overflow
+    torch.testing.assert_close([p.grad for p in model.parameters()], expected)
+    assert report.grad_norm == pytest.approx(torch.stack([g.norm() for g in expected]).norm().item(), rel=1e-5)
+    model[0].bias.grad[1] = float("nan")
+    report = unscale_and_check(list(model.named_parameters()), report_nonfinite=True, backend=backend)
+    assert report.overflow and report.nonfinite == ["0.bias"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_clip_grad_norm_matches_torch(backend: str) -> None:
+    a, b = make_model(0), make_model(0)
+    x, y = batches(0)
+    for m in (a, b):
+        nn.functional.mse_loss(m(x), y).backward()
+    total = clip_grad_norm_(a.parameters(), 0.05, backend=backend)
+    want = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.05)
+    torch.testing.assert_close(total, want)
+    torch.testing.assert_close([p.grad for p in a.parameters()], [p.grad for p in b.parameters()])
+
+
+def test_bad_arguments_raise_before_any_collective() -> None:
+    with pytest.raises(TypeError, match="module"):
+        DataParallel("not a module", None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="ctx"):
+        DataParallel(make_model(0), None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(make_model(0).parameters(), 0.0)
+    assert isinstance(CommStats(), CommStats)
