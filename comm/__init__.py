@@ -1,1 +1,46 @@
-"""placeholder"""
+"""The parallel context and collectives over ``torch.distributed`` (never imports Triton).
+
+* :class:`ParallelContext` — named ``pp`` × ``dp`` × ``tp`` axes over a ``DeviceMesh``.
+* :func:`all_reduce`, :func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`,
+  :func:`send`, :func:`recv` — take ``group=`` explicitly and return a :class:`CommHandle`.
+* :class:`CommStats` — explicit, thread-safe call/byte accounting (``stats=``).
+* :class:`CommTimeoutError` — a collective outlived its group's timeout.
+
+Nothing runs at import: no environment reads, no device queries, no process groups.
+
+Example:
+    >>> from shardkit.comm import ParallelContext, CommStats, all_reduce
+    >>> ctx = ParallelContext.from_env(tp=2)            # under torchrun
+    >>> stats = CommStats()
+    >>> all_reduce(grad, group=ctx.group("dp"), op="avg", stats=stats)
+"""
+
+from .collectives import (
+    ReduceOpName,
+    all_gather,
+    all_reduce,
+    broadcast,
+    recv,
+    reduce_scatter,
+    send,
+)
+from .context import AXES, DEFAULT_TIMEOUT, ParallelContext
+from .handle import CommHandle, CommTimeoutError
+from .stats import CommStats, group_label
+
+__all__ = [
+    "AXES",
+    "DEFAULT_TIMEOUT",
+    "ParallelContext",
+    "CommHandle",
+    "CommStats",
+    "CommTimeoutError",
+    "ReduceOpName",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "send",
+    "recv",
+    "group_label",
+]

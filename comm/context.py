@@ -1,0 +1,386 @@
+"""The parallel context: named ``pp`` × ``dp`` × ``tp`` axes over a ``DeviceMesh``.
+
+[Note: mesh layout]
+Axes are ordered ``("pp", "dp", "tp")``, outermost to innermost, as in torchtitan's
+``ParallelDims``: global rank ``r = (i_pp * dp + i_dp) * tp + i_tp``. The tp axis is innermost
+so that a tp group is a run of consecutive ranks, i.e. GPUs of one node joined by NVLink (tp
+communicates every layer); dp is next (one gradient reduction per step); pp outermost (only
+point-to-point activations cross it, which tolerates the slowest links). Every context has all
+three axes, size 1 where unused, so ``ctx.group("pp")`` always works; collectives on a size-1
+group take the local path.
+
+[Note: process-group timeouts]
+Every process group shardkit creates (the default group in :meth:`ParallelContext.from_env`, one
+group per axis in :meth:`ParallelContext.from_world`) gets an explicit ``timeout``
+(default :data:`DEFAULT_TIMEOUT`, 300 s, torchtitan's ``comm.init_timeout_seconds``) instead of
+c10d's 30 min, so a rank that never joins a collective becomes a
+:class:`~shardkit.comm.CommTimeoutError` naming the op instead of a hang. Groups inside a mesh
+passed to :meth:`ParallelContext.from_mesh` keep the timeout they were created with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["AXES", "DEFAULT_TIMEOUT", "ParallelContext"]
+
+#: Mesh axes, outermost first; see [Note: mesh layout].
+AXES: tuple[str, ...] = ("pp", "dp", "tp")
+#: Timeout of the process groups shardkit creates; see [Note: process-group timeouts].
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+
+def _check_axis_size(name: str, value: object, *, allow_rest: bool) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value == -1 and allow_rest:
+        return value
+    if value < 1:
+        rest = ", or -1 for 'the rest of the world'" if allow_rest else ""
+        raise ValueError(f"{name} must be >= 1{rest}; got {name}={value}")
+    return value
+
+
+def _check_timeout(timeout: object) -> timedelta:
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        raise RuntimeError(f"environment variable {name} is not set (launch with torchrun)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Named parallel axes ``pp``, ``dp``, ``tp`` over a 3-D ``DeviceMesh``.
+
+    Build it with :meth:`from_env` (under torchrun), :meth:`from_world` (process group already
+    initialized) or :meth:`from_mesh`; pass it (or one of its groups) explicitly to everything
+    that communicates. See [Note: mesh layout] and [Note: process-group timeouts].
+
+    Attributes:
+        mesh: the ``DeviceMesh``, dims named ``("pp", "dp", "tp")``.
+
+    Example:
+        >>> ctx = ParallelContext.from_env(tp=2)          # torchrun --nproc-per-node 4
+        >>> ctx.size("dp"), ctx.size("tp"), ctx.rank("tp")
+        (2, 2, 1)
+        >>> all_reduce(grad, group=ctx.group("dp"), op="avg")
+    """
+
+    mesh: DeviceMesh
+    # groups created by from_world/from_mesh for this rank, released by destroy()
+    _owned: list[dist.ProcessGroup] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(self.mesh).__name__}")
+        if self.mesh.mesh_dim_names != AXES:
+            raise ValueError(
+                f"mesh dims must be named {AXES}, got {self.mesh.mesh_dim_names}; "
+                "use ParallelContext.from_mesh to adapt a mesh with fewer axes"
+            )
+
+    # ---- validation --------------------------------------------------------------------------
+    @staticmethod
+    def resolve_sizes(world_size: int, *, dp: int = -1, tp: int = 1, pp: int = 1) -> dict[str, int]:
+        """Check axis sizes against ``world_size`` from integers alone (no communication).
+
+        Args:
+            world_size: number of ranks.
+            dp, tp, pp: axis sizes, each >= 1; ``dp=-1`` means ``world_size // (pp * tp)``.
+
+        Returns:
+            ``{"pp": pp, "dp": dp, "tp": tp}`` with ``dp`` resolved.
+
+        Raises:
+            TypeError: a size is not an int (the axis is named).
+            ValueError: a size < 1, ``dp=-1`` not dividing, or ``pp * dp * tp != world_size``
+                (the axis is named).
+
+        Example:
+            >>> ParallelContext.resolve_sizes(8, tp=2)
+            {'pp': 1, 'dp': 4, 'tp': 2}
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        pp = _check_axis_size("pp", pp, allow_rest=False)
+        tp = _check_axis_size("tp", tp, allow_rest=False)
+        dp = _check_axis_size("dp", dp, allow_rest=True)
+        if dp == -1:
+            if world_size % (pp * tp):
+                raise ValueError(
+                    f"dp=-1 needs the world size {world_size} to be divisible by "
+                    f"pp*tp = {pp}*{tp} = {pp * tp}"
+                )
+            dp = world_size // (pp * tp)
+        if pp * dp * tp != world_size:
+            raise ValueError(
+                f"pp*dp*tp = {pp}*{dp}*{tp} = {pp * dp * tp} does not equal the world size "
+                f"{world_size}; change dp (or pass dp=-1), tp or pp"
+            )
+        return {"pp": pp, "dp": dp, "tp": tp}
+
+    # ---- constructors ------------------------------------------------------------------------
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        dp: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        backend: str | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> ParallelContext:
+        """Initialize from torchrun's environment and build the context.
+
+        Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (the only
+        place shardkit reads them). Sizes are validated from ``WORLD_SIZE`` before any process
+        group exists, so a bad configuration fails on every rank with the same ``ValueError``.
+        Without ``RANK``/``WORLD_SIZE`` it starts a single-process world (notebooks). If the
+        default process group is already initialized, it is used as is (``from_world``).
+
+        Args:
+            dp, tp, pp: axis sizes (see :meth:`resolve_sizes`).
+            backend: ``"nccl"`` when CUDA is available, else ``"gloo"``, unless given. With NCCL
+                the CUDA device is set from ``LOCAL_RANK`` first.
+            timeout: timeout of the default group and of every axis group.
+
+        Returns:
+            The context; collective on every rank.
+
+        Example:
+            >>> ctx = ParallelContext.from_env(tp=2, timeout=timedelta(minutes=2))
+        """
+        _check_timeout(timeout)
+        if dist.is_initialized():
+            return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout)
+        env = os.environ
+        if "RANK" not in env and "WORLD_SIZE" not in env:
+            rank, world_size, local_rank = 0, 1, 0
+        else:
+            rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+            local_rank = _env_int("LOCAL_RANK") if "LOCAL_RANK" in env else rank
+            for var in ("MASTER_ADDR", "MASTER_PORT"):
+                if var not in env:
+                    raise RuntimeError(f"environment variable {var} is not set (launch with torchrun)")
+        cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp)  # before any process group exists
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device_id = None
+        if "nccl" in backend:
+            torch.cuda.set_device(local_rank)
+            device_id = torch.device("cuda", local_rank)
+        if world_size == 1 and "WORLD_SIZE" not in env:
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+            )
+        else:
+            # env:// (not tcp://) so torchrun's agent store is reused when it provides one.
+            dist.init_process_group(
+                backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
+                device_id=device_id,
+            )
+        return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout)
+
+    @classmethod
+    def from_world(
+        cls,
+        *,
+        dp: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+    ) -> ParallelContext:
+        """Build the context on the already-initialized default process group.
+
+        Creates one new group per axis for this rank (all with ``timeout``; the default group
+        is never reused, so its own timeout does not leak in). Reads no environment variable.
+        Collective: every rank of the world must call it with the same arguments.
+
+        Args:
+            dp, tp, pp: axis sizes (see :meth:`resolve_sizes`), validated before any group is
+                created.
+            timeout: timeout of every group created.
+
+        Returns:
+            The context; release its groups with :meth:`destroy` (or use it as a context
+            manager) when building many contexts in one process, e.g. in tests.
+
+        Raises:
+            RuntimeError: the default process group is not initialized.
+
+        Example:
+            >>> with ParallelContext.from_world(dp=2, tp=2) as ctx:   # world size 4
+            ...     ctx.mesh.mesh.tolist()
+            [[[0, 1], [2, 3]]]
+        """
+        _check_timeout(timeout)
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "ParallelContext.from_world needs an initialized default process group; "
+                "use ParallelContext.from_env() or torch.distributed.init_process_group() first"
+            )
+        world_size = dist.get_world_size()
+        sizes = cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp)
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+        layout = torch.arange(world_size, dtype=torch.int).reshape([sizes[a] for a in AXES])
+        me = dist.get_rank()
+        mine: list[dist.ProcessGroup] = []
+        for dim, axis in enumerate(AXES):
+            # every rank creates every group of the axis, in the same order (new_group's contract)
+            for ranks in layout.movedim(dim, -1).reshape(-1, sizes[axis]).tolist():
+                group = dist.new_group(ranks, timeout=timeout, group_desc=f"shardkit_{axis}")
+                if me in ranks:
+                    mine.append(group)
+        mesh = DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=AXES)
+        return cls(mesh, mine)
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> ParallelContext:
+        """Wrap an existing mesh whose dims are named by a subset of ``("pp", "dp", "tp")``.
+
+        Missing axes get size 1. Dims must appear in the order pp, dp, tp (see
+        [Note: mesh layout]). A mesh with all three axes is used as is (no communication);
+        otherwise a size-1 group per missing axis is created, which needs the mesh to span the
+        whole default group and every rank to call this.
+
+        Args:
+            mesh: e.g. ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))``.
+
+        Raises:
+            ValueError: unnamed dims, unknown or repeated names, wrong order, or missing axes
+                on a mesh that does not span the world.
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+            >>> ParallelContext.from_mesh(mesh).size("tp")
+            1
+        """
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a DeviceMesh, got {type(mesh).__name__}")
+        names = mesh.mesh_dim_names
+        if names is None:
+            raise ValueError(f"mesh dims must be named with some of {AXES}; got an unnamed mesh")
+        unknown = [n for n in names if n not in AXES]
+        if unknown or len(set(names)) != len(names):
+            raise ValueError(f"mesh dim names must be distinct names from {AXES}, got {names}")
+        if list(names) != [a for a in AXES if a in names]:
+            raise ValueError(f"mesh dims must be ordered as {AXES} (outermost first), got {names}")
+        if tuple(names) == AXES:
+            return cls(mesh)
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"a mesh without all of {AXES} must span the world ({dist.get_world_size()} ranks) "
+                f"to add size-1 axes; got {mesh.size()} ranks with dims {names}"
+            )
+        me = dist.get_rank()
+        layout = mesh.mesh.to(torch.int)
+        groups: list[dist.ProcessGroup] = []
+        owned: list[dist.ProcessGroup] = []
+        for dim, axis in enumerate(AXES):
+            if axis in names:
+                groups.append(mesh.get_group(axis))
+                continue
+            layout = layout.unsqueeze(dim)
+            world = range(dist.get_world_size())
+            singletons = [dist.new_group([r], group_desc=f"shardkit_{axis}") for r in world]
+            groups.append(singletons[me])
+            owned.append(singletons[me])
+        full = DeviceMesh.from_group(groups, mesh.device_type, mesh=layout, mesh_dim_names=AXES)
+        return cls(full, owned)
+
+    # ---- queries -----------------------------------------------------------------------------
+    def _axis(self, axis: str) -> str:
+        if axis not in AXES:
+            raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+        return axis
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of this rank along ``axis`` (``"pp"``, ``"dp"`` or ``"tp"``).
+
+        Example:
+            >>> ctx.group("tp").size() == ctx.size("tp")
+            True
+        """
+        return self.mesh.get_group(self._axis(axis))
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis`` (its rank within ``group(axis)``)."""
+        return self.mesh.get_local_rank(self._axis(axis))
+
+    def size(self, axis: str) -> int:
+        """Number of ranks along ``axis`` (1 when the axis is unused)."""
+        return self.mesh.size(AXES.index(self._axis(axis)))
+
+    def submesh(self, axes: str | Sequence[str]) -> DeviceMesh:
+        """The sub-``DeviceMesh`` over ``axes`` (one name or several, in pp, dp, tp order).
+
+        Useful for torch APIs that take a mesh (FSDP2, DTensor): ``ctx.submesh(("dp", "tp"))``.
+        """
+        names = (axes,) if isinstance(axes, str) else tuple(axes)
+        for a in names:
+            self._axis(a)
+        if list(names) != [a for a in AXES if a in names] or len(set(names)) != len(names):
+            raise ValueError(f"submesh axes must be distinct and ordered as {AXES}, got {names}")
+        return self.mesh[names[0] if len(names) == 1 else names]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """``{"pp": ..., "dp": ..., "tp": ...}``."""
+        return {a: self.size(a) for a in AXES}
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the mesh (``pp * dp * tp``)."""
+        return self.mesh.size()
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default process group."""
+        return self.mesh.get_rank()
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's compute device: the current CUDA device on a CUDA mesh, else CPU."""
+        if self.mesh.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.mesh.device_type)
+
+    # ---- lifetime ----------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Destroy the process groups this context created (never the default group).
+
+        The context (and meshes/groups taken from it) must not be used afterwards. Idempotent.
+        """
+        while self._owned:
+            dist.destroy_process_group(self._owned.pop())
+
+    def __enter__(self) -> ParallelContext:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        s = self.sizes
+        return f"ParallelContext(pp={s['pp']}, dp={s['dp']}, tp={s['tp']}, global_rank={self.global_rank})"

@@ -1,0 +1,440 @@
+"""shardkit.comm: collectives, handles, CommStats, ParallelContext, timeouts (gloo, 2 and 4 ranks).
+
+Bodies prefixed ``_`` run on every rank through the ``dist_pool`` fixture; each rank draws its
+input from a generator seeded by its rank and recomputes every other rank's input, so the
+single-process reference is built on every rank and compared there.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from shardkit.comm import (
+    AXES,
+    CommStats,
+    CommTimeoutError,
+    ParallelContext,
+    all_gather,
+    all_reduce,
+    broadcast,
+    group_label,
+    recv,
+    reduce_scatter,
+    send,
+)
+from tolerances import FP32
+
+WORLD_SIZES = [2, 4]
+OPS = ["sum", "avg", "max", "min"]
+DTYPES = [torch.float32, torch.bfloat16, torch.int64]
+NUMELS = [0, 1, 13, 132]  # empty, single, odd, a few hundred
+
+# Per-dtype tolerances of a reduction vs the float64 reference rounded to the dtype.
+EXACT = dict(rtol=0, atol=0)  # data movement (gather, broadcast, p2p) and integer reductions
+TOL = {
+    # gloo sums in another order than the reference: a few ulps, well inside the suite's FP32.
+    torch.float32: FP32,
+    # Looser: bf16 partial sums (|x| up to ~8 for 4 ranks of N(0,1)) are rounded at each of up
+    # to 3 steps, half an ulp (2^-6 at 4..8) each, ~0.05 worst case; near-zero sums need the atol.
+    torch.bfloat16: dict(rtol=1.6e-2, atol=6e-2),
+    torch.int64: EXACT,  # inputs are small integers
+}
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * salt + rank)
+    x = torch.randn(numel, generator=g, dtype=torch.float64)
+    return (x * 100).round().to(dtype) if dtype == torch.int64 else x.to(dtype)
+
+
+def _reference(inputs: list[torch.Tensor], op: str, dtype: torch.dtype) -> torch.Tensor:
+    stacked = torch.stack([x.to(torch.float64) for x in inputs])
+    fn = {"sum": torch.sum, "avg": torch.mean, "max": torch.amax, "min": torch.amin}[op]
+    return fn(stacked, dim=0).to(dtype)
+
+
+def _dtypes_for(op: str) -> list[torch.dtype]:
+    return [d for d in DTYPES if op != "avg" or d.is_floating_point]
+
+
+# ---- collectives vs reference ------------------------------------------------------------------
+def _all_reduce_body(op: str) -> int:
+    with ParallelContext.from_world() as ctx:
+        group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        checked = 0
+        for dtype in _dtypes_for(op):
+            for numel in NUMELS:
+                x = _input(me, numel, dtype)
+                h = all_reduce(x, group=group, op=op)
+                assert h.output is x and h.is_completed()
+                ref = _reference([_input(r, numel, dtype) for r in range(n)], op, dtype)
+                torch.testing.assert_close(x, ref, **TOL[dtype])
+                checked += 1
+        return checked
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_reduce_matches_reference(dist_pool, world_size, op):
+    checked = dist_pool.run(_all_reduce_body, op, world_size=world_size)
+    assert checked == [len(_dtypes_for(op)) * len(NUMELS)] * world_size
+
+
+def _reduce_scatter_body(op: str) -> None:
+    with ParallelContext.from_world() as ctx:
+        group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        for dtype in _dtypes_for(op):
+            for numel in NUMELS:
+                inp = _input(me, n * numel, dtype)
+                # stack form ([n, numel] input) must behave as the flat concatenation
+                out = torch.empty(numel, dtype=dtype)
+                reduce_scatter(out, inp.view(n, numel), group=group, op=op)
+                full = _reference([_input(r, n * numel, dtype) for r in range(n)], op, dtype)
+                torch.testing.assert_close(out, full[me * numel : (me + 1) * numel], **TOL[dtype])
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter_matches_reference(dist_pool, world_size, op):
+    dist_pool.run(_reduce_scatter_body, op, world_size=world_size)
+
+
+def _all_gather_body() -> None:
+    with ParallelContext.from_world() as ctx:
+        group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        for dtype in DTYPES:
+            for numel in NUMELS:
+                out = torch.full((n, numel), -7, dtype=dtype)  # [N, n] output = concatenation
+                all_gather(out, _input(me, numel, dtype), group=group)
+                ref = torch.stack([_input(r, numel, dtype) for r in range(n)])
+                torch.testing.assert_close(out, ref, **EXACT)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_all_gather_matches_reference(dist_pool, world_size):
+    dist_pool.run(_all_gather_body, world_size=world_size)
+
+
+def _broadcast_body() -> None:
+    # On a dp x tp mesh, src is a rank *within* the group: check it against the global rank.
+    tp = 2 if dist.get_world_size() % 2 == 0 else 1
+    with ParallelContext.from_world(tp=tp) as ctx:
+        for axis in ("dp", "tp"):
+            group = ctx.group(axis)
+            for src in range(group.size()):
+                x = _input(ctx.global_rank, 9, torch.float32, salt=1)
+                broadcast(x, src=src, group=group)
+                expected = _input(dist.get_global_rank(group, src), 9, torch.float32, salt=1)
+                torch.testing.assert_close(x, expected, **EXACT)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_broadcast_src_is_group_rank(dist_pool, world_size):
+    dist_pool.run(_broadcast_body, world_size=world_size)
+
+
+def _send_recv_body() -> None:
+    with ParallelContext.from_world() as ctx:
+        group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        # ring: send to the right asynchronously, receive from the left synchronously
+        h = send(_input(me, 5, torch.float32, salt=2), dst=(me + 1) % n, group=group, async_op=True)
+        buf = torch.empty(5)
+        recv(buf, src=(me - 1) % n, group=group)
+        h.wait()
+        torch.testing.assert_close(buf, _input((me - 1) % n, 5, torch.float32, salt=2), **EXACT)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_send_recv_ring(dist_pool, world_size):
+    dist_pool.run(_send_recv_body, world_size=world_size)
+
+
+def _async_body() -> None:
+    with ParallelContext.from_world() as ctx:
+        group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        a, b = _input(me, 64, torch.float32), _input(me, 64, torch.float32, salt=3)
+        out = torch.empty(n * 64)
+        handles = [
+            all_reduce(a, group=group, op="avg", async_op=True),
+            all_reduce(b, group=group, op="max", async_op=True),
+            all_gather(out, _input(me, 64, torch.float32, salt=4), group=group, async_op=True),
+        ]
+        # waited in reverse issue order: any order is allowed
+        results = [h.wait() for h in reversed(handles)][::-1]
+        assert all(h.is_completed() for h in handles)
+        assert results[0] is a and results[1] is b and results[2] is out
+        assert handles[0].wait() is a  # idempotent: no second division
+        fp32 = torch.float32
+        torch.testing.assert_close(a, _reference([_input(r, 64, fp32) for r in range(n)], "avg", fp32), **TOL[fp32])
+        torch.testing.assert_close(b, _reference([_input(r, 64, fp32, salt=3) for r in range(n)], "max", fp32))
+        torch.testing.assert_close(out, torch.cat([_input(r, 64, torch.float32, salt=4) for r in range(n)]))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_async_handles(dist_pool, world_size):
+    dist_pool.run(_async_body, world_size=world_size)
+
+
+# ---- CommStats ---------------------------------------------------------------------------------
+def _stats_body() -> dict:
+    with ParallelContext.from_world(tp=2) as ctx:
+        stats = CommStats()
+        dp, tp = ctx.group("dp"), ctx.group("tp")
+        n_dp, n_tp = ctx.size("dp"), ctx.size("tp")
+        grad = torch.zeros(100)  # 400 B
+        for _ in range(3):
+            all_reduce(grad, group=dp, op="avg", stats=stats)
+        shard = torch.zeros(10, dtype=torch.bfloat16)  # gathered: n_tp * 20 B
+        all_gather(torch.empty(10 * n_tp, dtype=torch.bfloat16), shard, group=tp, stats=stats)
+        reduce_scatter(torch.empty(10), torch.zeros(10 * n_tp), group=tp, stats=stats)  # n_tp * 40 B
+        all_reduce(torch.zeros(7), group=ctx.group("pp"), stats=stats)  # size 1: not recorded
+        assert stats.calls("all_reduce") == 3 * (n_dp > 1) and stats.bytes("all_reduce") == 1200 * (n_dp > 1)
+        assert stats.calls("all_reduce", group=dp) == 3 * (n_dp > 1)
+        assert stats.bytes("all_gather", group=tp) == n_tp * 20
+        assert stats.bytes("reduce_scatter") == n_tp * 40
+        assert stats.calls() == 3 * (n_dp > 1) + 2
+        assert stats.bytes() == 1200 * (n_dp > 1) + n_tp * 60
+        summary = stats.summary()
+        assert summary["all_gather"]["groups"] == {group_label(tp): {"calls": 1, "bytes": n_tp * 20}}
+        stats.reset()
+        assert stats.calls() == 0 and stats.summary() == {}
+        return summary
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_comm_stats_counts_payload_bytes(dist_pool, world_size):
+    summaries = dist_pool.run(_stats_body, world_size=world_size)
+    # rank-independent labels: the tp group of ranks 0 and 1 has one name on both
+    assert summaries[0]["all_gather"]["groups"] == summaries[1]["all_gather"]["groups"]
+    assert list(summaries[0]["all_gather"]["groups"]) == ["shardkit_tp[0, 1]"]
+
+
+def test_comm_stats_is_thread_safe():
+    stats = CommStats()
+
+    def hammer() -> None:
+        for _ in range(2000):
+            stats.record("all_reduce", "g[0, 1]", 4)
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stats.calls("all_reduce") == 16_000 and stats.bytes(group="g[0, 1]") == 64_000
+    with pytest.raises(ValueError, match="nbytes"):
+        stats.record("all_reduce", "g", -1)
+
+
+# ---- groups of size 1 --------------------------------------------------------------------------
+def _size_one_body() -> None:
+    with ParallelContext.from_world() as ctx:  # pp and tp are size 1
+        group, stats = ctx.group("tp"), CommStats()
+        assert group.size() == 1 and ctx.size("tp") == 1 and ctx.rank("tp") == 0
+        forbidden = AssertionError("a size-1 group must not communicate")
+        names = ["all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "isend", "irecv"]
+        with mock.patch.multiple(dist, **{n: mock.Mock(side_effect=forbidden) for n in names}):
+            for op in OPS:
+                x = _input(dist.get_rank(), 11, torch.float32)
+                h = all_reduce(x, group=group, op=op, async_op=True, stats=stats)
+                assert h.is_completed()
+                torch.testing.assert_close(h.wait(), _input(dist.get_rank(), 11, torch.float32), **EXACT)
+                out = torch.empty(11)
+                reduce_scatter(out, x, group=group, op=op, stats=stats)
+                torch.testing.assert_close(out, x, **EXACT)
+            out = torch.empty(1, 11)
+            assert all_gather(out, x, group=group, stats=stats).output is out
+            torch.testing.assert_close(out[0], x, **EXACT)
+            broadcast(x, src=0, group=group, stats=stats)
+            with pytest.raises(ValueError, match="dst=0 is this rank"):
+                send(x, dst=0, group=group)
+        assert stats.calls() == 0
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_size_one_group_takes_local_path(dist_pool, world_size):
+    dist_pool.run(_size_one_body, world_size=world_size)
+
+
+# ---- argument validation -----------------------------------------------------------------------
+def _bad_arguments_body() -> None:
+    with ParallelContext.from_world() as ctx:
+        g = ctx.group("dp")
+        # any attempt to communicate fails the test: errors must come first
+        names = ["all_reduce", "reduce_scatter_single", "all_gather_single", "broadcast", "isend", "irecv"]
+        forbidden = AssertionError("validation must precede communication")
+        with mock.patch.multiple(dist, **{n: mock.Mock(side_effect=forbidden) for n in names}):
+            x = torch.zeros(8)
+            with pytest.raises(TypeError, match="group= is required"):
+                all_reduce(x, group=None)
+            with pytest.raises(ValueError, match="op must be one of"):
+                all_reduce(x, group=g, op="prod")
+            with pytest.raises(TypeError, match="op='avg' needs a floating tensor"):
+                all_reduce(torch.zeros(3, dtype=torch.int64), group=g, op="avg")
+            with pytest.raises(ValueError, match="tensor must be contiguous"):
+                all_reduce(torch.zeros(4, 4).t(), group=g)
+            with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
+                all_reduce([1.0], group=g)
+            with pytest.raises(ValueError, match=r"output.numel\(\) \* group size"):
+                reduce_scatter(torch.empty(3), torch.zeros(8), group=g)
+            with pytest.raises(TypeError, match="output dtype"):
+                reduce_scatter(torch.empty(4, dtype=torch.float64), torch.zeros(8), group=g)
+            with pytest.raises(ValueError, match=r"input.numel\(\) \* group size"):
+                all_gather(torch.empty(5), torch.zeros(2), group=g)
+            with pytest.raises(ValueError, match="src=5 is not a rank"):
+                broadcast(x, src=5, group=g)
+            with pytest.raises(TypeError, match="src must be an int"):
+                recv(x, src=None, group=g)
+
+
+def test_collectives_validate_before_communicating(dist_pool):
+    dist_pool.run(_bad_arguments_body, world_size=2)
+
+
+# ---- ParallelContext ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("world_size", "sizes", "axis"),
+    [
+        (4, dict(dp=3), "dp"),  # product mismatch
+        (4, dict(dp=2, tp=4), "tp"),
+        (4, dict(tp=0), "tp"),
+        (4, dict(pp=-1), "pp"),
+        (4, dict(dp=0), "dp"),
+        (6, dict(tp=4), "dp=-1"),  # "the rest" does not divide
+    ],
+)
+def test_resolve_sizes_rejects_bad_sizes(world_size, sizes, axis):
+    with pytest.raises(ValueError, match=axis):
+        ParallelContext.resolve_sizes(world_size, **sizes)
+
+
+def test_resolve_sizes_fills_dp():
+    assert ParallelContext.resolve_sizes(8, tp=2, pp=2) == {"pp": 2, "dp": 2, "tp": 2}
+    assert ParallelContext.resolve_sizes(1) == {"pp": 1, "dp": 1, "tp": 1}
+    with pytest.raises(TypeError, match="tp must be an int"):
+        ParallelContext.resolve_sizes(4, tp=2.0)
+
+
+def test_from_env_validates_before_creating_a_process_group(monkeypatch):
+    # Single process, no process group anywhere: the error must come from the integers alone.
+    assert not dist.is_initialized()
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    init = mock.Mock(side_effect=AssertionError("must not initialize"))
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(ValueError, match="dp"):
+        ParallelContext.from_env(dp=3)
+    with pytest.raises(ValueError, match="tp"):
+        ParallelContext.from_env(tp=0)
+    with pytest.raises(TypeError, match="timeout"):
+        ParallelContext.from_env(timeout=5)
+    assert not init.called and not dist.is_initialized()
+
+
+def _bad_context_body() -> str:
+    new_group = mock.Mock(side_effect=AssertionError("no group may be created"))
+    with mock.patch.object(dist, "new_group", new_group):
+        with pytest.raises(ValueError, match="dp") as info:
+            ParallelContext.from_world(dp=3)
+        with pytest.raises(ValueError, match="tp"):
+            ParallelContext.from_env(tp=3)  # initialized world: from_env takes the from_world path
+    assert not new_group.called
+    return str(info.value)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_context_validation_on_every_rank(dist_pool, world_size):
+    messages = dist_pool.run(_bad_context_body, world_size=world_size)
+    assert len(set(messages)) == 1  # same error on every rank
+
+
+def _mesh_2d_body() -> dict:
+    r = dist.get_rank()
+    with ParallelContext.from_env(dp=2, tp=2) as ctx:
+        ranks = {a: dist.get_process_group_ranks(ctx.group(a)) for a in AXES}
+        assert ctx.sizes == {"pp": 1, "dp": 2, "tp": 2} and ctx.world_size == 4 and ctx.global_rank == r
+        assert (ctx.rank("dp"), ctx.rank("tp"), ctx.rank("pp")) == (r // 2, r % 2, 0)
+        assert ctx.device == torch.device("cpu")
+        assert dist.get_process_group_ranks(ctx.submesh("tp").get_group()) == ranks["tp"]
+        assert ctx.submesh(("dp", "tp")).shape == (2, 2)
+        with pytest.raises(ValueError, match="ordered"):
+            ctx.submesh(("tp", "dp"))
+        with pytest.raises(ValueError, match="unknown axis 'cp'"):
+            ctx.group("cp")
+        # a tp all-reduce only mixes the two ranks of this tp group
+        x = _input(r, 6, torch.float32)
+        all_reduce(x, group=ctx.group("tp"))
+        ref = _reference([_input(q, 6, torch.float32) for q in ranks["tp"]], "sum", torch.float32)
+        torch.testing.assert_close(x, ref, **TOL[torch.float32])
+    with ParallelContext.from_world(pp=2, tp=2) as ctx:
+        ranks["pp_of_pp2"] = dist.get_process_group_ranks(ctx.group("pp"))
+    return ranks
+
+
+def test_mesh_2d_dp2_tp2_groups(dist_pool):
+    ranks = dist_pool.run(_mesh_2d_body, world_size=4)
+    for r, got in enumerate(ranks):
+        base = 2 * (r // 2)
+        assert got["tp"] == [base, base + 1], (r, got)  # tp innermost: consecutive ranks
+        assert got["dp"] == [r % 2, r % 2 + 2], (r, got)
+        assert got["pp"] == [r]
+        assert got["pp_of_pp2"] == [r % 2, r % 2 + 2]
+
+
+def _from_mesh_body() -> tuple[dict, list[int]]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with ParallelContext.from_mesh(mesh) as ctx:
+        assert ctx.group("dp") is mesh.get_group("dp")
+        sizes, pp_ranks = ctx.sizes, dist.get_process_group_ranks(ctx.group("pp"))
+    with pytest.raises(ValueError, match="ordered"):
+        ParallelContext.from_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "dp")))
+    return sizes, pp_ranks
+
+
+def test_from_mesh_adds_missing_axes(dist_pool):
+    for r, (sizes, pp_ranks) in enumerate(dist_pool.run(_from_mesh_body, world_size=4)):
+        assert sizes == {"pp": 1, "dp": 2, "tp": 2} and pp_ranks == [r]
+
+
+# ---- timeouts ----------------------------------------------------------------------------------
+def _timeout_body() -> str:
+    """Rank 1 never issues the collectives; rank 0's must fail fast, naming the op."""
+    message = ""
+    with ParallelContext.from_world(timeout=timedelta(seconds=2)) as ctx:
+        if dist.get_rank() == 0:
+            expected = r"all_reduce on group shardkit_dp\[0, 1\] timed out after 2 s"
+            with pytest.raises(CommTimeoutError, match=expected) as info:
+                all_reduce(torch.ones(4), group=ctx.group("dp"))
+            assert isinstance(info.value, RuntimeError)
+            message = str(info.value)
+        dist.barrier()  # rank 1 keeps its end of the group open until rank 0 has timed out
+    with ParallelContext.from_world(timeout=timedelta(seconds=1)) as ctx:
+        if dist.get_rank() == 0:
+            h = all_gather(torch.empty(8), torch.ones(4), group=ctx.group("dp"), async_op=True)
+            with pytest.raises(CommTimeoutError, match="all_gather .* timed out after 1 s"):
+                h.wait()
+        dist.barrier()
+    return message
+
+
+def _still_works_body() -> float:
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    with ParallelContext.from_world() as ctx:
+        all_reduce(x, group=ctx.group("dp"))
+    return float(x[0])
+
+
+def test_timeout_names_the_op(dist_pool):
+    messages = dist_pool.run(_timeout_body, world_size=2, timeout=30)
+    assert "all_reduce" in messages[0] and messages[1] == ""
+    # the default group and new groups still work for the next test
+    assert dist_pool.run(_still_works_body, world_size=2) == [4.0, 4.0]

@@ -1,0 +1,73 @@
+"""Per-dtype tolerances for the test suite: the one shared place (see STYLE.md §5).
+
+Each entry is a ``dict(rtol=..., atol=...)`` for ``torch.testing.assert_close``. Anything looser
+than :data:`FP32` says why next to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: fp32 vs fp32, including multi-step training of a small model against ``torch.optim``. The
+#: kernels and torch evaluate the same formula in a different order (FMA contraction, ``a/b/c``
+#: vs ``a/(b*c)``): ~1 ulp (6e-8 relative) per op per step, and ~10 steps of training feed those
+#: differences back through the gradients. 1e-5 leaves two orders of magnitude of margin while
+#: still catching any real semantic error (a wrong bias correction or decay is >1e-4 after one
+#: step at the learning rates the tests use).
+FP32 = dict(rtol=1e-5, atol=1e-5)
+
+#: The fp32 *master* copy of an fp16/bf16 param vs an fp32 reference fed the same (rounded)
+#: gradients: the master follows the fp32 math exactly, so this is :data:`FP32`.
+MASTER = FP32
+
+#: The spacing of fp16/bf16 values: a dtype with s significant bits (bf16: 8, fp16: 11) has an
+#: ulp of 2^(1-s) relative to values just above a power of two, its worst case: 2^-7 for bf16,
+#: 2^-10 for fp16. Round-to-nearest costs at most half of that.
+
+#: An fp16/bf16 param (kept with an fp32 master) vs the fp32 reference: the param is the master
+#: rounded once to its dtype, plus the master's own FP32 error. fp16: half an ulp, 2^-11, + 1e-5.
+#: bf16: a full ulp, 2^-7, + 1e-5, because Triton's *interpreter* truncates fp32 -> bf16 (see
+#: :func:`assert_rounded_from`), which costs just under one ulp; compiled kernels and torch round
+#: to nearest (half an ulp). atol covers values near zero, where a relative bound is meaningless.
+ROUNDED_PARAM = {
+    torch.bfloat16: dict(rtol=2.0**-7 + FP32["rtol"], atol=FP32["atol"]),
+    torch.float16: dict(rtol=2.0**-11 + FP32["rtol"], atol=FP32["atol"]),
+}
+
+#: fp16/bf16 params and state *without* a master copy, Triton kernel vs the torch fast path
+#: (there is no fp32 reference for this: dropping sub-ulp updates is the point of the mode).
+#: Both compute in fp32 and round every stored tensor each step, but the kernel's fp32 rounds in a
+#: different order (and, interpreted, bf16 truncates), so each stored value may land one ulp
+#: apart per step. Over at most 3 steps we allow 4 worst-case ulps (2^-5 relative for bf16, 2^-8
+#: for fp16); atol for values that pass near zero, where relative spacing is meaningless.
+LOWP_NO_MASTER = {
+    torch.bfloat16: dict(rtol=2.0**-5, atol=1e-4),
+    torch.float16: dict(rtol=2.0**-8, atol=1e-4),
+}
+
+
+def rounded_param(dtype: torch.dtype) -> dict[str, float]:
+    """Tolerance of an fp16/bf16 param (with an fp32 master) vs the fp32 reference."""
+    return ROUNDED_PARAM[dtype]
+
+
+def lowp_no_master(dtype: torch.dtype) -> dict[str, float]:
+    """Tolerance of Triton vs torch backend for fp16/bf16 state without a master copy."""
+    return LOWP_NO_MASTER[dtype]
+
+
+def assert_rounded_from(param: torch.Tensor, master: torch.Tensor, *, interpreted: bool) -> None:
+    """Assert that the fp16/bf16 ``param`` is its fp32 ``master`` rounded to the param's dtype.
+
+    Compiled kernels and torch round to nearest even: exact equality with ``master.to(dtype)``.
+    Triton 3.9's interpreter converts fp32 -> bf16 by *truncation* (``create_fp_trunc`` ->
+    ``_convert_float`` with no rounding mode; fp16 goes through numpy and rounds correctly), so for
+    an interpreted bf16 kernel either neighbour of the master is accepted: round-to-nearest or
+    round-toward-zero, nothing else.
+    """
+    nearest = master.to(param.dtype)
+    if interpreted and param.dtype == torch.bfloat16:
+        toward_zero = (master.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+        assert bool(((param == nearest) | (param == toward_zero)).all()), "param is not a rounding of master"
+    else:
+        assert torch.equal(param, nearest), "param is not master rounded to nearest"
