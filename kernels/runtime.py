@@ -189,6 +189,9 @@ class MultiTensorTable:
         numels: int64 ``[n_tensors]`` element counts.
         chunk_tensor: int32 ``[n_chunks]``: tensor index of each program.
         chunk_index: int32 ``[n_chunks]``: chunk (of ``block`` elements) within that tensor.
+            Contract relied on by kernels (e.g. the grad epilogue's fixed-order reduction): a
+            tensor's chunks have consecutive program ids, in chunk order, tensors in order, so
+            ``pid - chunk_index`` is the tensor's first program.
         n_tensors: number of tensors per role.
         n_chunks: grid size.
         aligned: every tensor 16-byte aligned with a multiple of 16 elements.
