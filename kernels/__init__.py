@@ -8,6 +8,9 @@ Example:
 """
 
 from .fused_adam import FusedAdam, FusedAdamW
+from .fused_lamb import FusedLAMB
+from .fused_lion import FusedLion
+from .fused_sgd import FusedSGD
 from .runtime import count_launches
 
-__all__ = ["FusedAdam", "FusedAdamW", "count_launches"]
+__all__ = ["FusedAdam", "FusedAdamW", "FusedLAMB", "FusedLion", "FusedSGD", "count_launches"]

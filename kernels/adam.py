@@ -204,16 +204,27 @@ def _adam_step_torch(
     params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, *, step, lr, beta1, beta2,
     eps, weight_decay, decoupled, amsgrad, maximize, grad_scale,
 ) -> None:  # fmt: skip
-    """CPU/any-device fast path: torch's own fused Adam(W) on fp32 (master) tensors."""
+    """CPU/any-device fast path: torch's own fused Adam(W) on fp32 (master or upcast) tensors.
+
+    fp16/bf16 params and state without a master copy are upcast and written back rounded, as the
+    kernel does; running the fused op on them directly would first round fp32 grads to the param
+    dtype, which the kernel never does.
+    """
     targets = list(masters) if masters else list(params)
-    gs = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, targets)]
+    stored = [targets, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs) if amsgrad else []]
+    lowp = targets[0].dtype != torch.float32
+    work = [[t.float() for t in role] for role in stored] if lowp else stored
+    gs = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, work[0])]
     steps = [torch.tensor(float(step), device=targets[0].device)] * len(targets)
     op = torch._fused_adamw_ if decoupled else torch._fused_adam_
     op(
-        targets, gs, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs) if amsgrad else [],
-        steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-        amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
+        work[0], gs, work[1], work[2], work[3], steps, lr=lr, beta1=beta1, beta2=beta2,
+        weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
     )  # fmt: skip
+    if lowp:
+        for dst, src in zip(stored, work):
+            if dst:
+                torch._foreach_copy_(dst, src)
     if masters:
         torch._foreach_copy_(list(params), list(masters))
 
