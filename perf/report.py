@@ -23,15 +23,16 @@ def _load(name: str) -> dict | None:
 
 def _optim_rows(res: dict) -> list[str]:
     rows = []
+    cmd = " ".join(res["command"]) if isinstance(res.get("command"), list) else res.get("command", "perf/optim.py")
+    threads = res.get("settings", {}).get("threads") or (res.get("machine", {}) or {}).get("threads")
     for entry in res.get("results", []):
-        size = entry.get("label") or f"{entry['params'] / 1e6:.0f}M"
         peers = entry["peers"]
-        ours = peers["shardkit"]
-        best_name = entry["fastest_peer"]
+        ours = peers["shardkit.FusedAdamW"]
+        best = entry["fastest_peer"]
         rows.append(
-            f"| fp32 AdamW step, {size} params, CPU | shardkit {ours['median_ms']:.1f} ms "
-            f"| {best_name} {peers[best_name]['median_ms']:.1f} ms | **{entry['ratio_vs_fastest_peer']:.2f}×** "
-            f"| `{res.get('command', 'perf/optim.py')}` |"
+            f"| fp32 AdamW step, {entry['params'] / 1e6:.0f}M params in {entry['n_tensors']} tensors, CPU "
+            f"| {ours['median_ms']:.2f} ms | {best} {peers[best]['median_ms']:.2f} ms "
+            f"| **{entry['shardkit_ratio']:.3f}×** (min {entry['shardkit_ratio_min']:.3f}×) | `{cmd}` |"
         )
     return rows
 
@@ -39,8 +40,8 @@ def _optim_rows(res: dict) -> list[str]:
 def _ddp_rows(res: dict) -> list[str]:
     return [
         f"| DDP step, {res['params'] / 1e6:.1f}M-param MLP, {res['nproc']} ranks {res['backend']} "
-        f"| shardkit {res['shardkit']['median_ms']:.1f} ms | torch DDP {res['torch_ddp']['median_ms']:.1f} ms "
-        f"| **{res['ratio_median']:.2f}×** | `{res['command']}` |"
+        f"| {res['shardkit']['median_ms']:.1f} ms | torch DDP {res['torch_ddp']['median_ms']:.1f} ms "
+        f"| **{res['ratio_median']:.3f}×** (min {res['ratio_min']:.3f}×) | `{res['command']}` |"
     ]
 
 
