@@ -92,15 +92,14 @@ class FusedAdam(FusedOptimizer):
         if group["amsgrad"]:
             for p, s in zip(params, states):
                 s.setdefault("max_exp_avg_sq", self._zeros_state(p))
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1.0)
+        step = self._advance_steps(params)
         beta1, beta2 = (float(b) for b in group["betas"])
         adam_step(
             params, self._grads(params),
             [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
             [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
             self._masters(params),
-            step=float(steps[0]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
             decoupled=bool(group.get("decoupled_weight_decay", self._decoupled_default)),
             amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),

@@ -111,15 +111,14 @@ class FusedLAMB(FusedOptimizer):
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], grad_scale: torch.Tensor | None) -> None:
         states = [self.state[p] for p in params]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1.0)
+        step = self._advance_steps(params)
         beta1, beta2 = (float(b) for b in group["betas"])
         weight_decay = float(group["weight_decay"])
         ratio = group["max_trust_ratio"]
         lamb_step(
             params, self._grads(params),
             [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], self._masters(params),
-            step=float(steps[0]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
             eps=float(group["eps"]), weight_decay=weight_decay,
             bias_correction=bool(group["bias_correction"]),
             weight_norm_clip=tuple(float(c) for c in group["weight_norm_clip"]),
