@@ -133,7 +133,7 @@ def adam_step(
     max_exp_avg_sqs: Sequence[torch.Tensor],
     masters: Sequence[torch.Tensor],
     *,
-    step: float,
+    step: float | torch.Tensor,
     lr: float,
     beta1: float,
     beta2: float,
@@ -154,7 +154,9 @@ def adam_step(
         max_exp_avg_sqs: running max of ``exp_avg_sq`` when ``amsgrad``, else empty.
         masters: fp32 master copies when kept (then ``params`` are written as their rounding),
             else empty.
-        step: the step number *after* this update (1 on the first step), for bias correction.
+        step: the step number *after* this update (1 on the first step), for bias correction;
+            a 0-d float32 tensor holding it (e.g. the optimizer's ``state["step"]``) goes to
+            torch's fused op as is, saving a tensor allocation per call.
         grad_scale: a 1-element fp32 tensor to divide grads by (``torch.amp.GradScaler``).
         backend: see :func:`shardkit.kernels.runtime.resolve_backend`.
 
@@ -166,8 +168,9 @@ def adam_step(
     if not params:
         return
     device = params[0].device
-    bc1 = 1.0 - beta1**step
-    bc2 = 1.0 - beta2**step
+    step_value = float(step)
+    bc1 = 1.0 - beta1**step_value
+    bc2 = 1.0 - beta2**step_value
     if resolve_backend(backend, device) == "torch":
         _adam_step_torch(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
@@ -175,6 +178,7 @@ def adam_step(
             decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
         )  # fmt: skip
         return
+    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     roles = [params, grads, exp_avgs, exp_avg_sqs]
     if amsgrad:
         roles.append(max_exp_avg_sqs)
@@ -214,8 +218,11 @@ def _adam_step_torch(
     stored = [targets, list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs) if amsgrad else []]
     lowp = targets[0].dtype != torch.float32
     work = [[t.float() for t in role] for role in stored] if lowp else stored
-    gs = [g if g.dtype == w.dtype else g.to(w.dtype) for g, w in zip(grads, work[0])]
-    steps = [torch.tensor(float(step), device=targets[0].device)] * len(targets)
+    # a launch group has one grad dtype: the first grad decides for all
+    gs = list(grads) if grads[0].dtype == work[0][0].dtype else [g.to(work[0][0].dtype) for g in grads]
+    if not (isinstance(step, torch.Tensor) and step.device == targets[0].device):
+        step = torch.tensor(float(step), device=targets[0].device)
+    steps = [step] * len(targets)
     op = torch._fused_adamw_ if decoupled else torch._fused_adam_
     op(
         work[0], gs, work[1], work[2], work[3], steps, lr=lr, beta1=beta1, beta2=beta2,

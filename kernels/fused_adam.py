@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .adam import adam_step
-from .optim_base import FusedOptimizer, check_betas, check_nonneg
+from .optim_base import Bucket, FusedOptimizer, check_betas, check_nonneg
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
@@ -88,21 +88,27 @@ class FusedAdam(FusedOptimizer):
         return float(state["step"])
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], grad_scale: torch.Tensor | None) -> None:
-        states = [self.state[p] for p in params]
-        if group["amsgrad"]:
-            for p, s in zip(params, states):
-                s.setdefault("max_exp_avg_sq", self._zeros_state(p))
-        step = self._advance_steps(params)
+        amsgrad = bool(group["amsgrad"])
+        cache = params.cache if isinstance(params, Bucket) else {}
+        lists = cache.get(("lists", amsgrad))
+        if lists is None:  # gathered once per plan (see Bucket)
+            states = [self.state[p] for p in params]
+            if amsgrad:
+                for p, s in zip(params, states):
+                    s.setdefault("max_exp_avg_sq", self._zeros_state(p))
+            lists = (
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                [s["max_exp_avg_sq"] for s in states] if amsgrad else [], self._masters(params),
+            )  # fmt: skip
+            cache[("lists", amsgrad)] = lists
+        self._advance_steps(params)
         beta1, beta2 = (float(b) for b in group["betas"])
         adam_step(
-            params, self._grads(params),
-            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["max_exp_avg_sq"] for s in states] if group["amsgrad"] else [],
-            self._masters(params),
-            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+            params, [p.grad for p in params], *lists,  # adam_step makes grads contiguous if needed
+            step=self.state[params[0]]["step"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
             decoupled=bool(group.get("decoupled_weight_decay", self._decoupled_default)),
-            amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
+            amsgrad=amsgrad, maximize=bool(group["maximize"]),
             grad_scale=grad_scale, backend=self.backend,
         )  # fmt: skip
 

@@ -46,7 +46,7 @@ import torch
 
 from .runtime import resolve_backend
 
-__all__ = ["FusedOptimizer", "check_betas", "check_nonneg"]
+__all__ = ["Bucket", "FusedOptimizer", "check_betas", "check_nonneg"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -68,6 +68,22 @@ def check_betas(betas: tuple[float, float], name: str = "betas") -> None:
     for i, b in enumerate(betas):
         if not 0.0 <= float(b) < 1.0:
             raise ValueError(f"Invalid {name}[{i}]: {float(b)} (must be in [0, 1))")
+
+
+class Bucket(list):
+    """A launch group's params (a plain list to subclasses) plus a cache of derived lists.
+
+    The cache lives exactly as long as the plan that made the bucket (see [Note: cached step
+    plans]), so state tensors gathered into it cannot go stale: every event that replaces state
+    tensors (``load_state_dict``, ``add_param_group``, a change of which params have grads)
+    drops the plan.
+    """
+
+    __slots__ = ("cache",)
+
+    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
+        super().__init__(params)
+        self.cache: dict[str, Any] = {}
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -158,12 +174,18 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         See [Note: cached step plans]: the counters of a bucket become views of one buffer.
         """
+        buf = params.cache.get("step_buf") if isinstance(params, Bucket) else None
+        if buf is not None:
+            buf.add_(1.0)
+            return float(buf[0])
         states = [self.state[p] for p in params]
         buf = states[0]["step"]._base
         if buf is None or buf.numel() != len(states) or any(s["step"]._base is not buf for s in states):
             buf = torch.tensor([float(s["step"]) for s in states], dtype=torch.float32)
             for i, s in enumerate(states):
                 s["step"] = buf[i]
+        if isinstance(params, Bucket):
+            params.cache["step_buf"] = buf
         buf.add_(1.0)
         return float(states[0]["step"])
 
@@ -190,7 +212,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             grad_scale = grad_scale.to(torch.float32).reshape(1)
         for index, group in enumerate(self.param_groups):
             params = group["params"]
-            signature = tuple(None if p.grad is None else (p.grad.dtype, p.grad.layout) for p in params)
+            grads = [p.grad for p in params]
+            # dtype only: a sparse or mis-shaped grad changes nothing here, but _plan rejects it the
+            # first time, and autograd never turns a param's dense grad sparse between steps
+            signature = tuple([None if g is None else g.dtype for g in grads])
             plan = self._plans.get(index)
             if plan is None or plan[0] is not params or plan[1] != signature:
                 plan = (params, signature, self._plan(group))
@@ -200,9 +225,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._update(group, bucket, scale)
         return loss
 
-    def _plan(self, group: dict[str, Any]) -> list[tuple[torch.device, list[torch.Tensor]]]:
+    def _plan(self, group: dict[str, Any]) -> list[tuple[torch.device, Bucket]]:
         """Validate grads, create missing state, and bucket a group (see [Note: launch groups])."""
-        buckets: dict[Hashable, list[torch.Tensor]] = defaultdict(list)
+        buckets: dict[Hashable, Bucket] = defaultdict(Bucket)
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
