@@ -327,8 +327,13 @@ def _scaled_copy_torch(
         scale = torch.as_tensor(scale, dtype=torch.float32, device=dst[0].device).reshape(())
     if scale is None:
         torch._foreach_copy_(dst, src)
-    elif dst[0].dtype in (torch.float32, src[0].dtype):
-        torch._foreach_copy_(dst, src)  # exact widening (or same dtype), then one rounding
+    elif dst[0].dtype == src[0].dtype:
+        # one pass (read src, write dst) instead of copy + in-place multiply: on a DDP bucket this
+        # is a whole extra sweep over the gradients; a loop of one op per tensor is far cheaper
+        for d, s_ in zip(dst, src):
+            torch.mul(s_, scale, out=d)
+    elif dst[0].dtype == torch.float32:
+        torch._foreach_copy_(dst, src)  # exact widening, then one rounding
         torch._foreach_mul_(dst, scale)
     else:  # narrowing or fp16 <-> bf16: multiply in fp32, round once on the copy
         wide = src if src[0].dtype == torch.float32 else [t.float() for t in src]

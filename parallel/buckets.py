@@ -95,6 +95,8 @@ class GradBucket:
     offsets: list[int]
     buffer: torch.Tensor
     ready: set[int] = field(default_factory=set)
+    #: per-param views of ``buffer`` (shaped like the params), when grads live in the bucket
+    views: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:

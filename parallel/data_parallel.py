@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
-from shardkit.kernels.flatten import flatten_into, unflatten_from
+from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, bucket_views, flatten_into, unflatten_from
 
 from .buckets import FIRST_BUCKET_BYTES, BucketedGradReducer, GradBucket, plan_buckets
 
@@ -43,6 +43,14 @@ class DataParallel(nn.Module):
             as ``.comm_stats``).
         backend: kernel backend for flatten/unflatten (``"auto"``: Triton on CUDA, torch on
             CPU; ``"triton"`` runs the interpreter on CPU, for tests).
+        gradient_as_bucket_view: make each ``p.grad`` a view into its bucket (as torch DDP's
+            option of the same name). Saves one full copy of the gradients (autograd's grad
+            tensors are released as each bucket launches) and the copy back after the
+            all-reduce (averaging becomes one in-place scale of the bucket). Slots are then
+            aligned to 16 elements so the optimizer's kernels keep 128-bit accesses; the
+            all-reduce carries those few padding elements too. Grads stay views until
+            ``zero_grad(set_to_none=True)``; with ``set_to_none=False`` backward accumulates
+            straight into the bucket.
 
     Example:
         >>> ctx = ParallelContext.from_env()
@@ -61,6 +69,7 @@ class DataParallel(nn.Module):
         bucket_mb: float = 25.0,
         stats: CommStats | None = None,
         backend: str = "auto",
+        gradient_as_bucket_view: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -72,6 +81,7 @@ class DataParallel(nn.Module):
         self.module = module
         self.ctx = ctx
         self.backend = backend
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.comm_stats = stats if stats is not None else CommStats()
         self._group = ctx.group("dp")
         self._dp = ctx.size("dp")
@@ -89,14 +99,15 @@ class DataParallel(nn.Module):
         self._reducer = BucketedGradReducer(self.buckets, launch=self._launch, finish=self._finish)
 
     # -- construction ------------------------------------------------------------------------
-    @staticmethod
-    def _make_bucket(index: int, params: list[nn.Parameter]) -> GradBucket:
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            total += p.numel()
-        buffer = torch.empty(total, dtype=params[0].dtype, device=params[0].device)
-        return GradBucket(index=index, params=params, offsets=offsets, buffer=buffer)
+    def _make_bucket(self, index: int, params: list[nn.Parameter]) -> GradBucket:
+        align = ALIGN_ELEMENTS if self.gradient_as_bucket_view else 1
+        offsets, total = bucket_layout([p.numel() for p in params], align=align)
+        # zeroed: alignment gaps are never written and must add nothing to the all-reduce
+        buffer = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        bucket = GradBucket(index=index, params=params, offsets=list(offsets), buffer=buffer)
+        if self.gradient_as_bucket_view:
+            bucket.views = bucket_views(buffer, offsets, [p.shape for p in params])
+        return bucket
 
     @torch.no_grad()
     def _broadcast_state(self) -> None:
@@ -116,7 +127,21 @@ class DataParallel(nn.Module):
 
     # -- the two bucket callbacks (see parallel/buckets.py) ------------------------------------
     def _launch(self, bucket: GradBucket) -> Any:
-        flatten_into(bucket.grads_or_zeros(), bucket.buffer, bucket.offsets, backend=self.backend)
+        if self.gradient_as_bucket_view:
+            # grads already living in their slot (set_to_none=False, no_sync) need no copy
+            todo = [j for j, (p, v) in enumerate(zip(bucket.params, bucket.views))
+                    if p.grad is None or p.grad.data_ptr() != v.data_ptr()]  # fmt: skip
+            live = [j for j in todo if bucket.params[j].grad is not None]
+            for j in todo:
+                if bucket.params[j].grad is None:  # unused this backward: contributes zeros
+                    bucket.views[j].zero_()
+            if live:
+                flatten_into([bucket.params[j].grad for j in live], bucket.buffer,
+                             [bucket.offsets[j] for j in live], backend=self.backend)  # fmt: skip
+            for j in todo:  # releases autograd's grad tensors now, not after backward
+                bucket.params[j].grad = bucket.views[j]
+        else:
+            flatten_into(bucket.grads_or_zeros(), bucket.buffer, bucket.offsets, backend=self.backend)
         if self._dp == 1:
             return None
         return all_reduce(bucket.buffer, group=self._group, op="sum", async_op=True, stats=self.comm_stats)
@@ -124,6 +149,10 @@ class DataParallel(nn.Module):
     def _finish(self, bucket: GradBucket, work: Any) -> None:
         if work is not None:
             work.wait()
+        if self.gradient_as_bucket_view:
+            if self._dp > 1:
+                bucket.buffer.mul_(1.0 / self._dp)
+            return
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.empty_like(p)

@@ -63,14 +63,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp
 
     def build(kind: str, bucket_mb: float) -> tuple[nn.Module, torch.optim.Optimizer]:
         base = make_model(args.width, args.depth).to(device)
-        if kind == "shardkit":
-            model: nn.Module = DataParallel(base, ctx, bucket_mb=bucket_mb)
+        view = kind.endswith("_view")
+        if kind.startswith("shardkit"):
+            model: nn.Module = DataParallel(base, ctx, bucket_mb=bucket_mb, gradient_as_bucket_view=view)
         else:
-            model = nn.parallel.DistributedDataParallel(base, bucket_cap_mb=bucket_mb)
+            model = nn.parallel.DistributedDataParallel(base, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=view)
         return model, FusedAdamW(model.parameters(), lr=1e-4)
 
     results: dict = {"main": {}, "sweep": {}}
-    models = {k: build(k, args.bucket_mb) for k in ("shardkit", "torch_ddp")}
+    models = {k: build(k, args.bucket_mb) for k in ("shardkit", "torch_ddp", "shardkit_view", "torch_ddp_view")}
     for k, (m, o) in models.items():
         time_steps(m, o, x, args.warmup)
     samples: dict[str, list[float]] = {k: [] for k in models}
@@ -141,6 +142,11 @@ def main(argv: list[str] | None = None) -> dict:
         "shardkit": main_sk, "torch_ddp": main_td,
         "ratio_median": main_sk["median_ms"] / main_td["median_ms"],
         "ratio_min": main_sk["min_ms"] / main_td["min_ms"],
+        "gradient_as_bucket_view": {
+            "shardkit": summarize(raw["main"]["shardkit_view"]),
+            "torch_ddp": summarize(raw["main"]["torch_ddp_view"]),
+            "ratio_median": statistics.median(raw["main"]["shardkit_view"]) / statistics.median(raw["main"]["torch_ddp_view"]),
+        },
         "sweep": {mb: {"shardkit": summarize(v["shardkit"]), "torch_ddp": summarize(v["torch_ddp"])}
                   for mb, v in raw["sweep"].items()},
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -153,6 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  shardkit DataParallel  min {main_sk['min_ms']:8.1f} ms  median {main_sk['median_ms']:8.1f} ms")
     print(f"  torch DDP              min {main_td['min_ms']:8.1f} ms  median {main_td['median_ms']:8.1f} ms")
     print(f"  ratio shardkit/torch   median {report['ratio_median']:.3f}  min {report['ratio_min']:.3f}")
+    v = report["gradient_as_bucket_view"]
+    print(f"  gradient_as_bucket_view: shardkit {v['shardkit']['median_ms']:.1f} ms, torch {v['torch_ddp']['median_ms']:.1f} ms, "
+          f"ratio {v['ratio_median']:.3f}")  # fmt: skip
     for mb, v in report["sweep"].items():
         print(f"  bucket {mb:>6} MiB: shardkit {v['shardkit']['median_ms']:8.1f} ms, "
               f"torch {v['torch_ddp']['median_ms']:8.1f} ms")  # fmt: skip

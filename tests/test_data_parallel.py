@@ -50,17 +50,17 @@ def max_dev(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 
 # ---- bodies run on every rank -----------------------------------------------------------------
-def _train_ddp(kind: str, backend: str, bucket_mb: float) -> dict:
+def _train_ddp(kind: str, backend: str, bucket_mb: float, as_view: bool = False, set_to_none: bool = True) -> dict:
     ctx = ParallelContext.from_world()
     rank, world = ctx.rank("dp"), ctx.size("dp")
     # different init per rank: DataParallel must broadcast rank 0's parameters
-    model = DataParallel(make_model(rank), ctx, bucket_mb=bucket_mb, backend=backend)
+    model = DataParallel(make_model(rank), ctx, bucket_mb=bucket_mb, backend=backend, gradient_as_bucket_view=as_view)
     opt = make_opt(kind, model.parameters())
     per_rank = GLOBAL_BATCH // world
     for step in range(STEPS):
         x, y = batches(step)
         xs, ys = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         model.comm_stats.reset()
         nn.functional.mse_loss(model(xs), ys).backward()
         opt.step()
@@ -72,15 +72,20 @@ def _train_ddp(kind: str, backend: str, bucket_mb: float) -> dict:
         all_reduce_bytes=model.comm_stats.bytes("all_reduce"),
         param_bytes=param_bytes,
         n_buckets=len(model.buckets),
+        bucket_bytes=sum(model.bucket_bytes),
+        grads_in_buckets=all(
+            any(b.buffer.data_ptr() <= p.grad.data_ptr() < b.buffer.data_ptr() + b.nbytes for b in model.buckets)
+            for p in model.parameters()
+        ),
     )
     ctx.destroy()
     return out
 
 
-def _train_no_sync(micro: int) -> float:
+def _train_no_sync(micro: int, as_view: bool = False) -> float:
     ctx = ParallelContext.from_world()
     rank, world = ctx.rank("dp"), ctx.size("dp")
-    model = DataParallel(make_model(0), ctx, bucket_mb=0.001)
+    model = DataParallel(make_model(0), ctx, bucket_mb=0.001, gradient_as_bucket_view=as_view)
     opt = make_opt("fused", model.parameters())
     per_rank = GLOBAL_BATCH // world
     per_micro = per_rank // micro
@@ -197,6 +202,20 @@ def test_comm_volume_is_one_all_reduce_of_every_grad(dist_pool, bucket_mb: float
 def test_no_sync_accumulation_equals_big_batch(dist_pool, world_size: int) -> None:
     devs = dist_pool.run(_train_no_sync, 2, world_size=world_size, timeout=120)
     assert max(devs) < 2e-5
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradient_as_bucket_view(dist_pool, set_to_none: bool) -> None:
+    results = dist_pool.run(_train_ddp, "fused", "auto", 0.001, True, set_to_none, world_size=2, timeout=120)
+    for r in results:
+        assert r["dev"] < 2e-5, r
+        assert r["grads_in_buckets"]  # p.grad IS the bucket slot: no second copy of the grads
+        # 16-element slot alignment: at most 15 padding elements (4 B each) per parameter
+        assert r["param_bytes"] <= r["all_reduce_bytes"] == r["bucket_bytes"] <= r["param_bytes"] + 6 * 15 * 4
+
+
+def test_gradient_as_bucket_view_no_sync(dist_pool) -> None:
+    assert max(dist_pool.run(_train_no_sync, 2, True, world_size=2, timeout=120)) < 2e-5
 
 
 def test_unused_parameters_do_not_hang(dist_pool) -> None:
