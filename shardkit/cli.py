@@ -59,6 +59,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
                    help="worker processes; > 1 re-launches with torchrun (default %(default)s)")
     g.add_argument("--strategy", choices=["none", "ddp"], default=d.strategy,
                    help="parallel strategy (default %(default)s)")
+    g.add_argument("--bucket-mb", metavar="MB", type=float, default=d.bucket_mb,
+                   help="ddp: gradient bucket size in MiB (default %(default)s)")
+    g.add_argument("--grad-buckets", choices=["copy", "view"], default=d.grad_buckets,
+                   help="ddp: 'view' makes each grad a view of its bucket (gradients held once, "
+                        "no copy back); 'copy' keeps separate grads (default %(default)s)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device,
                    help="default %(default)s: cuda when available")
     g.add_argument("--seed", metavar="N", type=int, default=d.seed,

@@ -51,6 +51,8 @@ class TrainConfig:
 
     nproc: int = 1
     strategy: Strategy = "none"
+    bucket_mb: float = 25.0
+    grad_buckets: Literal["copy", "view"] = "copy"
     steps: int = 200
     batch_size: int = 16
     seq_len: int = 128
@@ -73,7 +75,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
-        for name in ("nproc", "steps", "batch_size", "seq_len", "eval_every", "eval_iters"):
+        for name in ("nproc", "steps", "batch_size", "seq_len", "eval_every", "eval_iters", "bucket_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("lr", "warmup", "weight_decay", "clip", "dropout", "sample"):
@@ -81,6 +83,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_buckets not in ("copy", "view"):
+            raise ValueError(f"grad_buckets must be 'copy' or 'view', got {self.grad_buckets!r}")
         if self.strategy not in ("none", "ddp"):
             raise ValueError(f"strategy must be 'none' or 'ddp', got {self.strategy!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -126,7 +130,14 @@ def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) ->
 
 
 # ---- strategy hooks (the lead plugs DataParallel / DynamicLossScaler in here) -------------------
-def wrap_model(model: nn.Module, strategy: Strategy, ctx: Any | None) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    strategy: Strategy,
+    ctx: Any | None,
+    *,
+    bucket_mb: float = 25.0,
+    grad_buckets: Literal["copy", "view"] = "copy",
+) -> nn.Module:
     """Wrap the freshly built, identically seeded model for ``strategy``.
 
     Args:
@@ -146,7 +157,7 @@ def wrap_model(model: nn.Module, strategy: Strategy, ctx: Any | None) -> nn.Modu
     if strategy == "ddp":
         from shardkit.parallel import DataParallel  # lazy: only the ddp branch needs parallel/
 
-        return DataParallel(model, ctx)
+        return DataParallel(model, ctx, bucket_mb=bucket_mb, gradient_as_bucket_view=grad_buckets == "view")
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
@@ -314,6 +325,16 @@ def _tensor_bytes(tensors: Iterable[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def _storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (a view into a bucket counts once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 def _select_device(choice: str, local_rank: int) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
@@ -393,7 +414,7 @@ def _train(cfg: TrainConfig, ctx: Any | None, device: torch.device, t_start: flo
     vocab = corpus.tokenizer.vocab_size
     model = TinyGPT(vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.dropout).to(device)
     n_params = model.num_parameters()
-    model = wrap_model(model, cfg.strategy, ctx)
+    model = wrap_model(model, cfg.strategy, ctx, bucket_mb=cfg.bucket_mb, grad_buckets=cfg.grad_buckets)
     torch.manual_seed(cfg.seed + 1 + rank)  # independent dropout streams per rank
     decay = [p for p in model.parameters() if p.dim() >= 2]  # no decay on biases / LayerNorm
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -460,7 +481,10 @@ def _train(cfg: TrainConfig, ctx: Any | None, device: torch.device, t_start: flo
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
         "param_bytes": _tensor_bytes(model.parameters()),
-        "grad_bytes": _tensor_bytes(p.grad for p in model.parameters()),  # the last step's grads
+        # the last step's grads plus any flat gradient buckets (DataParallel), shared storage once
+        "grad_bytes": _storage_bytes(
+            [p.grad for p in model.parameters()] + [b.buffer for b in getattr(model, "buckets", [])]
+        ),
         "optim_state_bytes": _tensor_bytes(v for s in optimizer.state.values() for v in s.values()),
         "comm": comm_stats.summary() if comm_stats is not None else None,
     }
