@@ -148,7 +148,8 @@ def adam_step(
     """Apply one Adam/AdamW step in place to a launch group of tensors.
 
     Args:
-        params: parameters (fp32/fp16/bf16), all one dtype and device, contiguous.
+        params: parameters (fp32/fp16/bf16), all one dtype and device, dense (contiguous or
+            e.g. channels_last; states and masters laid out like their param).
         grads: gradients, one dtype, same shapes as ``params``.
         exp_avgs, exp_avg_sqs: first/second moments (updated in place).
         max_exp_avg_sqs: running max of ``exp_avg_sq`` when ``amsgrad``, else empty.
@@ -168,6 +169,9 @@ def adam_step(
     if not params:
         return
     device = params[0].device
+    # both executors (and torch's fused CPU op) address tensors as flat memory: a grad must share
+    # its param's memory order (always true for autograd's grads of contiguous params)
+    grads = [g if g.stride() == p.stride() else torch.empty_like(p, dtype=g.dtype).copy_(g) for g, p in zip(grads, params)]
     step_value = float(step)
     bc1 = 1.0 - beta1**step_value
     bc2 = 1.0 - beta2**step_value
@@ -178,7 +182,6 @@ def adam_step(
             decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
         )  # fmt: skip
         return
-    grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     roles = [params, grads, exp_avgs, exp_avg_sqs]
     if amsgrad:
         roles.append(max_exp_avg_sqs)

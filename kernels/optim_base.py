@@ -21,10 +21,13 @@ holds; a model trained in one dtype takes one launch per param group per step.
 [Note: cached step plans]
 Re-deriving the launch groups every step costs more Python time than the fused CPU kernel on a
 model of ~50 small tensors, so each param group caches its plan (the buckets) and reuses it
-while the step "signature" is unchanged: the same param list, the same params with grads, the
-same grad dtypes/layouts. Within a cached plan all params of a bucket were stepped together
-last time, so their keys (step counts, SGD first-step) still agree. ``add_param_group`` and
-``load_state_dict`` drop every plan. Within a bucket the ``step`` counters are 0-d views of one
+while the step "signature" is unchanged: the same ``state`` mapping and param list (by
+identity, element by element), the same params with grads, the same grad dtypes and shapes.
+Within a cached plan all params of a bucket were stepped together last time, so their keys
+(step counts, SGD first-step) still agree. ``add_param_group`` and ``load_state_dict`` drop
+every plan; building a plan checks every state tensor against its param (size, dtype, layout).
+Replacing one param's state dict in place (``opt.state[p] = {...}``) is not detected: reset
+state with ``opt.state = collections.defaultdict(dict)`` or ``load_state_dict``. Within a bucket the ``step`` counters are 0-d views of one
 float32 buffer (still one tensor per param in ``state``, as torch.optim has it), so advancing
 them is one op instead of one per param.
 
@@ -33,7 +36,9 @@ them is one op instead of one per param.
 param, with fp32 moments; the kernel updates master and moments and writes the rounded param in
 the same pass. ``Optimizer.load_state_dict`` would cast every state tensor to the param's
 dtype, so :meth:`FusedOptimizer.load_state_dict` restores fp32 for these params afterwards. A
-state_dict from a torch optimizer (no ``master_param``) starts the master from the param.
+state_dict from a torch optimizer (no ``master_param``) starts the master from the param. The
+param itself is never read back: after writing params directly (loading weights, EMA swaps),
+call :meth:`FusedOptimizer.sync_master_weights`.
 """
 
 from __future__ import annotations
@@ -46,9 +51,35 @@ import torch
 
 from .runtime import resolve_backend
 
-__all__ = ["Bucket", "FusedOptimizer", "check_betas", "check_nonneg"]
+__all__ = ["Bucket", "FusedOptimizer", "check_betas", "check_nonneg", "is_dense", "same_layout"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s elements fill ``t.numel()`` consecutive slots in some dimension order.
+
+    Contiguous and permuted layouts (channels_last, transposes) qualify; strided slices do not.
+    """
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) == 1:
+            continue  # a size-1 dim's stride is irrelevant
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def same_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it has ``like``'s strides, else a copy laid out like ``like``.
+
+    Multi-tensor kernels address param, grad and state as flat memory, so all must share one
+    memory order (contiguous, or e.g. channels_last for every one of them).
+    """
+    return t if t.stride() == like.stride() else torch.empty_like(like, dtype=t.dtype).copy_(t)
 
 
 def check_nonneg(name: str, value: float | torch.Tensor) -> None:
@@ -155,14 +186,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         return torch.float32 if self._uses_master(p) else p.dtype
 
     def _zeros_state(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(p, dtype=self._state_dtype(p), memory_format=torch.contiguous_format)
+        # preserve_format: dense params (e.g. channels_last) get state with the same strides, so
+        # param, grad and state share one memory order and kernels treat them as flat
+        return torch.zeros_like(p, dtype=self._state_dtype(p))
 
     def _ensure_master(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         if self._uses_master(p) and "master_param" not in state:
-            state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
+            state["master_param"] = p.detach().to(torch.float32, copy=True)
 
     def _grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+        return [same_layout(p.grad, p) for p in params]
 
     def _masters(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self.master_weights:
@@ -215,7 +248,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             grads = [p.grad for p in params]
             # dtype only: a sparse or mis-shaped grad changes nothing here, but _plan rejects it the
             # first time, and autograd never turns a param's dense grad sparse between steps
-            signature = tuple([None if g is None else g.dtype for g in grads])
+            signature = (
+                id(self.state), tuple(map(id, params)),
+                tuple([None if g is None else (g.dtype, g.shape) for g in grads]),
+            )  # fmt: skip
             plan = self._plans.get(index)
             if plan is None or plan[0] is not params or plan[1] != signature:
                 plan = (params, signature, self._plan(group))
@@ -236,9 +272,25 @@ class FusedOptimizer(torch.optim.Optimizer):
             if len(state) == 0:
                 self._init_state(p, state, group)
             self._ensure_master(p, state)
+            self._conform_state(p, state, i)
             key = (p.device, p.dtype, p.grad.dtype, self._uses_master(p), self._bucket_key(state, group))
             buckets[key].append(p)
         return [(key[0], params) for key, params in buckets.items()]
+
+    def _conform_state(self, p: torch.Tensor, state: dict[str, Any], index: int) -> None:
+        """Check state sizes against ``p``; give state the dtype and strides the kernels expect."""
+        for key, value in list(state.items()):
+            if key == "step" or not isinstance(value, torch.Tensor):
+                continue
+            if value.numel() != p.numel():
+                raise ValueError(
+                    f"{type(self).__name__}: state[{key!r}] of param {index} has {value.numel()} "
+                    f"elements but the param has {p.numel()} (was the param resized? reset its state)"
+                )
+            want = torch.float32 if key == "master_param" else (
+                self._state_dtype(p) if key in self._fp32_state_keys else value.dtype)  # fmt: skip
+            if value.dtype != want or value.device != p.device or value.stride() != p.stride():
+                state[key] = torch.empty_like(p, dtype=want).copy_(value.view_as(p) if value.shape != p.shape else value)
 
     def _check_grad(self, p: torch.Tensor, index: int) -> None:
         g = p.grad
@@ -251,8 +303,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}: param {index} has shape {tuple(p.shape)}, grad {tuple(g.shape)}")
         if g.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(f"{name}: grad of param {index} has unsupported dtype {g.dtype}")
-        if not p.is_contiguous():
-            raise ValueError(f"{name}: param {index} must be contiguous (got strides {p.stride()})")
+        if not is_dense(p):
+            raise ValueError(f"{name}: param {index} must be dense (got strides {p.stride()} for shape {tuple(p.shape)})")
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer pickles only defaults/state/param_groups: keep our settings too
@@ -266,32 +318,47 @@ class FusedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict (ours or the matching torch.optim class's).
 
-        See [Note: cached step plans]
-Re-deriving the launch groups every step costs more Python time than the fused CPU kernel on a
-model of ~50 small tensors, so each param group caches its plan (the buckets) and reuses it
-while the step "signature" is unchanged: the same param list, the same params with grads, the
-same grad dtypes/layouts. Within a cached plan all params of a bucket were stepped together
-last time, so their keys (step counts, SGD first-step) still agree. ``add_param_group`` and
-``load_state_dict`` drop every plan. Within a bucket the ``step`` counters are 0-d views of one
-float32 buffer (still one tensor per param in ``state``, as torch.optim has it), so advancing
-them is one op instead of one per param.
-
-[Note: master weights] for how fp32 master state survives the load.
+        Saved state is matched to params through the saved groups' ``params`` ids, as torch.optim
+        does (ids need not be 0..N-1). See [Note: master weights] for how fp32 master state
+        survives the load; every cached plan is dropped ([Note: cached step plans]).
         """
         saved_state = state_dict["state"]
+        by_id: dict[Any, torch.Tensor] = {}
+        for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+            by_id.update(zip(saved_group["params"], group["params"]))
         super().load_state_dict(state_dict)
         self._plans = {}
-        index = 0
+        for state in self.state.values():
+            # torch hands the saved step tensors over as they are; ours advance in place (bucket
+            # buffers), so a shared one would be advanced by two optimizers
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+        for pid, saved in saved_state.items():
+            p = by_id.get(pid)
+            if p is None or not self._uses_master(p):
+                continue
+            state = self.state[p]
+            for key in (*self._fp32_state_keys, "master_param"):
+                if isinstance(saved.get(key), torch.Tensor):
+                    state[key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True)
+
+    @torch.no_grad()
+    def sync_master_weights(self) -> None:
+        """Copy every param into its fp32 master copy (``master_weights=True`` only).
+
+        The optimizer updates the master and writes the rounded param; the param is never read
+        back. Call this after writing params yourself (``model.load_state_dict(...)``, an EMA
+        swap, weight surgery), or the next step continues from the old master.
+
+        Example:
+            >>> model.load_state_dict(best_weights)
+            >>> opt.sync_master_weights()
+        """
         for group in self.param_groups:
             for p in group["params"]:
-                saved = saved_state.get(index)
-                index += 1
-                if saved is None or not self._uses_master(p):
-                    continue
-                state = self.state[p]
-                for key in (*self._fp32_state_keys, "master_param"):
-                    if isinstance(saved.get(key), torch.Tensor):
-                        state[key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True)
+                master = self.state.get(p, {}).get("master_param")
+                if master is not None:
+                    master.copy_(p.detach())
 
     @staticmethod
     def _step_tensor() -> torch.Tensor:

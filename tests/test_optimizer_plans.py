@@ -83,3 +83,87 @@ def test_saved_state_dict_loads_into_torch_and_step_is_per_param() -> None:
     steps = [float(loaded["state"][i]["step"]) for i in range(4)]
     assert steps == [float(opt.state[p]["step"]) for p in a]
     torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in a], lr=1e-2).load_state_dict(loaded)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("ours", [FusedAdamW, FusedSGD])
+def test_dense_non_contiguous_params_match_torch(backend, ours) -> None:
+    """channels_last and transposed params (dense, not contiguous), incl. a grad of another layout."""
+    kw = dict(lr=1e-2, weight_decay=0.1) if ours is FusedAdamW else dict(lr=1e-2, momentum=0.9)
+    theirs = torch.optim.AdamW if ours is FusedAdamW else torch.optim.SGD
+    g = torch.Generator().manual_seed(3)
+    base = [torch.randn(2, 3, 4, 5, generator=g), torch.randn(6, 7, generator=g)]
+
+    def make():
+        return [torch.nn.Parameter(base[0].clone().to(memory_format=torch.channels_last)),
+                torch.nn.Parameter(base[1].clone().t().contiguous().t())]  # fmt: skip
+
+    a, b = make(), make()
+    opt_a, opt_b = ours(a, backend=backend, **kw), theirs(b, **kw)
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=g) for p in a]  # contiguous: layout differs from a[0]
+        for params, opt in ((a, opt_a), (b, opt_b)):
+            for p, gr in zip(params, grads):
+                p.grad = gr.clone()
+            opt.step()
+    torch.testing.assert_close([p.detach() for p in a], [p.detach() for p in b], rtol=1e-5, atol=1e-6)
+    assert a[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_resized_param_raises_instead_of_corrupting_memory() -> None:
+    p = torch.nn.Parameter(torch.ones(1024))
+    opt = FusedAdamW([p])
+    p.grad = torch.ones(1024)
+    opt.step()
+    p.data = torch.ones(4096)
+    p.grad = torch.ones(4096)
+    with pytest.raises(ValueError, match="exp_avg.*1024 elements.*4096"):
+        opt.step()
+
+
+def test_replaced_param_and_reset_state_are_noticed() -> None:
+    a = _params()
+    opt = _run(FusedAdamW, a, steps=["1111"], lr=1e-2)
+    q = torch.nn.Parameter(torch.zeros(7))
+    opt.param_groups[0]["params"][0] = q  # in-place replacement in the same list
+    q.grad = torch.ones(7)
+    opt.step()
+    assert not torch.equal(q.detach(), torch.zeros(7))  # the new param was stepped
+    opt.state = __import__("collections").defaultdict(dict)  # "reset the moments" idiom
+    opt.step()  # re-initialises state like torch.optim
+    assert float(opt.state[q]["step"]) == 1.0
+
+
+@pytest.mark.parametrize("offset", [10, 1000])
+def test_load_state_dict_with_non_sequential_ids_keeps_fp32_master(offset: int) -> None:
+    torch.manual_seed(0)
+    a = [torch.nn.Parameter(torch.randn(33).to(torch.bfloat16)) for _ in range(2)]
+    opt = FusedAdamW(a, lr=1e-2, master_weights=True)
+    for p in a:
+        p.grad = torch.randn(33).to(torch.bfloat16)
+    opt.step()
+    sd = opt.state_dict()
+    sd = {"state": {k + offset: v for k, v in sd["state"].items()},
+          "param_groups": [dict(g, params=[i + offset for i in g["params"]]) for g in sd["param_groups"]]}  # fmt: skip
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    opt2 = FusedAdamW(b, lr=1e-2, master_weights=True)
+    opt2.load_state_dict(sd)
+    assert {k: v.dtype for k, v in opt2.state[b[0]].items() if k != "step"} == dict.fromkeys(
+        ("exp_avg", "exp_avg_sq", "master_param"), torch.float32)  # fmt: skip
+    for params, o in ((a, opt), (b, opt2)):
+        for p in params:
+            p.grad = torch.ones(33, dtype=torch.bfloat16)
+        o.step()
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_sync_master_weights_after_writing_params() -> None:
+    p = torch.nn.Parameter(torch.zeros(16, dtype=torch.bfloat16))
+    opt = FusedAdamW([p], lr=1e-3, weight_decay=0.0, master_weights=True)
+    p.grad = torch.ones(16, dtype=torch.bfloat16)
+    opt.step()
+    with torch.no_grad():
+        p.fill_(5.0)
+    opt.sync_master_weights()
+    opt.step()
+    assert torch.allclose(p.float(), torch.full((16,), 5.0 - 1e-3), atol=0.02)  # continues from 5.0
