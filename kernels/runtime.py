@@ -206,7 +206,9 @@ class MultiTensorTable:
     aligned: bool
 
 
-@functools.lru_cache(maxsize=64)
+# Bounded: entries are device tensors (~8 bytes per chunk: about 55 MB for a 7B-param launch group
+# at BLOCK=1024), and each distinct size pattern (e.g. params that skip steps) adds one.
+@functools.lru_cache(maxsize=16)
 def _chunk_tables(
     numels: tuple[int, ...], block: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
