@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.comm import CommStats, ParallelContext
+from shardkit.comm import ParallelContext
 from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DataParallel, DynamicLossScaler, clip_grad_norm_, unscale_and_check
 
@@ -107,20 +107,49 @@ def _train_no_sync(micro: int, as_view: bool = False) -> float:
     return dev
 
 
-def _unused_param() -> float:
+def _unused_param(as_view: bool) -> dict:
+    """find_unused_parameters=True vs single-process training: ``unused`` (no rank uses it) keeps
+    ``grad=None``, so AdamW's weight decay must not move it; ``extra`` is used by rank 0's rows
+    only, so its grad is rank 0's grad averaged with nothing from the others."""
     ctx = ParallelContext.from_world()
-    base = _WithUnused()
-    model = DataParallel(base, ctx, bucket_mb=0.001)
-    x, y = batches(0)
-    per = GLOBAL_BATCH // ctx.size("dp")
-    r = ctx.rank("dp")
-    nn.functional.mse_loss(model(x[r * per : (r + 1) * per]), y[r * per : (r + 1) * per]).backward()
-    ref = make_model(0)
-    nn.functional.mse_loss(ref(x), y).backward()
-    dev = max_dev([p.grad for p in base.net.parameters()], [p.grad for p in ref.parameters()])
-    unused_grads = [p.grad.abs().max().item() for p in base.unused.parameters()]
+    rank, world = ctx.rank("dp"), ctx.size("dp")
+    per = GLOBAL_BATCH // world
+    mask = (torch.arange(GLOBAL_BATCH) < per).float()  # the rows that use `extra`: rank 0's
+    rows = slice(rank * per, (rank + 1) * per)
+    model = DataParallel(
+        _WithUnused(), ctx, bucket_mb=0.001, gradient_as_bucket_view=as_view, find_unused_parameters=True
+    )
+    ref = _WithUnused()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    unused_grads: list[torch.Tensor | None] = []
+    local_extra_grads: list[int] = []  # backwards in which autograd produced a grad for extra here
+    model.module.extra.weight.register_post_accumulate_grad_hook(lambda p: local_extra_grads.append(1))
+    for step in range(STEPS):
+        x, y = batches(step)
+        opt.zero_grad()
+        model.comm_stats.reset()
+        nn.functional.mse_loss(model(x[rows], mask[rows]), y[rows]).backward()
+        unused_grads += [p.grad for p in model.module.unused.parameters()]
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x, mask), y).backward()
+        ref_opt.step()
+    names = [n for n, _ in ref.named_parameters()]
+    out = dict(
+        names=names,
+        devs=[(a - b).abs().max().item() for a, b in zip(model.module.parameters(), ref.parameters())],
+        unused_grads_none=all(g is None for g in unused_grads),
+        extra_used_here=len(local_extra_grads),
+        extra_grad_is_set=model.module.extra.weight.grad is not None,
+        all_reduce_calls=model.comm_stats.calls("all_reduce"),
+        all_reduce_bytes=model.comm_stats.bytes("all_reduce"),
+        n_buckets=len(model.buckets),
+        bucket_bytes=sum(model.bucket_bytes),
+        n_params=len(names),
+    )
     ctx.destroy()
-    return max(dev, *unused_grads)
+    return out
 
 
 def _one_rank_overflows() -> tuple[bool, list[str], float]:
@@ -155,13 +184,21 @@ def _clip_sharded(backend: str) -> float:
 
 
 class _WithUnused(nn.Module):
+    """``net`` on every row; ``extra`` added on the rows where ``mask`` is 1 (skipped when no row
+    of the batch needs it, so a rank without such rows produces no grad for it); ``unused``
+    never."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.net = make_model(0)
+        self.net = make_model(0)  # seeds: extra and unused are the same on every rank
+        self.extra = nn.Linear(13, 3)
         self.unused = nn.Linear(5, 5)  # registered last, so its bucket is launched first
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.net(x)
+        if bool(mask.any()):
+            out = out + self.extra(x) * mask[:, None]
+        return out
 
 
 class _Holder(torch.Tensor):
@@ -218,9 +255,19 @@ def test_gradient_as_bucket_view_no_sync(dist_pool) -> None:
     assert max(dist_pool.run(_train_no_sync, 2, True, world_size=2, timeout=120)) < 2e-5
 
 
-def test_unused_parameters_do_not_hang(dist_pool) -> None:
-    devs = dist_pool.run(_unused_param, world_size=2, timeout=60)
-    assert max(devs) < 1e-6
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
+def test_find_unused_parameters_matches_single_process(dist_pool, world_size: int, as_view: bool) -> None:
+    results = dist_pool.run(_unused_param, as_view, world_size=world_size, timeout=120)
+    for rank, r in enumerate(results):
+        bad = {n: d for n, d in zip(r["names"], r["devs"]) if not d < 2e-5}
+        assert not bad, (rank, bad)  # every param, the unused ones included (they must not move)
+        assert r["unused_grads_none"], rank  # as torch DDP: no rank used them, grad stays None
+        assert r["extra_used_here"] == (STEPS if rank == 0 else 0)  # partial use really is partial
+        assert r["extra_grad_is_set"]  # ... yet every rank gets the averaged grad
+        # one extra all-reduce per step: the int32 used-flags, one per parameter (recorded)
+        assert r["all_reduce_calls"] == r["n_buckets"] + 1
+        assert r["all_reduce_bytes"] == r["bucket_bytes"] + 4 * r["n_params"]
 
 
 def test_overflow_on_one_rank_is_agreed_by_all(dist_pool) -> None:
@@ -270,4 +317,3 @@ def test_bad_arguments_raise_before_any_collective() -> None:
         DataParallel(make_model(0), None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_norm"):
         clip_grad_norm_(make_model(0).parameters(), 0.0)
-    assert isinstance(CommStats(), CommStats)
