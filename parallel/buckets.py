@@ -112,6 +112,8 @@ class GradBucket:
     offsets: list[int]
     buffer: torch.Tensor
     ready: set[int] = field(default_factory=set)
+    #: params whose grad the strategy already moved into ``buffer`` this backward (eager copy)
+    copied: set[int] = field(default_factory=set)
     views: list[torch.Tensor] = field(default_factory=list)
     used: list[bool] | None = None
 
@@ -155,8 +157,10 @@ class BucketedGradReducer:
         launch: Callable[[GradBucket], Any],
         finish: Callable[[GradBucket, Any], None],
         agree_used: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        on_ready: Callable[[GradBucket, int], None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
+        self._on_ready = on_ready
         self._launch = launch
         self._finish = finish
         self._agree_used = agree_used
@@ -213,6 +217,7 @@ class BucketedGradReducer:
     def _clear(self) -> None:
         for bucket in self.buckets:
             bucket.ready.clear()
+            bucket.copied.clear()
             bucket.used = None
         self._used = [False] * len(self._used)
         self._works = []
@@ -228,6 +233,8 @@ class BucketedGradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
         self.buckets[b].ready.add(j)
+        if self._on_ready is not None:
+            self._on_ready(self.buckets[b], j)
         self._launch_ready()
 
     def _launch_ready(self) -> None:

@@ -23,10 +23,15 @@ from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, flatten_into, unflatten_from
+from shardkit.kernels.runtime import resolve_backend
 
 from .buckets import FIRST_BUCKET_BYTES, BucketedGradReducer, GradBucket, plan_buckets
 
 __all__ = ["DataParallel"]
+
+
+def _first_device(module: nn.Module) -> torch.device:
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _grad_dtype(p: torch.Tensor) -> torch.dtype:
@@ -144,6 +149,10 @@ class DataParallel(nn.Module):
         self.ctx = ctx
         self.backend = backend
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        # [Note: eager vs batched grad copies] On the torch (CPU) path each grad is copied into
+        # its slot as soon as autograd produces it, while it is still in cache; on the Triton
+        # (CUDA) path a bucket is packed by one multi-tensor launch when it completes.
+        self._eager_copy = resolve_backend(backend, _first_device(module)) == "torch"
         self.find_unused_parameters = bool(find_unused_parameters)
         self.comm_stats = stats if stats is not None else CommStats()
         self._group = ctx.group("dp")
@@ -166,6 +175,7 @@ class DataParallel(nn.Module):
         self._reducer = BucketedGradReducer(
             self.buckets, launch=self._launch, finish=self._finish,
             agree_used=self._agree_used if self.find_unused_parameters else None,
+            on_ready=self._copy_one if self._eager_copy else None,
         )  # fmt: skip
 
     # -- construction ------------------------------------------------------------------------
@@ -223,12 +233,25 @@ class DataParallel(nn.Module):
                 offset += t.numel()
 
     # -- the bucket callbacks (see parallel/buckets.py) ----------------------------------------
+    def _copy_one(self, bucket: GradBucket, j: int) -> None:
+        p, slot = bucket.params[j], bucket.views[j]
+        g = p.grad
+        if g is None or g.dtype != bucket.buffer.dtype or g.device != bucket.buffer.device:
+            return  # left to _launch (zeros, or its clear error)
+        if not (self.gradient_as_bucket_view and g.data_ptr() == slot.data_ptr()):
+            slot.copy_(g)
+        if self.gradient_as_bucket_view:
+            p.grad = slot
+        bucket.copied.add(j)
+
     def _launch(self, bucket: GradBucket) -> Any:
         as_view = self.gradient_as_bucket_view
         packed: list[torch.Tensor] = []
         packed_offsets: list[int] = []
         to_view: list[int] = []
         for j, (p, slot) in enumerate(zip(bucket.params, bucket.views)):
+            if j in bucket.copied:
+                continue
             g = p.grad
             if g is None:  # no grad on this rank: contributes zeros
                 slot.zero_()
