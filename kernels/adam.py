@@ -23,10 +23,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 
-from .runtime import Backend, multi_tensor_table, resolve_backend, torch_to_triton_dtype, triton_kernel
+from .runtime import (
+    Backend,
+    elementwise_launch_config,
+    live_multi_tensor_table,
+    resolve_backend,
+    torch_to_triton_dtype,
+    triton_kernel,
+)
 
 __all__ = ["adam_step", "adam_launch_config"]
 
@@ -120,9 +126,7 @@ def adam_launch_config(device: torch.device, max_numel: int) -> tuple[int, int]:
     spills at sm_80/sm_90; see ``perf/results/kernel_report.json``). Interpreter: the interpreter
     pays per program instance, so one large block per tensor up to 2^16 elements.
     """
-    if device.type == "cuda":
-        return 1024, 4
-    return min(max(triton.next_power_of_2(max(max_numel, 1)), 1024), 65536), 4
+    return elementwise_launch_config(device, max_numel)
 
 
 def adam_step(
@@ -188,12 +192,10 @@ def adam_step(
     master_row = len(roles)
     if masters:
         roles.append(masters)
-    live = [i for i, p in enumerate(params) if p.numel() > 0]
-    if not live:
+    built = live_multi_tensor_table(roles, adam_launch_config)
+    if built is None:
         return
-    roles = [[role[i] for i in live] for role in roles]
-    block, num_warps = adam_launch_config(device, max(p.numel() for p in roles[0]))
-    table = multi_tensor_table(roles, block)
+    table, block, num_warps = built
     scale = grad_scale if grad_scale is not None else table.numels  # placeholder pointer, unread
     _ADAM[(table.n_chunks,)](
         table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, scale,

@@ -46,10 +46,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import triton
 import triton.language as tl
 
-from .runtime import Backend, multi_tensor_table, resolve_backend, torch_to_triton_dtype, triton_kernel
+from .runtime import (
+    Backend,
+    elementwise_launch_config,
+    live_multi_tensor_table,
+    resolve_backend,
+    torch_to_triton_dtype,
+    triton_kernel,
+)
 
 __all__ = ["lamb_step", "lamb_launch_config"]
 
@@ -209,9 +215,7 @@ def lamb_launch_config(device: torch.device, max_numel: int) -> tuple[int, int]:
         >>> lamb_launch_config(torch.device("cuda"), 1 << 20)
         (1024, 4)
     """
-    if device.type == "cuda":
-        return 1024, 4
-    return min(max(triton.next_power_of_2(max(max_numel, 1)), 1024), 65536), 4
+    return elementwise_launch_config(device, max_numel)
 
 
 def lamb_step(
@@ -274,12 +278,10 @@ def lamb_step(
     roles = [params, grads, exp_avgs, exp_avg_sqs]
     if masters:
         roles.append(masters)
-    live = [i for i, p in enumerate(params) if p.numel() > 0]
-    if not live:
+    built = live_multi_tensor_table(roles, lamb_launch_config)
+    if built is None:
         return
-    roles = [[role[i] for i in live] for role in roles]
-    block, num_warps = lamb_launch_config(device, max(p.numel() for p in roles[0]))
-    table = multi_tensor_table(roles, block)
+    table, block, num_warps = built
     scale = grad_scale if grad_scale is not None else table.numels  # placeholder pointer, unread
     norms = torch.zeros(2 * table.n_tensors if adapt else 1, dtype=torch.float32, device=device)
     p_dtype = torch_to_triton_dtype(params[0].dtype)

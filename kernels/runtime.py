@@ -52,6 +52,8 @@ __all__ = [
     "multi_tensor_table",
     "torch_to_triton_dtype",
     "is_aligned",
+    "elementwise_launch_config",
+    "live_multi_tensor_table",
 ]
 
 Backend = Literal["auto", "triton", "torch"]
@@ -255,3 +257,46 @@ def multi_tensor_table(roles: Sequence[Sequence[torch.Tensor]], block: int) -> M
         n_chunks=int(chunk_tensor.numel()),
         aligned=all(is_aligned(role) for role in roles),
     )
+
+
+def elementwise_launch_config(device: torch.device, max_numel: int) -> tuple[int, int]:
+    """``(BLOCK, num_warps)`` shared by the elementwise multi-tensor optimizer kernels.
+
+    A pure function of device and size. CUDA: 1024 elements and 4 warps — 8 fp32 per thread, two
+    128-bit accesses per tensor, no spills at sm_80/sm_90 (``perf/results/kernel_report.json``).
+    Interpreter: it pays per program instance, so one large block per tensor, 1024 to 2^16.
+
+    Example:
+        >>> elementwise_launch_config(torch.device("cuda"), 1 << 20)
+        (1024, 4)
+    """
+    if device.type == "cuda":
+        return 1024, 4
+    return min(max(1 << (max(max_numel, 1) - 1).bit_length(), 1024), 65536), 4
+
+
+def live_multi_tensor_table(
+    roles: Sequence[Sequence[torch.Tensor]],
+    launch_config: Callable[[torch.device, int], tuple[int, int]] = elementwise_launch_config,
+) -> tuple[MultiTensorTable, int, int] | None:
+    """Drop zero-element tensors from every role, pick the launch config, build the tables.
+
+    Args:
+        roles: as for :func:`multi_tensor_table`; ``roles[0]`` decides which tensors are empty.
+        launch_config: ``(device, max_numel) -> (BLOCK, num_warps)``.
+
+    Returns:
+        ``(table, BLOCK, num_warps)``, or None when every tensor is empty (launch nothing).
+
+    Example:
+        >>> built = live_multi_tensor_table([params, grads])
+        >>> if built is not None:
+        ...     table, block, num_warps = built
+    """
+    live = [i for i, t in enumerate(roles[0]) if t.numel() > 0]
+    if not live:
+        return None
+    if len(live) < len(roles[0]):
+        roles = [[role[i] for i in live] for role in roles]
+    block, num_warps = launch_config(roles[0][0].device, max(t.numel() for t in roles[0]))
+    return multi_tensor_table(roles, block), block, num_warps

@@ -24,7 +24,6 @@ def _load(name: str) -> dict | None:
 def _optim_rows(res: dict) -> list[str]:
     rows = []
     cmd = " ".join(res["command"]) if isinstance(res.get("command"), list) else res.get("command", "perf/optim.py")
-    threads = res.get("settings", {}).get("threads") or (res.get("machine", {}) or {}).get("threads")
     for entry in res.get("results", []):
         peers = entry["peers"]
         ours = peers["shardkit.FusedAdamW"]
