@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
+	$(BIN)/ruff check kernels comm parallel shardkit perf tests notebooks/_build.py
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
