@@ -142,6 +142,9 @@ class BucketedGradReducer:
             called with those local flags (int32 CPU tensor, one per param in bucket order, 1 =
             got a grad) and must return the flags of the whole group (e.g. an all-reduce max);
             ``finish`` then sees them as ``bucket.used``.
+        on_ready: optional; called as ``on_ready(bucket, j)`` the moment param ``j``'s grad is
+            final, before the bucket launches — e.g. DataParallel's CPU path copies the grad
+            into its slot while it is still in cache (it then adds ``j`` to ``bucket.copied``).
 
     Example:
         >>> reducer = BucketedGradReducer(buckets, launch=start_all_reduce, finish=wait_and_copy)
