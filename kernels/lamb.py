@@ -242,7 +242,8 @@ def lamb_step(
     """Apply one LAMB step in place to a launch group of tensors (see [Note: LAMB launches]).
 
     Args:
-        params: parameters (fp32/fp16/bf16), all one dtype and device, contiguous.
+        params: parameters (fp32/fp16/bf16), all one dtype and device, dense (contiguous or
+            e.g. channels_last; grads, states and masters laid out like their param).
         grads: gradients, one dtype, same shapes as ``params``.
         exp_avgs, exp_avg_sqs: first/second moments (updated in place).
         masters: fp32 master copies when kept (then ``params`` are written as their rounding),

@@ -130,7 +130,8 @@ def lion_step(
     """Apply one Lion step in place to a launch group of tensors.
 
     Args:
-        params: parameters (fp32/fp16/bf16), all one dtype and device, contiguous.
+        params: parameters (fp32/fp16/bf16), all one dtype and device, dense (contiguous or
+            e.g. channels_last; grads, states and masters laid out like their param).
         grads: gradients, one dtype, same shapes as ``params``.
         exp_avgs: the momentum ``m`` (updated in place).
         masters: fp32 master copies when kept (then ``params`` are written as their rounding),

@@ -145,7 +145,8 @@ def sgd_step(
     """Apply one SGD step in place to a launch group of tensors.
 
     Args:
-        params: parameters (fp32/fp16/bf16), all one dtype and device, contiguous.
+        params: parameters (fp32/fp16/bf16), all one dtype and device, dense (contiguous or
+            e.g. channels_last; grads, states and masters laid out like their param).
         grads: gradients, one dtype, same shapes as ``params``.
         momentum_buffers: one buffer per param when ``momentum != 0`` (updated in place; on
             ``first_step`` their contents are ignored and overwritten with the gradient), else
