@@ -49,37 +49,10 @@ from typing import Any
 
 import torch
 
+from .layout import SUPPORTED_DTYPES, is_dense, same_layout
 from .runtime import resolve_backend
 
-__all__ = ["Bucket", "FusedOptimizer", "check_betas", "check_nonneg", "is_dense", "same_layout"]
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """True when ``t``'s elements fill ``t.numel()`` consecutive slots in some dimension order.
-
-    Contiguous and permuted layouts (channels_last, transposes) qualify; strided slices do not.
-    """
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for d in sorted(range(t.dim()), key=t.stride):
-        if t.size(d) == 1:
-            continue  # a size-1 dim's stride is irrelevant
-        if t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
-
-
-def same_layout(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if it has ``like``'s strides, else a copy laid out like ``like``.
-
-    Multi-tensor kernels address param, grad and state as flat memory, so all must share one
-    memory order (contiguous, or e.g. channels_last for every one of them).
-    """
-    return t if t.stride() == like.stride() else torch.empty_like(like, dtype=t.dtype).copy_(t)
+__all__ = ["Bucket", "FusedOptimizer", "check_betas", "check_nonneg"]
 
 
 def check_nonneg(name: str, value: float | torch.Tensor) -> None:
@@ -157,7 +130,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):
             if p.is_complex():
                 raise TypeError(f"{type(self).__name__} does not support complex params (param {i})")
-            if p.dtype not in _SUPPORTED_DTYPES:
+            if p.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(
                     f"{type(self).__name__}: param {i} has dtype {p.dtype}; "
                     "supported: float32, float16, bfloat16"
@@ -301,7 +274,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}: param {index} is on {p.device} but its grad is on {g.device}")
         if g.shape != p.shape:
             raise ValueError(f"{name}: param {index} has shape {tuple(p.shape)}, grad {tuple(g.shape)}")
-        if g.dtype not in _SUPPORTED_DTYPES:
+        if g.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: grad of param {index} has unsupported dtype {g.dtype}")
         if not is_dense(p):
             raise ValueError(f"{name}: param {index} must be dense (got strides {p.stride()} for shape {tuple(p.shape)})")
