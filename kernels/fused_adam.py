@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .adam import adam_step
-from .optim_base import Bucket, FusedOptimizer, check_betas, check_nonneg
+from .optim_base import LaunchGroup, FusedOptimizer, check_betas, check_nonneg
 
 __all__ = ["FusedAdam", "FusedAdamW"]
 
@@ -84,14 +84,14 @@ class FusedAdam(FusedOptimizer):
         if group["amsgrad"]:
             state["max_exp_avg_sq"] = self._zeros_state(p)
 
-    def _bucket_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
+    def _launch_group_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
         return float(state["step"])
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], grad_scale: torch.Tensor | None) -> None:
         amsgrad = bool(group["amsgrad"])
-        cache = params.cache if isinstance(params, Bucket) else {}
+        cache = params.cache if isinstance(params, LaunchGroup) else {}
         lists = cache.get(("lists", amsgrad))
-        if lists is None:  # gathered once per plan (see Bucket)
+        if lists is None:  # gathered once per plan (see LaunchGroup)
             states = [self.state[p] for p in params]
             if amsgrad:
                 for p, s in zip(params, states):

@@ -106,7 +106,7 @@ class FusedLAMB(FusedOptimizer):
         state["exp_avg"] = self._zeros_state(p)
         state["exp_avg_sq"] = self._zeros_state(p)
 
-    def _bucket_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
+    def _launch_group_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
         return float(state["step"])
 
     def _update(self, group: dict[str, Any], params: list[torch.Tensor], grad_scale: torch.Tensor | None) -> None:

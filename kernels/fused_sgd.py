@@ -86,7 +86,7 @@ class FusedSGD(FusedOptimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         pass  # the momentum buffer is created by the first step that uses it (see _update)
 
-    def _bucket_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
+    def _launch_group_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
         # params whose buffer does not exist yet take the kernel's FIRST_STEP variant
         return group["momentum"] != 0 and state.get("momentum_buffer") is None
 

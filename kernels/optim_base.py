@@ -13,21 +13,21 @@ A subclass declares its state (``_init_state``) and its update for one launch gr
   non-fused path does).
 
 [Note: launch groups]
-Within a param group, parameters are bucketed by (device, param dtype, grad dtype, master copy
+Within a param group, parameters are grouped by (device, param dtype, grad dtype, master copy
 or not, subclass key — e.g. the step count, which only differs after ``add_param_group`` or
-when some params had no grad). Each bucket is one kernel launch, however many parameters it
+when some params had no grad). Each launch group is one kernel launch, however many parameters it
 holds; a model trained in one dtype takes one launch per param group per step.
 
 [Note: cached step plans]
 Re-deriving the launch groups every step costs more Python time than the fused CPU kernel on a
-model of ~50 small tensors, so each param group caches its plan (the buckets) and reuses it
+model of ~50 small tensors, so each param group caches its plan (the launch groups) and reuses it
 while the step "signature" is unchanged: the same ``state`` mapping and param list (by
 identity, element by element), the same params with grads, the same grad dtypes and shapes.
-Within a cached plan all params of a bucket were stepped together last time, so their keys
+Within a cached plan all params of a launch group were stepped together last time, so their keys
 (step counts, SGD first-step) still agree. ``add_param_group`` and ``load_state_dict`` drop
 every plan; building a plan checks every state tensor against its param (size, dtype, layout).
 Replacing one param's state dict in place (``opt.state[p] = {...}``) is not detected: reset
-state with ``opt.state = collections.defaultdict(dict)`` or ``load_state_dict``. Within a bucket the ``step`` counters are 0-d views of one
+state with ``opt.state = collections.defaultdict(dict)`` or ``load_state_dict``. Within a launch group the ``step`` counters are 0-d views of one
 float32 buffer (still one tensor per param in ``state``, as torch.optim has it), so advancing
 them is one op instead of one per param.
 
@@ -52,7 +52,7 @@ import torch
 from .layout import SUPPORTED_DTYPES, is_dense, same_layout
 from .runtime import resolve_backend
 
-__all__ = ["Bucket", "FusedOptimizer", "check_betas", "check_nonneg"]
+__all__ = ["LaunchGroup", "FusedOptimizer", "check_betas", "check_nonneg"]
 
 
 def check_nonneg(name: str, value: float | torch.Tensor) -> None:
@@ -74,10 +74,10 @@ def check_betas(betas: tuple[float, float], name: str = "betas") -> None:
             raise ValueError(f"Invalid {name}[{i}]: {float(b)} (must be in [0, 1))")
 
 
-class Bucket(list):
+class LaunchGroup(list):
     """A launch group's params (a plain list to subclasses) plus a cache of derived lists.
 
-    The cache lives exactly as long as the plan that made the bucket (see [Note: cached step
+    The cache lives exactly as long as the plan that made the group (see [Note: cached step
     plans]), so state tensors gathered into it cannot go stale: every event that replaces state
     tensors (``load_state_dict``, ``add_param_group``, a change of which params have grads)
     drops the plan.
@@ -144,7 +144,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         raise NotImplementedError
 
-    def _bucket_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
+    def _launch_group_key(self, state: dict[str, Any], group: dict[str, Any]) -> Hashable:
         """Extra launch-group key (e.g. the step count); see [Note: launch groups]."""
         return None
 
@@ -178,9 +178,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _advance_steps(self, params: list[torch.Tensor]) -> float:
         """Add 1 to every param's ``state["step"]``; return the new (common) value.
 
-        See [Note: cached step plans]: the counters of a bucket become views of one buffer.
+        See [Note: cached step plans]: the counters of a launch group become views of one buffer.
         """
-        buf = params.cache.get("step_buf") if isinstance(params, Bucket) else None
+        buf = params.cache.get("step_buf") if isinstance(params, LaunchGroup) else None
         if buf is not None:
             buf.add_(1.0)
             return float(buf[0])
@@ -190,7 +190,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             buf = torch.tensor([float(s["step"]) for s in states], dtype=torch.float32)
             for i, s in enumerate(states):
                 s["step"] = buf[i]
-        if isinstance(params, Bucket):
+        if isinstance(params, LaunchGroup):
             params.cache["step_buf"] = buf
         buf.add_(1.0)
         return float(states[0]["step"])
@@ -229,14 +229,14 @@ class FusedOptimizer(torch.optim.Optimizer):
             if plan is None or plan[0] is not params or plan[1] != signature:
                 plan = (params, signature, self._plan(group))
                 self._plans[index] = plan
-            for device, bucket in plan[2]:
+            for device, launch_group in plan[2]:
                 scale = grad_scale.to(device) if grad_scale is not None else None
-                self._update(group, bucket, scale)
+                self._update(group, launch_group, scale)
         return loss
 
-    def _plan(self, group: dict[str, Any]) -> list[tuple[torch.device, Bucket]]:
-        """Validate grads, create missing state, and bucket a group (see [Note: launch groups])."""
-        buckets: dict[Hashable, Bucket] = defaultdict(Bucket)
+    def _plan(self, group: dict[str, Any]) -> list[tuple[torch.device, LaunchGroup]]:
+        """Validate grads, create missing state, and split a group into launch groups (see [Note: launch groups])."""
+        groups: dict[Hashable, LaunchGroup] = defaultdict(LaunchGroup)
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -246,9 +246,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._init_state(p, state, group)
             self._ensure_master(p, state)
             self._conform_state(p, state, i)
-            key = (p.device, p.dtype, p.grad.dtype, self._uses_master(p), self._bucket_key(state, group))
-            buckets[key].append(p)
-        return [(key[0], params) for key, params in buckets.items()]
+            key = (p.device, p.dtype, p.grad.dtype, self._uses_master(p), self._launch_group_key(state, group))
+            groups[key].append(p)
+        return [(key[0], params) for key, params in groups.items()]
 
     def _conform_state(self, p: torch.Tensor, state: dict[str, Any], index: int) -> None:
         """Check state sizes against ``p``; give state the dtype and strides the kernels expect."""
@@ -302,7 +302,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._plans = {}
         for state in self.state.values():
-            # torch hands the saved step tensors over as they are; ours advance in place (bucket
+            # torch hands the saved step tensors over as they are; ours advance in place (launch-group
             # buffers), so a shared one would be advanced by two optimizers
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].detach().clone()

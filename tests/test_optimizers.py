@@ -484,7 +484,7 @@ def test_params_without_grad_are_skipped(backend: str, name: str) -> None:
             o.zero_grad()
             loss_fn(m, i).backward()
             if i < 2:
-                f.grad = None  # frozen for two steps: later its state lags the others' (own bucket)
+                f.grad = None  # frozen for two steps: later its state lags the others' (own launch group)
             o.step()
         if i < 2:
             assert torch.equal(frozen, initial)
