@@ -98,8 +98,9 @@ class FusedSGD(FusedOptimizer):
             first_step = states[0].get("momentum_buffer") is None
             if first_step:
                 for p, s in zip(params, states):
-                    dtype = self._state_dtype(p)
-                    s["momentum_buffer"] = torch.empty_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+                    # the param's layout (preserve_format): the kernel addresses param, grad and
+                    # buffer as one flat memory order; FIRST_STEP writes every element
+                    s["momentum_buffer"] = torch.empty_like(p, dtype=self._state_dtype(p))
         sgd_step(
             params, self._grads(params),
             [s["momentum_buffer"] for s in states] if momentum != 0.0 else [],

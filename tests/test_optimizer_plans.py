@@ -167,3 +167,49 @@ def test_sync_master_weights_after_writing_params() -> None:
     opt.sync_master_weights()
     opt.step()
     assert torch.allclose(p.float(), torch.full((16,), 5.0 - 1e-3), atol=0.02)  # continues from 5.0
+
+
+def _conv_net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Tanh(), torch.nn.Conv2d(4, 2, 3))
+    return net.to(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_channels_last_sgd_momentum_survives_replans_and_state_dict(backend) -> None:
+    """Bug 3 of issue 6: momentum must be created in the param's layout, or a re-plan (a step with
+    a grad-less param, load_state_dict) permutes it and the exported state_dict is scrambled."""
+    kw = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
+    ours, ref = _conv_net(), _conv_net()
+    opt, ref_opt = FusedSGD(ours.parameters(), backend=backend, **kw), torch.optim.SGD(ref.parameters(), **kw)
+
+    def step(i: int, model: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+        g = torch.Generator().manual_seed(200 + i)
+        x = torch.randn(2, 3, 7, 7, generator=g).to(memory_format=torch.channels_last)
+        o.zero_grad()
+        (model(x) ** 2).mean().backward()
+        if i == 2:
+            model[2].bias.grad = None  # one grad-less param: the step re-plans every launch group
+        o.step()
+
+    def check() -> None:
+        torch.testing.assert_close(list(ours.parameters()), list(ref.parameters()), rtol=1e-5, atol=1e-6)
+        ours_sd, ref_sd = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        for k in ref_sd:
+            torch.testing.assert_close(ours_sd[k]["momentum_buffer"], ref_sd[k]["momentum_buffer"], rtol=1e-5, atol=1e-6)
+
+    for i in range(5):
+        step(i, ours, opt)
+        step(i, ref, ref_opt)
+        check()
+    # round trip through a checkpoint into a fresh FusedSGD (load_state_dict re-plans too)
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    opt = FusedSGD(ours.parameters(), backend=backend, **kw)
+    opt.load_state_dict(torch.load(buf))
+    for i in range(5, 8):
+        step(i, ours, opt)
+        step(i, ref, ref_opt)
+        check()
+    assert ours[0].weight.is_contiguous(memory_format=torch.channels_last)
