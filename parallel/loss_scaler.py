@@ -5,17 +5,23 @@ scale S before ``backward()`` lifts them into range; gradients are divided by S 
 optimizer step. Dynamic scaling finds the largest S that does not overflow. bf16 has fp32's
 exponent range and needs no loss scaling: train bf16 without a scaler.
 
-Rules (REFERENCE.md, "fp16 dynamic loss scaling"; DeepSpeed ``DynamicLossScaler``):
+Rules (docs/reference.md, "fp16 dynamic loss scaling"; identical, update by update, to
+DeepSpeed >= 0.17.1 ``DynamicLossScaler.update_scale`` — a differential test drives both):
 
-* overflow (any inf/nan grad on ANY rank of ``group``): the step is skipped. If the hysteresis
-  left is 1 (or ``hysteresis`` is 1), ``S = max(S / 2, min_loss_scale)`` — or, with S already at
-  ``min_loss_scale``, raise ``LossScaleAtMinimumError`` ("Current loss scale already at minimum -
-  cannot decrease scale anymore"); otherwise hysteresis left -= 1 and S stays.
-* clean step: with ``consecutive_hysteresis`` the hysteresis is refilled. When the number of
-  clean steps since the last overflow (counting this one) is a positive multiple of
-  ``loss_scale_window``, S doubles and the hysteresis is refilled.
-* ``loss_scale > 0`` is a static scale: S never changes. Unlike DeepSpeed's static scaler, an
-  overflow still skips the step (parameters never take an inf/nan).
+* overflow (any inf/nan grad on ANY rank of ``group``): the step is skipped. If ``hysteresis``
+  is 1 or the hysteresis left is 1, S is halved: with S exactly equal to ``min_loss_scale``
+  raise ``LossScaleAtMinimumError`` ("Current loss scale already at minimum - cannot decrease
+  scale anymore"), else ``S = max(S / 2, min_loss_scale)`` — so a scale that starts below the
+  minimum is raised to it by the first halving. Otherwise the hysteresis left drops by one and
+  S stays. The hysteresis is not refilled by a halving.
+* clean step: with ``consecutive_hysteresis`` the hysteresis is refilled. Let
+  ``stable = cur_iter - last_overflow_iter - 1``, the clean steps BEFORE this one since the last
+  overflow (training starts as if step -1 overflowed). When ``stable > 0`` and
+  ``stable % loss_scale_window == 0``, S doubles and the hysteresis is refilled: the doublings
+  happen on clean steps ``W + 1, 2W + 1, ...`` of a run (DeepSpeed < 0.17.1 doubled one step
+  earlier, on clean step W).
+* ``loss_scale > 0`` is a static scale: S never changes, and (as in DeepSpeed's engines, which
+  check overflow whatever the scaler) an overflow still skips the step.
 """
 
 from __future__ import annotations
@@ -67,7 +73,10 @@ class DynamicLossScaler:
         loss_scale_window: clean steps between doublings.
         hysteresis: overflows tolerated before the scale is halved.
         consecutive_hysteresis: refill the hysteresis on every clean step.
-        min_loss_scale: lowest scale; an overflow there raises :class:`LossScaleAtMinimumError`.
+        min_loss_scale: lowest scale; an overflow with the scale exactly here raises
+            :class:`LossScaleAtMinimumError`.
+        raise_error_at_min_scale: DeepSpeed's switch of the same name (not a config key there
+            either): False keeps training at ``min_loss_scale`` instead of raising.
 
     Example:
         >>> scaler = DynamicLossScaler.from_config({"loss_scale": 0, "initial_scale_power": 16})
@@ -87,6 +96,7 @@ class DynamicLossScaler:
         hysteresis: int = 2,
         consecutive_hysteresis: bool = False,
         min_loss_scale: float = 1.0,
+        raise_error_at_min_scale: bool = True,
     ) -> None:
         if not loss_scale >= 0:
             raise ValueError(f"loss_scale must be >= 0 (0 = dynamic), got {loss_scale}")
@@ -101,6 +111,7 @@ class DynamicLossScaler:
         self.hysteresis = int(hysteresis)
         self.consecutive_hysteresis = bool(consecutive_hysteresis)
         self.min_loss_scale = float(min_loss_scale)
+        self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
         self.cur_scale = float(2.0**initial_scale_power) if self.dynamic else float(loss_scale)
         self.cur_hysteresis = self.hysteresis
         self.cur_iter = 0
@@ -138,7 +149,9 @@ class DynamicLossScaler:
             return
         if overflow:
             if self.hysteresis == 1 or self.cur_hysteresis == 1:
-                if self.cur_scale <= self.min_loss_scale:
+                # Exact equality, as DeepSpeed: a scale below the minimum (min_loss_scale above
+                # the initial scale) is not an error; max() below lifts it to the minimum.
+                if self.cur_scale == self.min_loss_scale and self.raise_error_at_min_scale:
                     raise LossScaleAtMinimumError(
                         "Current loss scale already at minimum - cannot decrease scale anymore "
                         f"(scale={self.cur_scale}, min_loss_scale={self.min_loss_scale})"
@@ -150,7 +163,10 @@ class DynamicLossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            if (self.cur_iter - self.last_overflow_iter) % self.loss_scale_window == 0:
+            # Clean steps before this one since the last overflow: doubling on clean steps
+            # W+1, 2W+1, ... of a run (DeepSpeed >= 0.17.1).
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.loss_scale_window == 0:
                 self.cur_hysteresis = self.hysteresis
                 self.cur_scale *= 2.0
         self.cur_iter += 1
@@ -197,6 +213,7 @@ class DynamicLossScaler:
             last_overflow_iter=self.last_overflow_iter, dynamic=self.dynamic,
             loss_scale_window=self.loss_scale_window, hysteresis=self.hysteresis,
             consecutive_hysteresis=self.consecutive_hysteresis, min_loss_scale=self.min_loss_scale,
+            raise_error_at_min_scale=self.raise_error_at_min_scale,
         )  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

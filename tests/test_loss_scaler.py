@@ -1,12 +1,18 @@
-"""DynamicLossScaler's schedule vs the rules of REFERENCE.md ("fp16 dynamic loss scaling").
+"""DynamicLossScaler's schedule vs the rules of docs/reference.md ("fp16 dynamic loss scaling").
 
 Each scenario's expected scales were worked out by hand from the written rules, step by step,
-in the comments — not read off the implementation.
+in the comments — not read off the implementation. :func:`reference_scales` restates the rules
+in a different form (a counter of clean steps in the current run instead of iteration numbers)
+and a Hypothesis test compares the two on random overflow sequences. The rules are DeepSpeed's
+(>= 0.17.1); tests/test_loss_scaler_deepspeed.py checks against DeepSpeed itself when installed.
 """
 
 from __future__ import annotations
 
 import pytest
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardkit.parallel.loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
 
@@ -25,10 +31,60 @@ def test_initial_scale_is_two_to_the_power() -> None:
     assert DynamicLossScaler().scale == 2.0**16  # default initial_scale_power=16
 
 
-def test_doubles_every_window_of_clean_steps() -> None:
-    # window 3: clean steps since last overflow 1,2,3 -> double at the 3rd, again at the 6th.
+def reference_scales(
+    pattern: str, *, scale: float, window: int, hysteresis: int, consecutive: bool, min_scale: float
+) -> list[float | str]:
+    """The written rules, step by step; 'raise' where an overflow at the minimum must raise.
+
+    ``run`` counts the clean steps of the current run including this one; training starts as
+    if the step before the first had overflowed. A clean step doubles when the steps before it
+    in its run are a positive multiple of the window: run lengths W+1, 2W+1, ...
+    """
+    out: list[float | str] = []
+    left, run_len = hysteresis, 0
+    for c in pattern:
+        if c == "o":
+            run_len = 0
+            if hysteresis == 1 or left == 1:
+                if scale == min_scale:
+                    out.append("raise")
+                    return out
+                scale = max(scale / 2, min_scale)
+            else:
+                left -= 1
+        else:
+            run_len += 1
+            if consecutive:
+                left = hysteresis
+            if run_len - 1 >= window and (run_len - 1) % window == 0:
+                left, scale = hysteresis, scale * 2
+        out.append(scale)
+    return out
+
+
+def run_or_raise(scaler: DynamicLossScaler, pattern: str) -> list[float | str]:
+    out: list[float | str] = []
+    for c in pattern:
+        try:
+            scaler.update(c == "o")
+        except LossScaleAtMinimumError:
+            out.append("raise")
+            return out
+        out.append(scaler.scale)
+    return out
+
+
+def test_doubles_on_clean_steps_window_plus_one() -> None:
+    # window 3: the 1st..3rd clean steps have 0, 1, 2 clean steps before them -> no change; the
+    # 4th has 3 -> double (32); the 7th has 6 -> double again (64).
     s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=3)
-    assert run(s, "......") == [16, 16, 32, 32, 32, 64]
+    assert run(s, ".......") == [16, 16, 16, 32, 32, 32, 64]
+
+
+def test_window_one_doubles_from_the_second_clean_step() -> None:
+    # window 1: the first clean step after an overflow has 0 clean steps before it -> no change.
+    s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=1, hysteresis=1)
+    assert run(s, "...o..") == [16, 32, 64, 32, 32, 64]
 
 
 def test_hysteresis_delays_the_halving() -> None:
@@ -45,11 +101,17 @@ def test_hysteresis_one_halves_immediately() -> None:
 
 
 def test_window_counts_from_last_overflow_and_refills_hysteresis() -> None:
-    # hysteresis 2, window 2. step0 'o': hyst 2->1, scale 16. step1 '.': 1 clean step since the
-    # overflow -> no change. step2 '.': 2 clean -> double to 32 and refill hysteresis to 2.
-    # step3 'o': hyst 2->1, scale 32 (refilled, so no halving). step4 'o': halve to 16.
+    # hysteresis 2, window 2. step0 'o': hyst 2->1, scale 16. steps 1-2 '.': 0 and 1 clean steps
+    # before them -> no change. step3 '.': 2 before it -> double to 32, refill hysteresis to 2.
+    # step4 'o': hyst 2->1, scale 32 (refilled, so no halving). step5 'o': halve to 16.
     s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=2, hysteresis=2)
-    assert run(s, "o..oo") == [16, 16, 32, 32, 16]
+    assert run(s, "o...oo") == [16, 16, 16, 32, 32, 16]
+
+
+def test_window_two_only_two_clean_steps_after_overflow_does_not_double() -> None:
+    # The old (DeepSpeed < 0.17.1) rule doubled here, on the 2nd clean step after the overflow.
+    s = DynamicLossScaler(initial_scale_power=4, loss_scale_window=2, hysteresis=2)
+    assert run(s, "o..oo") == [16, 16, 16, 8, 4]
 
 
 def test_consecutive_hysteresis_refills_on_every_clean_step() -> None:
@@ -74,6 +136,55 @@ def test_min_loss_scale_is_a_floor_not_a_power_of_two() -> None:
     # start 8, min 5: 8/2 = 4 < 5 -> 5.
     s = DynamicLossScaler(initial_scale_power=3, hysteresis=1, min_loss_scale=5)
     assert run(s, "o") == [5]
+
+
+def test_scale_below_minimum_is_raised_to_it_not_an_error() -> None:
+    # start 2, min 4 (above the initial scale): 2 != 4 so no error; max(2/2, 4) = 4. Now at the
+    # minimum exactly: the next overflow raises.
+    s = DynamicLossScaler(initial_scale_power=1, hysteresis=1, min_loss_scale=4)
+    assert run(s, "o") == [4]
+    with pytest.raises(LossScaleAtMinimumError, match="already at minimum"):
+        s.update(True)
+
+
+def test_scale_below_minimum_may_grow_below_it() -> None:
+    # start 1, min 8, window 1: clean steps double 1 -> 2 -> 4 (still below the minimum, which
+    # only acts on an overflow); the overflow then lifts 4 to max(2, 8) = 8.
+    s = DynamicLossScaler(initial_scale_power=0, loss_scale_window=1, hysteresis=1, min_loss_scale=8)
+    assert run(s, "...o") == [1, 2, 4, 8]
+
+
+def test_raise_error_at_min_scale_false_stays_at_minimum() -> None:
+    s = DynamicLossScaler(initial_scale_power=3, hysteresis=1, min_loss_scale=4, raise_error_at_min_scale=False)
+    assert run(s, "ooo") == [4, 4, 4]
+
+
+def test_failed_update_leaves_state_unchanged() -> None:
+    s = DynamicLossScaler(initial_scale_power=2, hysteresis=1, min_loss_scale=2)
+    run(s, "o")
+    before = s.state_dict()
+    with pytest.raises(LossScaleAtMinimumError):
+        s.update(True)
+    assert s.state_dict() == before
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pattern=st.text(alphabet="o.", max_size=60),
+    power=st.integers(-2, 10),
+    window=st.integers(1, 6),
+    hysteresis=st.integers(1, 4),
+    consecutive=st.booleans(),
+    min_scale=st.sampled_from([0.25, 1.0, 2.0, 3.0, 64.0, 4096.0]),
+)
+def test_matches_written_out_rules(
+    pattern: str, power: int, window: int, hysteresis: int, consecutive: bool, min_scale: float
+) -> None:
+    s = DynamicLossScaler(initial_scale_power=power, loss_scale_window=window, hysteresis=hysteresis,
+                          consecutive_hysteresis=consecutive, min_loss_scale=min_scale)  # fmt: skip
+    expected = reference_scales(pattern, scale=2.0**power, window=window, hysteresis=hysteresis,
+                                consecutive=consecutive, min_scale=min_scale)  # fmt: skip
+    assert run_or_raise(s, pattern) == expected
 
 
 def test_static_scale_never_changes() -> None:
