@@ -9,8 +9,8 @@ Example:
 
 from .buckets import BucketedGradReducer, GradBucket, plan_buckets
 from .data_parallel import DataParallel
-from .grad_utils import clip_grad_norm_, unscale_and_check
-from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError, OverflowReport
+from .grad_utils import OverflowReport, clip_grad_norm_, unscale_grads_
+from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
 
 __all__ = [
     "BucketedGradReducer",
@@ -21,5 +21,5 @@ __all__ = [
     "OverflowReport",
     "clip_grad_norm_",
     "plan_buckets",
-    "unscale_and_check",
+    "unscale_grads_",
 ]

@@ -7,11 +7,34 @@ Two groups matter and they are different:
 * ``norm_group`` — ranks across which the gradients are *partitioned* (ZeRO shards, tensor-
   parallel slices): their squared norms are summed. DDP replicas hold identical grads after the
   all-reduce, so for DDP the local norm is already global: leave ``norm_group=None``.
+
+Naming scheme for unscale/clip functions (torch's names at the top):
+
+==============================  ===========================  ==================================
+level                           takes                        names
+==============================  ===========================  ==================================
+public, ``shardkit.parallel``   parameters (reads ``.grad``)  ``clip_grad_norm_`` (as
+                                may communicate over a        ``torch.nn.utils``),
+                                group                         ``DynamicLossScaler.unscale_`` (as
+                                                              ``torch.amp.GradScaler``), and
+                                                              ``unscale_grads_`` under it
+kernels, ``shardkit.kernels``   lists of grad tensors, one    ``unscale_and_norm_``,
+``.grad_epilogue``              device/dtype, no collective   ``clip_grads_``, ``clip_coef``
+==============================  ===========================  ==================================
+
+A trailing ``_`` means the function writes the gradients in place (torch's convention);
+``clip_coef`` only computes. ``grad``/``grads`` in a name: it acts on gradients, never on
+parameters. Kernel names describe the fused pass (``unscale_and_norm_``: unscale, flag inf/nan,
+accumulate Σg²); public names say what the caller asks for.
+
+This module owns :class:`OverflowReport`; :mod:`.loss_scaler` imports from here, never the
+reverse.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,9 +42,22 @@ import torch
 from shardkit.comm import all_reduce
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
-from .loss_scaler import OverflowReport
+__all__ = ["OverflowReport", "unscale_grads_", "clip_grad_norm_"]
 
-__all__ = ["unscale_and_check", "clip_grad_norm_"]
+
+@dataclass
+class OverflowReport:
+    """Outcome of :func:`unscale_grads_` (and :meth:`DynamicLossScaler.unscale_`).
+
+    Attributes:
+        overflow: an inf/nan gradient was found on some rank of the group.
+        grad_norm: global L2 norm of the unscaled gradients (``inf`` on overflow).
+        nonfinite: names (or indices) of this rank's params with inf/nan grads, when requested.
+    """
+
+    overflow: bool
+    grad_norm: float
+    nonfinite: list[str] = field(default_factory=list)
 
 
 def _by_dtype(named: Sequence[tuple[str, torch.Tensor]]) -> dict[torch.dtype, list[tuple[str, torch.Tensor]]]:
@@ -46,7 +82,7 @@ def _grads(items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     return [p.grad for _, p in items]
 
 
-def unscale_and_check(
+def unscale_grads_(
     named_params: Sequence[tuple[str, torch.Tensor]],
     *,
     inv_scale: float = 1.0,
@@ -76,8 +112,8 @@ def unscale_and_check(
         :class:`~shardkit.parallel.OverflowReport` with ``grad_norm`` before clipping.
 
     Example:
-        >>> report = unscale_and_check(list(model.named_parameters()), inv_scale=1 / 1024.0,
-        ...                            group=ctx.group("dp"), max_norm=1.0)
+        >>> report = unscale_grads_(list(model.named_parameters()), inv_scale=1 / 1024.0,
+        ...                        group=ctx.group("dp"), max_norm=1.0)
     """
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")

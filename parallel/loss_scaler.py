@@ -27,31 +27,17 @@ DeepSpeed >= 0.17.1 ``DynamicLossScaler.update_scale`` — a differential test d
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "OverflowReport"]
+from .grad_utils import OverflowReport, unscale_grads_
+
+__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError"]
 
 
 class LossScaleAtMinimumError(RuntimeError):
     """An overflow happened with the loss scale already at ``min_loss_scale``."""
-
-
-@dataclass
-class OverflowReport:
-    """Outcome of :meth:`DynamicLossScaler.unscale_`.
-
-    Attributes:
-        overflow: an inf/nan gradient was found on some rank of the group.
-        grad_norm: global L2 norm of the unscaled gradients (``inf``/``nan`` on overflow).
-        nonfinite: names (or indices) of this rank's params with inf/nan grads, when requested.
-    """
-
-    overflow: bool
-    grad_norm: float
-    nonfinite: list[str] = field(default_factory=list)
 
 
 _DEFAULTS = dict(
@@ -198,10 +184,8 @@ class DynamicLossScaler:
         Returns:
             An :class:`OverflowReport`.
         """
-        from .grad_utils import unscale_and_check
-
         named = _named(params)
-        return unscale_and_check(
+        return unscale_grads_(
             named, inv_scale=1.0 / self.cur_scale, group=group, max_norm=max_norm,
             report_nonfinite=report_nonfinite, backend=backend,
         )  # fmt: skip

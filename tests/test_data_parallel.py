@@ -12,7 +12,7 @@ from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.kernels import FusedAdamW
-from shardkit.parallel import DataParallel, DynamicLossScaler, clip_grad_norm_, unscale_and_check
+from shardkit.parallel import DataParallel, DynamicLossScaler, clip_grad_norm_, unscale_grads_
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -284,17 +284,17 @@ def test_clip_across_sharded_grads(dist_pool, backend: str) -> None:
 
 # ---- single process -----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_unscale_and_check_single_process(backend: str) -> None:
+def test_unscale_grads__single_process(backend: str) -> None:
     model = make_model(0)
     x, y = batches(0)
     (nn.functional.mse_loss(model(x), y) * 512.0).backward()
     expected = [p.grad / 512.0 for p in model.parameters()]
-    report = unscale_and_check(list(model.named_parameters()), inv_scale=1 / 512.0, backend=backend)
+    report = unscale_grads_(list(model.named_parameters()), inv_scale=1 / 512.0, backend=backend)
     assert not report.overflow
     torch.testing.assert_close([p.grad for p in model.parameters()], expected)
     assert report.grad_norm == pytest.approx(torch.stack([g.norm() for g in expected]).norm().item(), rel=1e-5)
     model[0].bias.grad[1] = float("nan")
-    report = unscale_and_check(list(model.named_parameters()), report_nonfinite=True, backend=backend)
+    report = unscale_grads_(list(model.named_parameters()), report_nonfinite=True, backend=backend)
     assert report.overflow and report.nonfinite == ["0.bias"]
 
 

@@ -218,3 +218,15 @@ def test_state_dict_round_trip_continues_identically() -> None:
     b = DynamicLossScaler()
     b.load_state_dict(a.state_dict())
     assert run(a, "...o.oo") == run(b, "...o.oo")
+
+
+def test_grad_utils_does_not_import_loss_scaler() -> None:
+    # One direction only: loss_scaler -> grad_utils (OverflowReport lives in grad_utils).
+    import ast
+    import importlib.util
+
+    path = importlib.util.find_spec("shardkit.parallel.grad_utils").origin
+    tree = ast.parse(open(path).read())
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any("loss_scaler" in m for m in imported), imported
