@@ -23,6 +23,7 @@ from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, flatten_into, unflatten_from
+from shardkit.kernels.layout import is_dense
 from shardkit.kernels.runtime import resolve_backend
 
 from .buckets import FIRST_BUCKET_BYTES, BucketedGradReducer, GradBucket, plan_buckets
@@ -40,16 +41,6 @@ def _grad_dtype(p: torch.Tensor) -> torch.dtype:
     return getattr(p, "grad_dtype", None) or p.dtype
 
 
-def _is_dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: some order of ``t``'s dims is contiguous (e.g. channels_last)."""
-    expected = 1
-    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
     """The param's slot of a bucket, laid out like the param (as torch DDP's bucket views).
 
@@ -57,7 +48,7 @@ def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tenso
     ``numel`` elements, so autograd's layout contract (grad strides = param strides) holds for a
     grad that is the view, and copies between grad and slot are plain memory-order copies.
     """
-    if param.is_contiguous() or not _is_dense(param):
+    if param.is_contiguous() or not is_dense(param):
         return buffer.narrow(0, offset, param.numel()).view(param.shape)
     return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
 
