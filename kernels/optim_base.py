@@ -39,13 +39,21 @@ dtype, so :meth:`FusedOptimizer.load_state_dict` restores fp32 for these params 
 state_dict from a torch optimizer (no ``master_param``) starts the master from the param. The
 param itself is never read back: after writing params directly (loading weights, EMA swaps),
 call :meth:`FusedOptimizer.sync_master_weights`.
+
+[Note: torch.compile]
+``torch.compile(opt.step)`` compiles the closure (if any) and runs the update eagerly behind a
+graph break: the update is already one fused launch per launch group, so compiling it gains
+nothing, and inductor cannot compile it (the CPU path's ``torch._fused_adamw_``/``_fused_sgd_``
+mutate their inputs, which inductor's functionalization rejects; the Triton path launches
+through raw pointer tables). Params and state come out exactly as in eager mode.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -53,6 +61,9 @@ from .layout import SUPPORTED_DTYPES, is_dense, same_layout
 from .runtime import resolve_backend
 
 __all__ = ["LaunchGroup", "FusedOptimizer", "check_betas", "check_nonneg"]
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def check_nonneg(name: str, value: float | torch.Tensor) -> None:
@@ -72,6 +83,25 @@ def check_betas(betas: tuple[float, float], name: str = "betas") -> None:
     for i, b in enumerate(betas):
         if not 0.0 <= float(b) < 1.0:
             raise ValueError(f"Invalid {name}[{i}]: {float(b)} (must be in [0, 1))")
+
+
+def _run_eagerly_under_compile(fn: Callable[_P, _T]) -> Callable[_P, _T]:
+    """``fn`` unchanged in eager mode; under ``torch.compile`` a graph break around an eager call.
+
+    See [Note: torch.compile]. ``torch._dynamo`` is imported on the first compiled call only:
+    importing it costs about a second, which eager training (and import) should not pay.
+    """
+    disabled: list[Callable[_P, _T]] = []
+
+    @functools.wraps(fn)
+    def inner(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        if not torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return inner
 
 
 class LaunchGroup(list):
@@ -210,10 +240,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._apply_updates()
+        return loss
+
+    @_run_eagerly_under_compile
+    def _apply_updates(self) -> None:
+        """Update every param group with a grad (the kernel launches; see [Note: torch.compile])."""
         grad_scale: torch.Tensor | None = getattr(self, "grad_scale", None)
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf.sum() > 0):
-            return loss  # overflow: skip, params and state untouched
+            return  # overflow: skip, params and state untouched
         if grad_scale is not None:
             grad_scale = grad_scale.to(torch.float32).reshape(1)
         for index, group in enumerate(self.param_groups):
@@ -232,7 +268,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             for device, launch_group in plan[2]:
                 scale = grad_scale.to(device) if grad_scale is not None else None
                 self._update(group, launch_group, scale)
-        return loss
 
     def _plan(self, group: dict[str, Any]) -> list[tuple[torch.device, LaunchGroup]]:
         """Validate grads, create missing state, and split a group into launch groups (see [Note: launch groups])."""
