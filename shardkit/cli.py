@@ -15,16 +15,14 @@ import argparse
 import os
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import fields
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import shardkit
+from shardkit.bench import BENCHMARKS
+from shardkit.bench import run as run_benchmark
+from shardkit.train.config import TrainConfig, add_arguments, from_args, to_argv
 
-if TYPE_CHECKING:
-    from shardkit.train import TrainConfig
-
-__all__ = ["add_train_arguments", "build_parser", "config_from_args", "config_to_argv", "launch", "main"]
+__all__ = ["build_parser", "launch", "main"]
 
 _EXAMPLES = """\
 examples:
@@ -41,94 +39,6 @@ Train TinyGPT (char-level, ~0.8M params by default) on a deterministic generated
 --nproc N > 1 re-launches with torchrun (needs --strategy ddp); rank 0 shows progress and
 prints every rank's summary: losses, tokens/s, wall time, bytes of params/grads/optimizer
 state per rank, and communication volume. bf16/fp16 are emulated (slow) on most CPUs."""
-
-
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``train`` flags to ``parser``; defaults come from :class:`~shardkit.train.TrainConfig`.
-
-    Example:
-        >>> p = argparse.ArgumentParser(); add_train_arguments(p)
-        >>> config_from_args(p.parse_args(["--steps", "300", "--bf16"])).precision
-        'bf16'
-    """
-    from shardkit.train import TrainConfig  # imports torch: only when a parser is built
-
-    d = TrainConfig()
-    g = parser.add_argument_group("launch")
-    g.add_argument("--nproc", metavar="N", type=int, default=d.nproc,
-                   help="worker processes; > 1 re-launches with torchrun (default %(default)s)")
-    g.add_argument("--strategy", choices=["none", "ddp"], default=d.strategy,
-                   help="parallel strategy (default %(default)s)")
-    g.add_argument("--bucket-mb", metavar="MB", type=float, default=d.bucket_mb,
-                   help="ddp: gradient bucket size in MiB (default %(default)s)")
-    g.add_argument("--grad-buckets", choices=["copy", "view"], default=d.grad_buckets,
-                   help="ddp: 'view' makes each grad a view of its bucket (gradients held once, "
-                        "no copy back); 'copy' keeps separate grads (default %(default)s)")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device,
-                   help="default %(default)s: cuda when available")
-    g.add_argument("--seed", metavar="N", type=int, default=d.seed,
-                   help="model and data seed, the same on every rank (default %(default)s)")
-    g = parser.add_argument_group("model (TinyGPT)")
-    g.add_argument("--d-model", metavar="D", type=int, default=d.d_model, help="residual width (default %(default)s)")
-    g.add_argument("--n-layers", metavar="L", type=int, default=d.n_layers, help="blocks (default %(default)s)")
-    g.add_argument("--n-heads", metavar="H", type=int, default=d.n_heads, help="attention heads (default %(default)s)")
-    g.add_argument("--dropout", metavar="P", type=float, default=d.dropout, help="default %(default)s")
-    g = parser.add_argument_group("optimization (FusedAdamW)")
-    g.add_argument("--steps", metavar="N", type=int, default=d.steps, help="optimizer steps (default %(default)s)")
-    g.add_argument("--batch-size", metavar="B", type=int, default=d.batch_size,
-                   help="sequences per rank per step (default %(default)s)")
-    g.add_argument("--seq-len", metavar="T", type=int, default=d.seq_len,
-                   help="tokens per sequence (default %(default)s)")
-    g.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
-    g.add_argument("--warmup", metavar="N", type=int, default=d.warmup,
-                   help="linear warmup steps, then cosine decay (default %(default)s)")
-    g.add_argument("--min-lr-ratio", metavar="R", type=float, default=d.min_lr_ratio,
-                   help="final lr / peak lr; 1 = constant after warmup (default %(default)s)")
-    g.add_argument("--weight-decay", metavar="WD", type=float, default=d.weight_decay,
-                   help="decoupled, on matrices only (default %(default)s)")
-    g.add_argument("--clip", metavar="NORM", type=float, default=d.clip,
-                   help="max global grad norm, 0 disables (default %(default)s)")
-    precision = g.add_mutually_exclusive_group()
-    for name, what in (("fp32", "full precision (default)"), ("bf16", "bf16 autocast"),
-                       ("fp16", "fp16 autocast with dynamic loss scaling")):  # fmt: skip
-        precision.add_argument(f"--{name}", dest="precision", action="store_const", const=name, help=what)
-    parser.set_defaults(precision=d.precision)
-    g = parser.add_argument_group("evaluation and logging")
-    g.add_argument("--eval-every", metavar="N", type=int, default=d.eval_every,
-                   help="steps between eval-loss estimates (default %(default)s)")
-    g.add_argument("--eval-iters", metavar="N", type=int, default=d.eval_iters,
-                   help="fixed validation batches per estimate (default %(default)s)")
-    g.add_argument("--sample", metavar="CHARS", type=int, default=d.sample,
-                   help="print a generated sample of CHARS characters at the end")
-    g.add_argument("--log-json", metavar="PATH", default=d.log_json,
-                   help="write the config, loss curves and per-rank summaries here")
-
-
-def config_from_args(ns: argparse.Namespace) -> TrainConfig:
-    """Build a :class:`~shardkit.train.TrainConfig` from parsed ``train`` flags (extras ignored)."""
-    from shardkit.train import TrainConfig
-
-    return TrainConfig(**{f.name: getattr(ns, f.name) for f in fields(TrainConfig) if hasattr(ns, f.name)})
-
-
-def config_to_argv(cfg: TrainConfig, *, skip: Iterable[str] = ()) -> list[str]:
-    """The ``train`` flags that parse back into ``cfg`` (inverse of :func:`config_from_args`).
-
-    Args:
-        cfg: the config.
-        skip: field names to leave out.
-
-    Example:
-        >>> config_to_argv(TrainConfig(steps=7, precision="bf16"))[:4]
-        ['--nproc', '1', '--strategy', 'none']
-    """
-    argv: list[str] = []
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in skip or value is None:
-            continue
-        argv += [f"--{value}"] if f.name == "precision" else [f"--{f.name.replace('_', '-')}", str(value)]
-    return argv
 
 
 def _cpu_count() -> int:
@@ -148,9 +58,11 @@ def launch(cfg: TrainConfig) -> int:
         >>> launch(TrainConfig(nproc=2, strategy="ddp", steps=100))
         0
     """
-    from shardkit.train import train
+    from shardkit.train import resolve_device, train
 
     cfg.validate()
+    # Before starting any worker: local rank r would take cuda:r, so N ranks need N GPUs here.
+    resolve_device(cfg.device, ranks_per_node=cfg.nproc)
     if cfg.nproc == 1:
         train(cfg)
         return 0
@@ -160,7 +72,7 @@ def launch(cfg: TrainConfig) -> int:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc}",
         # Workers get no --nproc (so each trains in process); torchrun's parser also scans the
         # script's flags and would reject --nproc as an ambiguous prefix of --nproc-per-node.
-        "-m", "shardkit.cli", "train", *config_to_argv(cfg, skip={"nproc"}),
+        "-m", "shardkit.cli", "train", *to_argv(cfg, skip={"nproc"}),
     ]  # fmt: skip
     return subprocess.run(cmd, env=env, check=False).returncode
 
@@ -187,11 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=_TRAIN_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_train_arguments(train)
+    add_arguments(train)
     bench = commands.add_parser("bench", help="run a benchmark (`shardkit bench --help` lists them)")
     benches = bench.add_subparsers(dest="bench", metavar="NAME", title="benchmarks", required=True)
-    # add_help=False: every flag after `optim`, --help included, belongs to the benchmark's parser.
-    benches.add_parser("optim", help="fused optimizers vs torch.optim (`shardkit bench optim --help`)", add_help=False)
+    for name, entry in BENCHMARKS.items():
+        # add_help=False: every flag after NAME, --help included, belongs to the benchmark's parser.
+        benches.add_parser(name, help=f"{entry.help} (`shardkit bench {name} --help`)", add_help=False)
     return parser
 
 
@@ -208,14 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        from shardkit.bench.optim import main as bench_optim  # lazy: heavy, and owned by bench/
-
-        return int(bench_optim(rest) or 0)
+        return run_benchmark(args.bench, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    cfg = config_from_args(args)
+    cfg = from_args(args)
+    from shardkit.train import resolve_device  # imports torch: only for `train`
+
     try:
         cfg.validate()
+        resolve_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
     except ValueError as e:
         parser.error(str(e))
     return launch(cfg)

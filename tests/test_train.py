@@ -11,18 +11,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import shardkit.comm
-import shardkit.parallel
-from shardkit.cli import add_train_arguments, build_parser, config_from_args, config_to_argv
+from shardkit.bench import BENCHMARKS
+from shardkit.cli import build_parser
 from shardkit.cli import main as cli_main
+from shardkit.comm import ParallelContext
 from shardkit.data import ALPHABET, CharTokenizer, generate_text, get_batch, load_corpus
+from shardkit.kernels import FusedAdamW
 from shardkit.models import GPTConfig, TinyGPT, lm_loss
-from shardkit.train import ProgressBar, TrainConfig, backward_and_step, lr_at, make_loss_scaler, train
+from shardkit.parallel import DynamicLossScaler
+from shardkit.parallel.strategy import available_strategies, make_strategy
+from shardkit.train import ProgressBar, TrainConfig, lr_at, make_loss_scaler, resolve_device, train
+from shardkit.train.config import STRATEGIES, add_arguments, from_args, to_argv
+from tolerances import FP32
 
 # Small enough that a run is ~1 s of compute; shared by the in-process and subprocess runs.
 TINY = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--batch-size", "4", "--seq-len", "32"]
@@ -130,10 +137,53 @@ def test_lr_schedule_warms_up_then_decays_within_bounds(warmup: int, total: int,
 
 def test_config_round_trips_through_argv() -> None:
     parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
-    cfg = TrainConfig(nproc=2, strategy="ddp", steps=7, lr=1e-3, precision="bf16", log_json="x.json")
-    assert config_from_args(parser.parse_args(config_to_argv(cfg))) == cfg
-    assert "--nproc" not in config_to_argv(cfg, skip={"nproc"})
+    add_arguments(parser)
+    cfg = TrainConfig(nproc=2, strategy="ddp", steps=7, lr=1e-3, precision="bf16", log_json="x.json", grad_buckets="view")
+    assert from_args(parser.parse_args(to_argv(cfg))) == cfg
+    assert "--nproc" not in to_argv(cfg, skip={"nproc"})
+    # every field is a flag, and the flags carry the field's type and choices
+    assert from_args(parser.parse_args([])) == TrainConfig()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--grad-buckets", "move"])
+
+
+def test_cli_choices_are_the_registries() -> None:
+    # --strategy offers exactly the registered strategies; `shardkit bench` exactly the registered benchmarks
+    assert STRATEGIES == available_strategies()
+    assert build_parser().parse_args(["train", "--strategy", "ddp"]).strategy == "ddp"
+    bench_parser = next(
+        a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "bench"
+    )  # fmt: skip
+    assert set(bench_parser.choices) == set(BENCHMARKS)
+    assert TrainConfig(strategy="ddp", bucket_mb=4).strategy_options() == {"bucket_mb": 4, "grad_buckets": "copy"}
+    assert TrainConfig().strategy_options() == {}
+    with pytest.raises(ValueError, match="strategy"):
+        make_strategy("zero9")
+    with pytest.raises(TypeError, match="ctx"):
+        make_strategy("ddp")  # communicates: needs a ParallelContext
+
+
+def _fake_cuda(count: int):
+    return mock.patch.multiple(torch.cuda, is_available=lambda: count > 0, device_count=lambda: count)
+
+
+def test_more_ranks_than_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with _fake_cuda(1):
+        with pytest.raises(ValueError, match=r"2 ranks on this machine but only 1 CUDA device"):
+            resolve_device("auto", ranks_per_node=2)
+        with pytest.raises(ValueError, match=r"2 ranks .* only 1 CUDA device"):
+            resolve_device("cuda", ranks_per_node=1, local_rank=1)  # a worker: LOCAL_RANK past the count
+        assert resolve_device("cpu", ranks_per_node=2) == torch.device("cpu")  # --device cpu: gloo, no GPU
+        assert resolve_device("auto", ranks_per_node=1) == torch.device("cuda", 0)
+        # the CLI refuses before starting any worker (exit 2, usage error naming both numbers)
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["train", "--nproc", "2", "--strategy", "ddp", "--steps", "1"])
+        assert exc.value.code == 2
+        assert "2 ranks on this machine but only 1 CUDA device" in capsys.readouterr().err
+    with _fake_cuda(0):
+        assert resolve_device("auto", ranks_per_node=4) == torch.device("cpu")
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
 
 
 def test_cli_rejects_multiple_processes_without_a_strategy(capsys: pytest.CaptureFixture[str]) -> None:
@@ -144,19 +194,77 @@ def test_cli_rejects_multiple_processes_without_a_strategy(capsys: pytest.Captur
     assert build_parser().parse_args(["train", "--fp16"]).precision == "fp16"
 
 
-def test_fp16_loss_scaler_step_updates_params() -> None:
-    from shardkit.kernels import FusedAdamW
-
-    model = _tiny_model()
+def test_fp16_strategy_unscales_clips_and_skips_overflow() -> None:
+    scaler = make_loss_scaler("fp16")
+    assert make_loss_scaler("bf16") is None and scaler.scale == 2.0**16
+    strategy = make_strategy("none", loss_scaler=scaler)
+    model = strategy.wrap(_tiny_model())
     opt = FusedAdamW(model.parameters(), lr=1e-2)
-    scaler = make_loss_scaler("fp16", torch.device("cpu"))
+    x = torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
+    # reference: the same step without scaling, clipped by torch
+    ref = _tiny_model()
+    lm_loss(ref(x), x).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    strategy.backward(lm_loss(model(x), x))
+    norm = strategy.clip(0.5)
+    torch.testing.assert_close(norm, ref_norm, **FP32)  # the norm of the UNscaled grads
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, **FP32)  # unscaled and clipped
     before = [p.detach().clone() for p in model.parameters()]
-    x = torch.randint(VOCAB, (2, 16))
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = lm_loss(model(x), x)
-    norm = backward_and_step(loss, model, opt, clip=1.0, scaler=scaler)
-    assert norm is not None and torch.isfinite(norm)  # clipped after unscaling: a true grad norm
+    assert strategy.step(opt) is True
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    # an inf gradient: the step is skipped, params unchanged, the scale schedule advances
+    opt.zero_grad(set_to_none=True)
+    strategy.backward(lm_loss(model(x), x) * float("inf"))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert strategy.step(opt) is False  # finalizes itself without a clip() call
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    report = strategy.report(opt)
+    assert report.skipped_steps == 1 and report.loss_scale == 2.0**16  # hysteresis 2: first overflow kept
+    n = sum(p.numel() for p in model.parameters())
+    assert report.memory["params"] == 4 * n and report.memory["optimizer_state"] >= 8 * n
+
+
+def _ddp_strategy_body(steps: int, fp16: bool) -> list[float]:
+    """Each rank trains on its half of the global batch through the "ddp" strategy; the same
+    steps through "none" on the whole batch in this process are the reference."""
+    world = torch.distributed.get_world_size()
+    with ParallelContext.from_world() as ctx:
+        rank = ctx.rank("dp")
+
+        def run(name: str, ctx_: ParallelContext | None, rows: slice) -> tuple[torch.nn.Module, list]:
+            scaler = DynamicLossScaler(initial_scale_power=8, hysteresis=1) if fp16 else None
+            strategy = make_strategy(name, ctx=ctx_, loss_scaler=scaler)
+            model = strategy.wrap(_tiny_model())
+            opt = FusedAdamW(model.parameters(), lr=1e-2)
+            stepped = []
+            for step in range(steps):
+                x = torch.randint(VOCAB, (4 * world, 16), generator=torch.Generator().manual_seed(step))
+                opt.zero_grad(set_to_none=True)
+                loss = lm_loss(model(x[rows]), x[rows])
+                if step == 1 and fp16 and (name == "none" or rank == world - 1):
+                    loss = loss * float("inf")  # an overflow on ONE rank: every rank must skip
+                strategy.backward(loss)
+                strategy.clip(0.5)
+                stepped.append(strategy.step(opt))
+            return model, [stepped, strategy.report(opt)]
+
+        ddp, (ddp_stepped, ddp_report) = run("ddp", ctx, slice(4 * rank, 4 * rank + 4))
+        ref, (ref_stepped, ref_report) = run("none", None, slice(None))
+        assert ddp_stepped == ref_stepped
+        assert ddp_report.skipped_steps == ref_report.skipped_steps == (1 if fp16 else 0)
+        assert ddp_report.loss_scale == ref_report.loss_scale
+        assert ddp_report.comm["all_reduce"]["bytes"] > 0 and ref_report.comm is None
+        for p, r in zip(ddp.parameters(), ref.parameters()):
+            # averaged half-batch grads = full-batch grads up to fp32 summation order
+            torch.testing.assert_close(p, r, **FP32)
+        return [float(p.sum()) for p in ddp.parameters()]
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scaler"])
+def test_ddp_strategy_matches_single_process_on_the_global_batch(dist_pool, fp16: bool) -> None:
+    results = dist_pool.run(_ddp_strategy_body, 3, fp16, world_size=2, timeout=120)
+    assert results[0] == results[1]  # replicas identical
 
 
 # ---- progress bar -----------------------------------------------------------------------------------
@@ -232,10 +340,6 @@ def test_cli_train_fails_with_nonzero_exit(tmp_path: Path) -> None:
     assert failed_run.returncode == 1 and "too long for the val split" in failed_run.stderr
 
 
-_HAS_DP = hasattr(shardkit.parallel, "DataParallel") and hasattr(shardkit.comm, "ParallelContext")
-
-
-@pytest.mark.skipif(not _HAS_DP, reason="DataParallel not yet available")
 def test_cli_train_ddp_two_processes_matches_single_process(tmp_path: Path) -> None:
     common = ["--steps", "5", "--eval-every", "5", *TINY[:6], "--seq-len", "32"]
     args = ["train", "--nproc", "2", "--strategy", "ddp", "--batch-size", "4", *common, "--log-json", "ddp.json"]

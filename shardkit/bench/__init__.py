@@ -1,6 +1,7 @@
-"""Benchmarks shipped with the package, so ``shardkit bench <name>`` runs from an install.
+"""Benchmarks shipped with the package: the registry behind ``shardkit bench <name>``.
 
-Each benchmark is a module here with a ``main(argv) -> int`` entry point; the ``perf/`` scripts
+Each benchmark is a module here with a ``main(argv) -> int`` entry point; ``shardkit bench``
+offers exactly the entries of :data:`BENCHMARKS`, and the ``perf/`` scripts of the same subject
 are thin wrappers around them. Nothing is imported until a benchmark is run.
 
 Example:
@@ -12,11 +13,23 @@ Example:
 from __future__ import annotations
 
 import importlib
+from typing import NamedTuple
 
-__all__ = ["BENCHMARKS", "run"]
+__all__ = ["BENCHMARKS", "Benchmark", "run"]
 
-#: benchmark name -> module under ``shardkit.bench`` that implements it
-BENCHMARKS = {"optim": "optim"}
+
+class Benchmark(NamedTuple):
+    """A registered benchmark: the module under ``shardkit.bench`` and a one-line help."""
+
+    module: str
+    help: str
+
+
+#: benchmark name -> implementation. The data-parallel step-time benchmark (perf/ddp.py) spawns
+#: its own processes and stays a repository script for now.
+BENCHMARKS: dict[str, Benchmark] = {
+    "optim": Benchmark("optim", "fused optimizers vs torch.optim and DeepSpeed"),
+}
 
 
 def run(name: str, argv: list[str] | None = None) -> int:
@@ -34,5 +47,5 @@ def run(name: str, argv: list[str] | None = None) -> int:
     """
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; available: {sorted(BENCHMARKS)}")
-    module = importlib.import_module(f"{__name__}.{BENCHMARKS[name]}")
-    return int(module.main(argv))
+    module = importlib.import_module(f"{__name__}.{BENCHMARKS[name].module}")
+    return int(module.main(argv) or 0)

@@ -8,7 +8,7 @@ One AdamW step (fp32 params, m, v) over a GPT-like set of tensors totalling N pa
 * CUDA: shardkit (compiled Triton) vs torch foreach / fused vs a hand-written CUDA C AdamW
   (``perf/cuda/adamw.cu``, loaded with ``cupy.RawModule``; extra ``cuda``) on flat buffers of
   the same size, reported as GB/s = 28 B/param x N / time (read p, g, m, v + write p, m, v;
-  shared/REFERENCE.md) and % of the HBM peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
+  docs/reference.md, "Optimizer bytes per parameter") and % of the HBM peak (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
 
 Peers share one set of gradient tensors (read-only for Adam) and start from identical params,
 so every peer does identical work; steps are timed interleaved (one step of each peer per
@@ -48,8 +48,8 @@ import torch
 
 __all__ = ["BYTES_PER_PARAM", "PEERS", "model_shapes", "run_benchmark", "cuda_source_to_ptx", "main"]
 
-BYTES_PER_PARAM = 28  # fp32 AdamW: read p, g, m, v + write p, m, v (shared/REFERENCE.md)
-PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # HBM peak, SXM parts (shared/REFERENCE.md)
+BYTES_PER_PARAM = 28  # fp32 AdamW: read p, g, m, v + write p, m, v (docs/reference.md)
+PEAK_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12}  # HBM peak, SXM parts (docs/reference.md)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 SHARDKIT = "shardkit.FusedAdamW"
 PEERS = (SHARDKIT, "torch.AdamW(foreach)", "torch.AdamW(fused)", "deepspeed.DeepSpeedCPUAdam", "cuda_c.adamw")

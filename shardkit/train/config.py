@@ -1,0 +1,181 @@
+"""The ``shardkit train`` configuration: one dataclass, from which the CLI flags are derived.
+
+Each field's ``metadata`` carries its help text, its argument group and (optionally) its metavar;
+its type annotation gives the flag's type and, for a ``Literal``, its choices. So a new option is
+one field here: :func:`add_arguments` and :func:`to_argv` pick it up, and ``validate`` checks it.
+
+This module imports neither torch nor the rest of shardkit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from collections.abc import Iterable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Literal
+
+__all__ = ["STRATEGIES", "TrainConfig", "add_arguments", "from_args", "to_argv"]
+
+#: strategy names ``--strategy`` accepts: those registered in :mod:`shardkit.parallel.strategy`
+#: (a test keeps the two equal; the registry is not imported here to keep the CLI light)
+STRATEGIES = ("none", "ddp")
+Strategy = Literal["none", "ddp"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+_LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model (TinyGPT)", "optimization (FusedAdamW)", "evaluation and logging"
+
+
+def _opt(default: Any, help: str, group: str, *, metavar: str | None = None, **extra: Any) -> Any:
+    """A dataclass field whose metadata describes its command-line flag."""
+    return field(default=default, metadata={"help": help, "group": group, "metavar": metavar, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs; one field per ``shardkit train`` flag.
+
+    ``batch_size`` is per rank: a data-parallel step consumes ``batch_size * nproc`` sequences.
+    Fields whose metadata lists ``strategies`` are options of those strategies only
+    (:meth:`strategy_options`).
+
+    Example:
+        >>> cfg = TrainConfig(steps=20, d_model=64, n_layers=2)
+        >>> cfg.validate()
+    """
+
+    nproc: int = _opt(1, "worker processes; > 1 re-launches with torchrun", _LAUNCH, metavar="N")
+    strategy: Strategy = _opt("none", "parallel strategy", _LAUNCH)
+    bucket_mb: float = _opt(25.0, "ddp: gradient bucket size in MiB", _LAUNCH, metavar="MB", strategies=("ddp",))
+    grad_buckets: Literal["copy", "view"] = _opt(
+        "copy", "ddp: 'view' makes each grad a view of its bucket (gradients held once, no copy back); "
+        "'copy' keeps separate grads", _LAUNCH, strategies=("ddp",),
+    )  # fmt: skip
+    device: Literal["auto", "cpu", "cuda"] = _opt(
+        "auto", "auto: cuda when available; cpu forces the gloo backend even where CUDA exists", _LAUNCH
+    )
+    seed: int = _opt(0, "model and data seed, the same on every rank", _LAUNCH, metavar="N")
+    d_model: int = _opt(128, "residual width", _MODEL, metavar="D")
+    n_layers: int = _opt(4, "blocks", _MODEL, metavar="L")
+    n_heads: int = _opt(4, "attention heads", _MODEL, metavar="H")
+    dropout: float = _opt(0.0, "dropout probability", _MODEL, metavar="P")
+    steps: int = _opt(200, "optimizer steps", _OPTIM, metavar="N")
+    batch_size: int = _opt(16, "sequences per rank per step", _OPTIM, metavar="B")
+    seq_len: int = _opt(128, "tokens per sequence", _OPTIM, metavar="T")
+    lr: float = _opt(3e-3, "peak learning rate", _OPTIM)
+    warmup: int = _opt(20, "linear warmup steps, then cosine decay", _OPTIM, metavar="N")
+    min_lr_ratio: float = _opt(0.1, "final lr / peak lr; 1 = constant after warmup", _OPTIM, metavar="R")
+    weight_decay: float = _opt(0.1, "decoupled, on matrices only", _OPTIM, metavar="WD")
+    clip: float = _opt(1.0, "max global grad norm, 0 disables", _OPTIM, metavar="NORM")
+    precision: Precision = _opt(
+        "fp32", "", _OPTIM,
+        flags={"fp32": "full precision (default)", "bf16": "bf16 autocast",
+               "fp16": "fp16 autocast with dynamic loss scaling"},
+    )  # fmt: skip
+    eval_every: int = _opt(50, "steps between eval-loss estimates", _LOG, metavar="N")
+    eval_iters: int = _opt(8, "fixed validation batches per estimate", _LOG, metavar="N")
+    sample: int = _opt(0, "print a generated sample of CHARS characters at the end", _LOG, metavar="CHARS")
+    log_json: str | None = _opt(None, "write the config, loss curves and per-rank summaries here", _LOG, metavar="PATH")
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first invalid field."""
+        for name in ("nproc", "steps", "batch_size", "seq_len", "eval_every", "eval_iters", "bucket_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lr", "warmup", "weight_decay", "clip", "dropout", "sample"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for f in fields(self):
+            choices = _choices(f.name)
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
+        if self.nproc > 1 and self.strategy == "none":
+            raise ValueError(f"nproc={self.nproc} needs a parallel strategy: pass --strategy ddp")
+
+    def strategy_options(self) -> dict[str, Any]:
+        """The options of the chosen strategy, for ``make_strategy(cfg.strategy, **options)``.
+
+        Example:
+            >>> TrainConfig(strategy="ddp", bucket_mb=4).strategy_options()
+            {'bucket_mb': 4, 'grad_buckets': 'copy'}
+        """
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if self.strategy in f.metadata.get("strategies", ())
+        }
+
+
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _choices(name: str) -> tuple[Any, ...]:
+    hint = _hints()[name]
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def _scalar_type(name: str) -> type:
+    hint = _hints()[name]
+    if typing.get_origin(hint) is Literal:
+        return type(typing.get_args(hint)[0])
+    args = [a for a in typing.get_args(hint) if a is not type(None)]  # Optional[X] -> X
+    return args[0] if args else hint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per :class:`TrainConfig` field to ``parser``, in argument groups.
+
+    ``--field-name`` for a field ``field_name``; a field with ``flags`` metadata becomes
+    mutually exclusive switches (``--fp32/--bf16/--fp16``).
+
+    Example:
+        >>> p = argparse.ArgumentParser(); add_arguments(p)
+        >>> from_args(p.parse_args(["--steps", "300", "--bf16"])).precision
+        'bf16'
+    """
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        group = groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        if "flags" in meta:
+            exclusive = group.add_mutually_exclusive_group()
+            for value, what in meta["flags"].items():
+                exclusive.add_argument(f"--{value}", dest=f.name, action="store_const", const=value, help=what)
+            parser.set_defaults(**{f.name: f.default})
+            continue
+        choices = _choices(f.name)
+        default_note = "" if f.default is None or f.default is MISSING else " (default %(default)s)"
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}", dest=f.name, type=_scalar_type(f.name), default=f.default,
+            choices=list(choices) or None, metavar=None if choices else meta.get("metavar"),
+            help=meta["help"] + default_note,
+        )  # fmt: skip
+
+
+def from_args(ns: argparse.Namespace) -> TrainConfig:
+    """Build a :class:`TrainConfig` from parsed flags (attributes that are not fields are ignored)."""
+    return TrainConfig(**{f.name: getattr(ns, f.name) for f in fields(TrainConfig) if hasattr(ns, f.name)})
+
+
+def to_argv(cfg: TrainConfig, *, skip: Iterable[str] = ()) -> list[str]:
+    """The flags that parse back into ``cfg`` (inverse of :func:`from_args`).
+
+    Args:
+        cfg: the config.
+        skip: field names to leave out.
+
+    Example:
+        >>> to_argv(TrainConfig(steps=7, precision="bf16"))[:4]
+        ['--nproc', '1', '--strategy', 'none']
+    """
+    skip = set(skip)
+    argv: list[str] = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in skip or value is None:
+            continue
+        argv += [f"--{value}"] if "flags" in f.metadata else [f"--{f.name.replace('_', '-')}", str(value)]
+    return argv

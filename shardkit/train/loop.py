@@ -1,0 +1,299 @@
+"""The demo training loop: :class:`~shardkit.models.TinyGPT` on the built-in corpus.
+
+:func:`train` runs one rank of a run: ``shardkit train`` (:mod:`shardkit.cli`) calls it in
+process for ``--nproc 1``, or starts N torchrun workers that each call it. Rank 0 draws the
+progress bar and prints every rank's summary, gathered in rank order.
+
+Parallelism is entirely behind :class:`~shardkit.parallel.strategy.Strategy` (wrap, backward,
+clip, step, report): the loop has no branch per strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.comm import ParallelContext
+from shardkit.data import get_batch, load_corpus
+from shardkit.kernels import FusedAdamW
+from shardkit.models import TinyGPT, lm_loss
+from shardkit.parallel import DynamicLossScaler
+from shardkit.parallel.strategy import Strategy, get_strategy_class, make_strategy
+
+from .config import Precision, TrainConfig
+from .progress import ProgressBar, fmt_bytes, fmt_comm
+from .schedule import lr_at
+
+__all__ = ["TrainResult", "make_loss_scaler", "resolve_device", "train"]
+
+
+@dataclass
+class TrainResult:
+    """What :func:`train` returns on every rank.
+
+    Attributes:
+        summary: this rank's final numbers (losses, throughput, bytes per rank, comm stats).
+        train_losses: loss of every step (this rank's micro-batch).
+        evals: ``(step, eval loss)`` pairs.
+        lrs: learning rate of every step.
+        ranks: every rank's summary in rank order on rank 0 (``[]`` on the other ranks).
+    """
+
+    summary: dict[str, Any]
+    train_losses: list[float] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def make_loss_scaler(precision: Precision) -> DynamicLossScaler | None:
+    """The loss scaler for ``precision``: a DeepSpeed-style dynamic scaler for fp16, else None.
+
+    bf16 and fp32 need no loss scaling (bf16 has fp32's exponent range). Defaults are
+    DeepSpeed's (docs/reference.md, "fp16 dynamic loss scaling").
+
+    Example:
+        >>> make_loss_scaler("fp16").scale
+        65536.0
+    """
+    if precision != "fp16":
+        return None
+    return DynamicLossScaler(initial_scale_power=16, loss_scale_window=1000, hysteresis=2)
+
+
+def resolve_device(choice: str, *, ranks_per_node: int = 1, local_rank: int = 0) -> torch.device:
+    """The device of local rank ``local_rank`` among ``ranks_per_node`` ranks on this machine.
+
+    ``"auto"`` is CUDA when available. On CUDA, local rank r uses ``cuda:r`` (torchrun's
+    contract), so every rank of the node needs its own GPU: more ranks than GPUs is an error
+    that names both numbers, raised before any process is started or device is set.
+
+    Args:
+        choice: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        ranks_per_node: processes on this machine (``--nproc``).
+        local_rank: this process's rank on the machine.
+
+    Raises:
+        ValueError: CUDA requested but absent, or more ranks than CUDA devices.
+
+    Example:
+        >>> resolve_device("cpu", ranks_per_node=4)
+        device(type='cpu')
+    """
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {choice!r}")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available here; pass --device cpu")
+    count = torch.cuda.device_count()
+    if max(ranks_per_node, local_rank + 1) > count:
+        raise ValueError(
+            f"{max(ranks_per_node, local_rank + 1)} ranks on this machine but only {count} CUDA device(s): "
+            f"more ranks than GPUs. Pass --nproc {count} or fewer, or --device cpu (gloo backend)."
+        )
+    return torch.device("cuda", local_rank)
+
+
+def _autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+@torch.no_grad()
+def _evaluate(
+    model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], precision: Precision, device: torch.device
+) -> float:
+    model.eval()
+    with _autocast(precision, device):
+        losses = [lm_loss(model(x), y) for x, y in batches]
+    model.train()
+    return float(torch.stack(losses).mean())
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train TinyGPT as configured, as one rank of a run (or alone).
+
+    For a strategy that communicates (``needs_context``, e.g. ``"ddp"``) it builds the
+    :class:`~shardkit.comm.ParallelContext` from torchrun's environment (a world of one
+    without it) and destroys it, and the default process group if it created it, before
+    returning. Rank 0 draws the progress bar, prints
+    every rank's summary in rank order and writes ``cfg.log_json``.
+
+    Args:
+        cfg: the run configuration.
+
+    Returns:
+        This rank's :class:`TrainResult`.
+
+    Raises:
+        ValueError: invalid config, or more ranks on this machine than CUDA devices.
+        FloatingPointError: the eval loss became NaN/inf (fp32/bf16).
+
+    Example:
+        >>> res = train(TrainConfig(steps=20, d_model=64, n_layers=2, eval_every=10))
+        >>> res.evals[-1][1] < res.evals[0][1]
+        True
+    """
+    cfg.validate()
+    t_start = time.perf_counter()
+    # torchrun's contract: LOCAL_RANK picks the GPU among LOCAL_WORLD_SIZE ranks on this machine.
+    # Read here, at the application entry only.
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    device = resolve_device(cfg.device, ranks_per_node=ranks_per_node, local_rank=local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not get_strategy_class(cfg.strategy).needs_context:
+        return _train(cfg, None, device, t_start)
+    owns_world = not dist.is_initialized()
+    # The backend follows the device, not CUDA's presence: --device cpu trains over gloo even on
+    # a GPU machine (from_env's default would pick NCCL there and then fail on CPU tensors).
+    ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl")
+    try:
+        return _train(cfg, ctx, device, t_start)
+    finally:
+        ctx.destroy()
+        if owns_world:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, t_start: float) -> TrainResult:
+    rank, world = (ctx.global_rank, ctx.world_size) if ctx is not None else (0, 1)
+    # Data sharding follows the data-parallel axis (equal to the world for pure DDP).
+    dp_rank, dp_size = (ctx.rank("dp"), ctx.size("dp")) if ctx is not None else (0, 1)
+    cfg = replace(cfg, nproc=world)
+    corpus = load_corpus()
+
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    vocab = corpus.tokenizer.vocab_size
+    model = TinyGPT(vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.dropout).to(device)
+    n_params = model.num_parameters()
+    strategy: Strategy = make_strategy(
+        cfg.strategy, ctx=ctx, loss_scaler=make_loss_scaler(cfg.precision), **cfg.strategy_options()
+    )
+    model = strategy.wrap(model)
+    torch.manual_seed(cfg.seed + 1 + rank)  # independent dropout streams per rank
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # no decay on biases / LayerNorm
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = FusedAdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+    data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank: see data.py
+    # Every rank evaluates the same fixed validation batches of global-batch size: eval losses
+    # are comparable between runs of equal global batch whatever the strategy, and equal
+    # across ranks exactly when the replicas are in sync.
+    eval_gen = torch.Generator().manual_seed(cfg.seed + 12345)
+    eval_rows = cfg.batch_size * dp_size
+    eval_batches = [
+        get_batch("val", eval_rows, cfg.seq_len, eval_gen, corpus=corpus, device=device) for _ in range(cfg.eval_iters)
+    ]
+
+    bar = ProgressBar(cfg.steps, enabled=rank == 0)
+    bar.write(
+        f"TinyGPT {n_params / 1e6:.2f}M params | strategy={cfg.strategy} world={world} {cfg.precision} "
+        f"{device.type} | {cfg.steps} steps x {cfg.batch_size * dp_size} seqs x {cfg.seq_len} tokens"
+    )
+    losses: list[torch.Tensor] = []  # this rank's micro-batch losses, kept on device (no sync)
+    lrs: list[float] = []
+    evals: list[tuple[int, float]] = []
+    train_time = 0.0
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        lr = lr_at(step - 1, lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(
+            "train", cfg.batch_size, cfg.seq_len, data_gen,
+            rank=dp_rank, world_size=dp_size, corpus=corpus, device=device,
+        )  # fmt: skip
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(cfg.precision, device):
+            loss = lm_loss(model(x), y)
+        strategy.backward(loss)
+        strategy.clip(cfg.clip if cfg.clip > 0 else None)
+        strategy.step(optimizer)
+        losses.append(loss.detach())
+        lrs.append(lr)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        train_time += time.perf_counter() - t0
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            evals.append((step, _evaluate(model, eval_batches, cfg.precision, device)))
+            if not math.isfinite(evals[-1][1]) and cfg.precision != "fp16":
+                raise FloatingPointError(f"rank {rank}: eval loss is {evals[-1][1]} at step {step}")
+            width = len(str(cfg.steps))
+            bar.write(f"step {step:>{width}}: train loss {float(losses[-1]):.4f} | eval loss {evals[-1][1]:.4f}")
+        bar.update(step, loss=losses[-1], tokens_per_s=step * tokens_per_step / train_time, elapsed=train_time)
+    bar.close()
+
+    train_losses = torch.stack(losses).float().tolist()
+    tail = train_losses[-min(10, len(train_losses)) :]
+    report = strategy.report(optimizer)
+    summary: dict[str, Any] = {
+        "rank": rank,
+        "world_size": world,
+        "final_train_loss": sum(tail) / len(tail),  # this rank's mean over the last <= 10 steps
+        "final_eval_loss": evals[-1][1],
+        "tokens_per_s": cfg.steps * tokens_per_step / train_time,  # this rank's tokens, train time only
+        "train_time_s": train_time,
+        "wall_time_s": time.perf_counter() - t_start,
+        "param_bytes": report.memory["params"],
+        # the last step's grads plus any flat gradient buckets, shared storage counted once
+        "grad_bytes": report.memory["grads"],
+        "optim_state_bytes": report.memory["optimizer_state"],
+        "skipped_steps": report.skipped_steps,
+        "loss_scale": report.loss_scale,
+        "comm": report.comm,
+    }
+    result = TrainResult(summary, train_losses, evals, lrs, ranks=[summary])
+    if rank == 0 and cfg.sample > 0:
+        prompt = corpus.tokenizer.encode("\n").view(1, 1).to(device)
+        gen = torch.Generator(device).manual_seed(cfg.seed)
+        out = getattr(model, "module", model).generate(prompt, cfg.sample, temperature=0.8, generator=gen)
+        print("sample:\n" + corpus.tokenizer.decode(out[0, 1:]).rstrip(), flush=True)
+    if world > 1:  # one gather, so rank 0 prints all summaries in rank order, uninterleaved
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(summary, gathered, dst=0)
+        result.ranks = gathered or []
+    if rank == 0:
+        _print_summary(cfg, result.ranks, n_params)
+        if cfg.log_json:
+            log = {"config": asdict(cfg), "params": n_params, "train_loss": train_losses, "lr": lrs, "eval": evals}
+            with open(cfg.log_json, "w") as f:
+                json.dump({**log, "ranks": result.ranks}, f, indent=1)
+    return result
+
+
+def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int) -> None:
+    print(
+        f"== summary: TinyGPT {n_params / 1e6:.2f}M params, strategy={cfg.strategy}, world={len(ranks)}, "
+        f"{cfg.precision}, {cfg.steps} steps =="
+    )
+    for s in ranks:
+        print(
+            f"rank {s['rank']} | train loss {s['final_train_loss']:.4f} | eval loss {s['final_eval_loss']:.4f} | "
+            f"{s['tokens_per_s'] / 1e3:.1f}k tok/s | wall {s['wall_time_s']:.1f} s | "
+            f"params {fmt_bytes(s['param_bytes'])} | grads {fmt_bytes(s['grad_bytes'])} | "
+            f"optim state {fmt_bytes(s['optim_state_bytes'])} | comm {fmt_comm(s['comm'])}"
+        )
+    if len(ranks) > 1:
+        print(f"total  | {sum(s['tokens_per_s'] for s in ranks) / 1e3:.1f}k tok/s over {len(ranks)} ranks")
+    sys.stdout.flush()
+
+

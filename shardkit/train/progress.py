@@ -1,0 +1,114 @@
+"""Progress display for the demo trainer: a one-line bar and the human-readable formatters."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, TextIO
+
+import torch
+
+__all__ = ["ProgressBar", "fmt_bytes", "fmt_comm", "fmt_time"]
+
+
+def fmt_time(seconds: float) -> str:
+    """``m:ss`` for a duration in seconds (``1h05`` from an hour on), e.g. ``fmt_time(75) == "1:15"``."""
+    seconds = max(0, int(seconds + 0.5))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds // 60 % 60:02d}"
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary-prefixed size, e.g. ``fmt_bytes(3 * 2**20) == "3.00 MB"``."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GB"
+
+
+class ProgressBar:
+    """One-line ``\\r`` progress bar (step, loss, tokens/s, ETA); plain periodic lines off a TTY.
+
+    Args:
+        total: number of steps.
+        stream: where to write (default ``sys.stdout``).
+        enabled: False makes every method a no-op (non-zero ranks).
+        min_interval: seconds between redraws on a TTY.
+        every: steps between lines when ``stream`` is not a TTY (default ``total // 10``).
+
+    Example:
+        >>> bar = ProgressBar(100)
+        >>> for step in range(1, 101):
+        ...     bar.update(step, loss=2.0, tokens_per_s=1e4, elapsed=step * 0.1)
+        >>> bar.close()
+    """
+
+    def __init__(
+        self, total: int, *, stream: TextIO | None = None, enabled: bool = True,
+        min_interval: float = 0.1, every: int | None = None,
+    ) -> None:  # fmt: skip
+        self.total, self.enabled, self.min_interval = total, enabled, min_interval
+        self.stream = stream or sys.stdout
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.every = every or max(1, total // 10)
+        self._last_draw = -math.inf
+        self._width = 0  # length of the bar line on screen, to blank it
+
+    def update(self, step: int, *, loss: float | torch.Tensor, tokens_per_s: float, elapsed: float) -> None:
+        """Report that ``step`` (1-based) finished; ``elapsed`` = training seconds so far.
+
+        A tensor ``loss`` is read (a device sync) only when a line is actually drawn.
+        """
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self.tty:
+            if now - self._last_draw < self.min_interval and step != self.total:
+                return
+        elif step % self.every and step not in (1, self.total):
+            return
+        self._last_draw = now
+        eta = elapsed / step * (self.total - step)
+        stats = f"loss {float(loss):.3f} | {tokens_per_s / 1e3:.1f}k tok/s | {fmt_time(elapsed)} < {fmt_time(eta)}"
+        width = len(str(self.total))
+        if not self.tty:
+            print(f"step {step:>{width}}/{self.total} | {stats}", file=self.stream, flush=True)
+            return
+        filled = round(24 * step / self.total)
+        line = f"step {step:>{width}}/{self.total} [{'#' * filled}{'.' * (24 - filled)}] {stats}"
+        self.stream.write("\r" + line.ljust(self._width))
+        self.stream.flush()
+        self._width = len(line)
+
+    def write(self, line: str) -> None:
+        """Print a persistent line (e.g. an eval result) without garbling the bar."""
+        if not self.enabled:
+            return
+        if self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self._width, self._last_draw = 0, -math.inf  # redraw on the next update
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """End the bar line."""
+        if self.enabled and self.tty and self._width:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._width = 0
+
+
+def fmt_comm(comm: dict[str, Any] | None) -> str:
+    """One line for a ``CommStats.summary()``: ``"all_reduce 3.00 MB in 5 calls"`` (``-`` for None)."""
+    if not comm:
+        return "-"
+    parts = []
+    for op, v in comm.items():  # CommStats.summary(): {op: {"calls", "bytes", "groups"}}
+        if isinstance(v, dict) and "bytes" in v:
+            calls = v.get("calls", "?")
+            parts.append(f"{op} {fmt_bytes(v['bytes'])} in {calls} call{'' if calls == 1 else 's'}")
+        else:
+            parts.append(f"{op}={v}")
+    return ", ".join(parts)
