@@ -6,9 +6,17 @@ registration order; each bucket's all-reduce starts asynchronously as soon as it
 is ready, overlapping communication with the rest of backward. When backward ends, each bucket
 is waited for in order and copied back into ``p.grad`` with the 1/dp averaging fused into the
 copy (one unflatten launch per bucket). Communication volume: one all-reduce of every gradient
-byte per step (REFERENCE.md: DDP moves 2Ψ per rank over the wire for Ψ bytes of gradients;
-:class:`~shardkit.comm.CommStats` records the Ψ payload), plus, with ``find_unused_parameters``,
-one all-reduce of 4 bytes per parameter (the used flags).
+byte per step (docs/reference.md, "ZeRO memory and communication": DDP moves 2Ψ per rank over the
+wire for Ψ bytes of gradients; :class:`~shardkit.comm.CommStats` records the Ψ payload), plus,
+with ``find_unused_parameters``, one all-reduce of 4 bytes per parameter (the used flags).
+
+[Note: fused unscale]
+With a ``loss_scaler`` the copy back multiplies by ``1 / (dp * S)`` instead of ``1 / dp`` and
+measures what it writes (inf/nan flag, Σg²) in the same pass, so fp16 training does not read and
+write every gradient a second time to unscale it. The flag and Σg² accumulate over the buckets in
+bucket order (deterministic), and after the last bucket the record goes to the scaler
+(``expect_unscaled``); its ``unscale_`` then all-reduces only the 4-byte flag over dp. The norm
+needs no all-reduce: after the gradient all-reduce every replica holds the same grads.
 """
 
 from __future__ import annotations
@@ -23,10 +31,13 @@ from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, flatten_into, unflatten_from
+from shardkit.kernels.grad_epilogue import unscale_and_norm_
 from shardkit.kernels.layout import is_dense
 from shardkit.kernels.runtime import resolve_backend
 
 from .buckets import FIRST_BUCKET_BYTES, BucketedGradReducer, GradBucket, plan_buckets
+from .grad_utils import UnscaledGrads
+from .loss_scaler import DynamicLossScaler
 
 __all__ = ["DataParallel"]
 
@@ -51,6 +62,19 @@ def _slot(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tenso
     if param.is_contiguous() or not is_dense(param):
         return buffer.narrow(0, offset, param.numel()).view(param.shape)
     return buffer.as_strided(param.shape, param.stride(), buffer.storage_offset() + offset)
+
+
+def _flat_alias(g: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
+    """A contiguous 1-D view of ``g`` whose element k is the slot's flat element k, or None.
+
+    Holds when ``g`` is laid out like its slot (contiguous, or the same dense permuted strides,
+    e.g. channels_last): both then store the elements in the same memory order.
+    """
+    if g.is_contiguous() and slot.is_contiguous():
+        return g.view(-1)
+    if g.stride() == slot.stride() and is_dense(g):
+        return g.as_strided((g.numel(),), (1,))
+    return None
 
 
 class DataParallel(nn.Module):
@@ -82,6 +106,9 @@ class DataParallel(nn.Module):
       supported; their grads keep the param's layout.
     * **dp = 1** takes the local path: no hooks, no buckets (``buckets`` and ``bucket_bytes``
       are empty), grads are exactly autograd's; ``no_sync`` is a no-op.
+    * **With** ``loss_scaler`` (fp16), ``p.grad`` holds the *unscaled* average right after
+      backward (torch DDP + a scaler: still scaled until ``unscale_``): the division by the
+      loss scale is fused into the copy back. Change grads only after ``scaler.unscale_()``.
 
     Args:
         module: the model (already on its device).
@@ -107,6 +134,13 @@ class DataParallel(nn.Module):
             their grad untouched (``None`` after ``zero_grad()``, and no bucket view), so
             optimizers skip them exactly as in single-process training. Buckets holding a param
             unused on this rank launch at the end of backward (less overlap).
+        loss_scaler: the fp16 :class:`~shardkit.parallel.DynamicLossScaler` whose
+            ``scale_loss`` drives backward. The copy back from each all-reduced bucket then
+            multiplies by ``1 / (dp * S)`` instead of ``1 / dp`` and flags inf/nan and sums g² in
+            the same pass (on CUDA one epilogue launch reads the bucket and writes ``p.grad``),
+            so ``scaler.unscale_(...)`` afterwards reads and writes no grad: it only agrees the
+            overflow over the dp group and clips. Same results as unscaling afterwards, with one
+            rounding instead of two.
 
     Example:
         >>> ctx = ParallelContext.from_env()
@@ -116,6 +150,10 @@ class DataParallel(nn.Module):
         >>> with model.no_sync():          # gradient accumulation: no communication
         ...     model(x2, y2).backward()
         >>> moe = DataParallel(router_model, ctx, find_unused_parameters=True)  # experts may idle
+        >>> scaler = DynamicLossScaler()                       # fp16: unscale fused into backward
+        >>> model = DataParallel(fp16_model, ctx, loss_scaler=scaler)
+        >>> scaler.scale_loss(model(x, y)).backward()
+        >>> report = scaler.unscale_(model.parameters(), group=ctx.group("dp"), max_norm=1.0)
     """
 
     def __init__(
@@ -128,6 +166,7 @@ class DataParallel(nn.Module):
         backend: str = "auto",
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
+        loss_scaler: DynamicLossScaler | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -136,6 +175,10 @@ class DataParallel(nn.Module):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+            raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}")
+        self.loss_scaler = loss_scaler
+        self._unscaled: UnscaledGrads | None = None  # filled bucket by bucket in _finish
         self.module = module
         self.ctx = ctx
         self.backend = backend
@@ -274,23 +317,52 @@ class DataParallel(nn.Module):
         work.wait()
         used = bucket.used  # None unless find_unused_parameters
         scale = 1.0 / self._dp
+        record = None
+        if self.loss_scaler is not None:  # [Note: fused unscale] one pass: average + unscale + stats
+            if bucket.index == 0:
+                device = bucket.buffer.device
+                self._unscaled = UnscaledGrads(self.loss_scaler.scale, {}, torch.zeros(1, device=device),
+                                               torch.zeros(1, device=device))  # fmt: skip
+            record = self._unscaled
+            scale = 1.0 / (self._dp * record.loss_scale)
         if self.gradient_as_bucket_view:
-            bucket.buffer.mul_(scale)
+            if record is None:
+                bucket.buffer.mul_(scale)
+            else:  # the zero gaps add nothing to the flag or the norm
+                unscale_and_norm_([bucket.buffer], inv_scale=scale, found_inf=record.found_inf,
+                                  sumsq=record.sumsq, backend=self.backend)  # fmt: skip
             for j, p in enumerate(bucket.params):
                 if used is not None and used[j] and p.grad is None:  # used elsewhere only
                     p.grad = bucket.views[j]
-            return
-        unpacked: list[torch.Tensor] = []
-        unpacked_offsets: list[int] = []
+        else:
+            self._copy_back(bucket, scale, record)
+        if record is not None:
+            for j, p in enumerate(bucket.params):
+                if (used is None or used[j]) and p.grad is not None:
+                    record.grads[id(p)] = (p, p.grad, p.grad._version)
+            if bucket.index == len(self.buckets) - 1:
+                self.loss_scaler.expect_unscaled(record)
+                self._unscaled = None
+
+    def _copy_back(self, bucket: GradBucket, scale: float, record: UnscaledGrads | None) -> None:
+        """``p.grad = cast(scale * slot)`` for every param of the bucket; with ``record``, also
+        flag inf/nan and accumulate Σg² of what was written."""
+        used = bucket.used
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        offsets: list[int] = []
+        odd: list[torch.Tensor] = []  # grads laid out unlike their slot
         for j, (p, slot) in enumerate(zip(bucket.params, bucket.views)):
             if used is not None and not used[j]:
                 continue  # no rank used it: grad untouched (None after zero_grad), as torch DDP
             if p.grad is None:
                 p.grad = torch.empty_like(p, dtype=bucket.buffer.dtype)  # keeps the param's layout
             g = p.grad
-            if g.is_contiguous() and slot.is_contiguous():
-                unpacked.append(g)
-                unpacked_offsets.append(bucket.offsets[j])
+            flat = _flat_alias(g, slot)
+            if flat is not None:
+                srcs.append(bucket.buffer.narrow(0, bucket.offsets[j], g.numel()))
+                dsts.append(flat)
+                offsets.append(bucket.offsets[j])
                 continue
             try:
                 torch.mul(slot, scale, out=g)
@@ -299,8 +371,20 @@ class DataParallel(nn.Module):
                     f"DataParallel: cannot write the averaged grad of parameter {self._names.get(p, '?')!r} "
                     f"into its grad (shape {tuple(g.shape)}, strides {g.stride()}): {exc}"
                 ) from exc
-        if unpacked:
-            unflatten_from(bucket.buffer, unpacked, unpacked_offsets, scale=scale, backend=self.backend)
+            odd.append(g)
+        if record is not None and dsts and not self._eager_copy:
+            # Triton: one launch reads the bucket and writes the grads, flag and Σg² included
+            unscale_and_norm_(srcs, out=dsts, inv_scale=scale, found_inf=record.found_inf,
+                              sumsq=record.sumsq, backend=self.backend)  # fmt: skip
+        elif dsts:
+            # torch (CPU): the one-pass scaled copy, then a read-only norm pass over the result
+            # (the epilogue's torch path with ``out=`` goes through a temporary: slower here)
+            unflatten_from(bucket.buffer, dsts, offsets, scale=scale, backend=self.backend)
+            if record is not None:
+                unscale_and_norm_(dsts, found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend)
+        if record is not None and odd:
+            unscale_and_norm_([g.contiguous() for g in odd], found_inf=record.found_inf, sumsq=record.sumsq,
+                              backend=self.backend)  # fmt: skip
 
     def _agree_used(self, local: torch.Tensor) -> torch.Tensor:
         flags = local.to(self.buckets[0].buffer.device)

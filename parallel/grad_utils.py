@@ -41,8 +41,9 @@ import torch
 
 from shardkit.comm import all_reduce
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
+from shardkit.kernels.layout import is_dense
 
-__all__ = ["OverflowReport", "unscale_grads_", "clip_grad_norm_"]
+__all__ = ["OverflowReport", "UnscaledGrads", "unscale_grads_", "clip_grad_norm_"]
 
 
 @dataclass
@@ -75,11 +76,66 @@ def _by_dtype(named: Sequence[tuple[str, torch.Tensor]]) -> dict[torch.dtype, li
     return groups
 
 
+@dataclass
+class UnscaledGrads:
+    """Gradients a strategy already averaged, unscaled and measured in its copy-back pass.
+
+    ``DataParallel(loss_scaler=...)`` multiplies each all-reduced bucket by ``1 / (dp * S)`` on
+    its way into ``p.grad`` and accumulates the inf/nan flag and Σg² in the same pass; it hands
+    this record to the scaler (:meth:`DynamicLossScaler.expect_unscaled`), and
+    :func:`unscale_grads_` then skips those grads instead of reading and writing them again.
+
+    Attributes:
+        loss_scale: the S the grads were divided by.
+        grads: ``id(param) -> (param, grad, grad._version)`` when the pass wrote ``grad``; a
+            later change to ``p.grad`` (another tensor, or an in-place write) is detected.
+        found_inf: fp32 ``[1]``, 1.0 if any of these grads holds an inf/nan (this rank).
+        sumsq: fp32 ``[1]``, Σg² of these grads after unscaling.
+    """
+
+    loss_scale: float
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor, int]]
+    found_inf: torch.Tensor
+    sumsq: torch.Tensor
+
+
 def _grads(items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Each grad as a tensor the kernels take (contiguous), without changing ``p.grad``'s layout
+    when it is dense (channels_last): such a grad is passed as a flat alias of its memory."""
+    out = []
     for _, p in items:
-        if not p.grad.is_contiguous():
-            p.grad = p.grad.contiguous()
-    return [p.grad for _, p in items]
+        g = p.grad
+        if not g.is_contiguous():
+            if is_dense(g):  # every element once, from storage_offset on: a 1-D alias is exact
+                g = g.as_strided((g.numel(),), (1,))
+            else:
+                p.grad = g = g.contiguous()
+        out.append(g)
+    return out
+
+
+def _split_unscaled(
+    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]], unscaled: UnscaledGrads | None
+) -> tuple[list[tuple[str, torch.Tensor]], dict[torch.dtype, list[tuple[str, torch.Tensor]]]]:
+    """``(done, todo)``: params whose grads ``unscaled`` covers, and the rest (by dtype)."""
+    if unscaled is None:
+        return [], groups
+    done: list[tuple[str, torch.Tensor]] = []
+    todo: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for dtype, items in groups.items():
+        for name, p in items:
+            entry = unscaled.grads.get(id(p))
+            if entry is None or entry[0] is not p:
+                todo.setdefault(dtype, []).append((name, p))
+                continue
+            if p.grad is not entry[1] or p.grad._version != entry[2]:
+                raise RuntimeError(
+                    f"the grad of {name} changed after DataParallel(loss_scaler=...) averaged and "
+                    "unscaled it at the end of backward (it holds unscaled values from then on); "
+                    "change grads after scaler.unscale_(), not between backward and unscale_()"
+                )
+            done.append((name, p))
+    return done, todo
 
 
 def unscale_grads_(
@@ -91,13 +147,16 @@ def unscale_grads_(
     max_norm: float | None = None,
     report_nonfinite: bool = False,
     backend: str = "auto",
+    unscaled: UnscaledGrads | None = None,
 ) -> OverflowReport:
     """Unscale grads in place, detect inf/nan, measure the global norm, optionally clip.
 
     One :func:`~shardkit.kernels.grad_epilogue.unscale_and_norm_` launch per grad dtype, one
     all-reduce of the overflow flag over ``group``, one of the squared norm over ``norm_group``,
     then (no overflow, ``max_norm`` given) one clip launch per dtype. Reads the flag and norm on
-    the host once (the caller must decide whether to step).
+    the host once (the caller must decide whether to step). Grads covered by ``unscaled`` are
+    not touched: their flag and Σg² come from that record (or, if only some of its grads are
+    passed here, from one read-only norm pass over them).
 
     Args:
         named_params: ``(name, param)`` pairs; params without a grad are skipped.
@@ -107,13 +166,17 @@ def unscale_grads_(
         max_norm: clip to this global L2 norm when there is no overflow.
         report_nonfinite: fill ``OverflowReport.nonfinite`` with this rank's offending names.
         backend: kernel backend (``"triton"`` runs the interpreter on CPU).
+        unscaled: grads a strategy already unscaled (see :class:`UnscaledGrads`).
 
     Returns:
-        :class:`~shardkit.parallel.OverflowReport` with ``grad_norm`` before clipping.
+        :class:`OverflowReport` with ``grad_norm`` before clipping.
+
+    Raises:
+        RuntimeError: a grad covered by ``unscaled`` was replaced or modified since.
 
     Example:
         >>> report = unscale_grads_(list(model.named_parameters()), inv_scale=1 / 1024.0,
-        ...                        group=ctx.group("dp"), max_norm=1.0)
+        ...                         group=ctx.group("dp"), max_norm=1.0)
     """
     if max_norm is not None and not max_norm > 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
@@ -124,7 +187,17 @@ def unscale_grads_(
     found_inf = torch.zeros(1, device=device)
     sumsq = torch.zeros(1, device=device)
     nonfinite: list[str] = []
-    for items in groups.values():
+    done, todo = _split_unscaled(groups, unscaled)
+    if done and len(done) == len(unscaled.grads):
+        found_inf.copy_(unscaled.found_inf)
+        sumsq.copy_(unscaled.sumsq)
+    elif done:  # a subset of the record: its totals include grads not asked about
+        for dtype in {p.grad.dtype for _, p in done}:
+            items = [(n, p) for n, p in done if p.grad.dtype == dtype]
+            unscale_and_norm_(_grads(items), found_inf=found_inf, sumsq=sumsq, backend=backend)
+    if report_nonfinite and done and bool(found_inf.item()):
+        nonfinite += [n for n, p in done if not bool(torch.isfinite(p.grad).all())]
+    for items in todo.values():
         stats = unscale_and_norm_(
             _grads(items), inv_scale=None if inv_scale == 1.0 else float(inv_scale),
             found_inf=found_inf, sumsq=sumsq, backend=backend,

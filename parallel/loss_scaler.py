@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .grad_utils import OverflowReport, unscale_grads_
+from .grad_utils import OverflowReport, UnscaledGrads, unscale_grads_
 
 __all__ = ["DynamicLossScaler", "LossScaleAtMinimumError"]
 
@@ -102,6 +102,7 @@ class DynamicLossScaler:
         self.cur_hysteresis = self.hysteresis
         self.cur_iter = 0
         self.last_overflow_iter = -1
+        self._unscaled: UnscaledGrads | None = None  # see expect_unscaled; never checkpointed
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> DynamicLossScaler:
@@ -130,6 +131,7 @@ class DynamicLossScaler:
         Raises:
             LossScaleAtMinimumError: overflow with the scale already at ``min_loss_scale``.
         """
+        self._unscaled = None  # a step boundary: a record not used by now is stale
         if not self.dynamic:
             self.cur_iter += 1
             return
@@ -169,7 +171,8 @@ class DynamicLossScaler:
         """Unscale grads by 1/S in place, detect inf/nan, and optionally clip — fused.
 
         One epilogue launch per (device, dtype) over all grads: unscale, inf/nan flag, and sum of
-        squares for the norm; the overflow flag (and, with ``group``, the squared norm when grads
+        squares for the norm (none for grads ``DataParallel(loss_scaler=self)`` already unscaled
+        in backward, see :meth:`expect_unscaled`); the overflow flag (and, with ``group``, the squared norm when grads
         are sharded) is agreed across ``group`` with one all-reduce, so every rank skips the same
         steps. With ``max_norm`` the grads are then clipped by global norm (one more launch).
 
@@ -184,11 +187,26 @@ class DynamicLossScaler:
         Returns:
             An :class:`OverflowReport`.
         """
-        named = _named(params)
+        unscaled, self._unscaled = self._unscaled, None
+        if unscaled is not None and unscaled.loss_scale != self.cur_scale:
+            raise RuntimeError(
+                f"the grads were unscaled in backward by loss scale {unscaled.loss_scale}, but the scale "
+                f"is now {self.cur_scale}: call update() only after unscale_()"
+            )
         return unscale_grads_(
-            named, inv_scale=1.0 / self.cur_scale, group=group, max_norm=max_norm,
-            report_nonfinite=report_nonfinite, backend=backend,
+            _named(params), inv_scale=1.0 / self.cur_scale, group=group, max_norm=max_norm,
+            report_nonfinite=report_nonfinite, backend=backend, unscaled=unscaled,
         )  # fmt: skip
+
+    def expect_unscaled(self, record: UnscaledGrads) -> None:
+        """Note that a strategy already unscaled these grads (for the next :meth:`unscale_`).
+
+        ``DataParallel(loss_scaler=self)`` calls this at the end of each reducing backward: it
+        divided the grads by ``dp * S`` in the copy back from its buckets and measured them in
+        the same pass, so :meth:`unscale_` then only agrees the overflow over ``group`` (and
+        clips). Consumed by the next :meth:`unscale_`; dropped by :meth:`update`.
+        """
+        self._unscaled = record
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's full state (for checkpoints)."""
@@ -204,6 +222,7 @@ class DynamicLossScaler:
         """Restore :meth:`state_dict` output."""
         for key, value in state.items():
             setattr(self, key, value)
+        self._unscaled = None
 
 
 def _named(params: Iterable[Any]) -> Sequence[tuple[str, torch.Tensor]]:

@@ -183,6 +183,71 @@ def _clip_sharded(backend: str) -> float:
     return max_dev(got, want)
 
 
+def _fp16_fused_unscale(backend: str, as_view: bool) -> dict:
+    """fp16 + DynamicLossScaler, world size 2: ``DataParallel(loss_scaler=)`` (unscale fused
+    into the copy back) vs the unfused path (average in backward, then ``scaler.unscale_``) vs an
+    exact single-process reference: each shard's scaled fp16 grads, summed in fp16 (what the
+    all-reduce of two ranks computes), times 1/(2S) in fp32, rounded once to fp16."""
+    ctx = ParallelContext.from_world()
+    rank, world = ctx.rank("dp"), ctx.size("dp")
+    per = GLOBAL_BATCH // world
+    x, y = batches(0)
+    x, y = x.half(), y.half()
+
+    def shard_grads(r: int, scale: float) -> list[torch.Tensor]:
+        m = make_model(0).half()
+        rows = slice(r * per, (r + 1) * per)
+        (nn.functional.mse_loss(m(x[rows]), y[rows]) * scale).backward()
+        return [p.grad for p in m.parameters()]
+
+    def step(fused: bool, *, poison: bool = False, max_norm: float | None = None, touch: bool = False):
+        scaler = DynamicLossScaler(initial_scale_power=10, hysteresis=1)
+        model = DataParallel(make_model(0).half(), ctx, bucket_mb=0.001, backend=backend,
+                             gradient_as_bucket_view=as_view, loss_scaler=scaler if fused else None)  # fmt: skip
+        if poison and rank == 1:  # an inf in one rank's local grad, before DataParallel sees it
+            model.module[2].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf")))
+        rows = slice(rank * per, (rank + 1) * per)
+        scaler.scale_loss(nn.functional.mse_loss(model(x[rows]), y[rows])).backward()
+        after_backward = [p.grad.clone() for p in model.parameters()]
+        if touch:
+            model.module[0].bias.grad.mul_(2.0)
+        report = scaler.unscale_(list(model.module.named_parameters()), group=ctx.group("dp"),
+                                 max_norm=max_norm, report_nonfinite=True)  # fmt: skip
+        scaler.update(report.overflow)
+        return [p.grad.clone() for p in model.parameters()], after_backward, report, scaler.scale
+
+    S = 1024.0
+    shards = [shard_grads(r, S) for r in range(world)]
+    expected = [((a + b).float() * (1.0 / (2 * S))).half() for a, b in zip(*shards)]
+    want_norm = torch.stack([g.float().norm() for g in expected]).norm().item()
+    fused, fused_bw, fused_rep, _ = step(True)
+    unfused, unfused_bw, unfused_rep, _ = step(False)
+    clipped, _, _, _ = step(True, max_norm=0.01)
+    clipped_ref, _, _, _ = step(False, max_norm=0.01)
+    bad_fused = step(True, poison=True)
+    bad_unfused = step(False, poison=True)
+    try:
+        step(True, touch=True)
+        touched_error = ""
+    except RuntimeError as exc:
+        touched_error = str(exc)
+    out = dict(
+        fused_exact=all(torch.equal(a, b) for a, b in zip(fused, expected)),
+        fused_unscaled_in_backward=all(torch.equal(a, b) for a, b in zip(fused_bw, fused)),
+        unfused_dev=max(((a.float() - b.float()).abs() / (b.float().abs() + 1e-3)).max().item()
+                        for a, b in zip(unfused, expected)),
+        unfused_scaled_in_backward=max((a.float() / S - b.float()).abs().max().item() for a, b in zip(unfused_bw, unfused)),
+        norms=(fused_rep.grad_norm, unfused_rep.grad_norm, want_norm),
+        overflow=(fused_rep.overflow, unfused_rep.overflow),
+        clip_dev=max((a.float() - b.float()).abs().max().item() for a, b in zip(clipped, clipped_ref)),
+        clipped_norm=torch.stack([g.float().norm() for g in clipped]).norm().item(),
+        poisoned=[(r.overflow, r.nonfinite, scale) for _, _, r, scale in (bad_fused, bad_unfused)],
+        touched_error=touched_error,
+    )  # fmt: skip
+    ctx.destroy()
+    return out
+
+
 class _WithUnused(nn.Module):
     """``net`` on every row; ``extra`` added on the rows where ``mask`` is 1 (skipped when no row
     of the batch needs it, so a rank without such rows produces no grad for it); ``unused``
@@ -277,6 +342,23 @@ def test_overflow_on_one_rank_is_agreed_by_all(dist_pool) -> None:
     assert results[0][2] == results[1][2] == 16.0  # hysteresis 2: first overflow keeps the scale
 
 
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
+def test_fp16_unscale_fused_into_copy_back(dist_pool, backend: str, as_view: bool) -> None:
+    for rank, r in enumerate(dist_pool.run(_fp16_fused_unscale, backend, as_view, world_size=2, timeout=180)):
+        assert r["fused_exact"], rank  # one rounding of sum/(dp*S): bitwise the reference
+        assert r["fused_unscaled_in_backward"], rank  # unscale_ did not touch the grads again
+        assert r["unfused_dev"] < 1e-3, (rank, r["unfused_dev"])  # two roundings: within an ulp
+        assert r["unfused_scaled_in_backward"] < 1e-2, rank  # the unfused path does unscale in unscale_
+        fused_norm, unfused_norm, want = r["norms"]
+        assert fused_norm == pytest.approx(want, rel=1e-5) and unfused_norm == pytest.approx(want, rel=1e-3)
+        assert r["overflow"] == (False, False)
+        assert r["clipped_norm"] == pytest.approx(0.01, rel=2e-3) and r["clip_dev"] < 1e-5, rank
+        # an inf on rank 1 only: after the all-reduce both ranks hold it; same decision and scale
+        assert r["poisoned"][0] == r["poisoned"][1] == (True, ["2.weight"], 512.0), (rank, r["poisoned"])
+        assert "changed after DataParallel" in r["touched_error"], rank
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_clip_across_sharded_grads(dist_pool, backend: str) -> None:
     assert max(dist_pool.run(_clip_sharded, backend, world_size=2, timeout=60)) < 1e-6
@@ -284,7 +366,7 @@ def test_clip_across_sharded_grads(dist_pool, backend: str) -> None:
 
 # ---- single process -----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_unscale_grads__single_process(backend: str) -> None:
+def test_unscale_grads_single_process(backend: str) -> None:
     model = make_model(0)
     x, y = batches(0)
     (nn.functional.mse_loss(model(x), y) * 512.0).backward()
