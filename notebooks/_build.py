@@ -113,7 +113,8 @@ from shardkit.comm import ParallelContext
 from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DataParallel
 
-ctx = ParallelContext.from_env()                  # reads torchrun's environment; gloo on CPU
+# the model stays on CPU, so gloo explicitly: on a GPU machine the default would be NCCL
+ctx = ParallelContext.from_env(backend="gloo")    # reads torchrun's environment
 rank, world = ctx.rank("dp"), ctx.size("dp")
 torch.manual_seed(0)
 model = DataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)), ctx, bucket_mb=0.01)
@@ -178,9 +179,13 @@ dev = max((p.detach().flatten() - torch.tensor(q)).abs().max().item() for p, q i
 print(f"max |single process - DDP| after 20 steps: {dev:.2e}")
 assert dev < 1e-5"""),
     new_markdown_cell("""## The demo trainer: `shardkit train`
-`make demo` runs `shardkit train --nproc 2 --strategy ddp`. Here a shorter run, compared with
-one process on the same global batch (2 × 8 sequences): the eval losses agree."""),
-    new_code_cell("""common = ["--steps", "40", "--d-model", "64", "--n-layers", "2", "--seq-len", "64", "--eval-every", "20"]
+`make demo` runs `shardkit train --nproc 2 --strategy ddp`. The training loop sees only the
+strategy interface of `shardkit.parallel.strategy` (`wrap`, `backward`, `clip`, `step`,
+`report`); `--strategy` picks the implementation. Here a shorter run, compared with one process
+on the same global batch (2 × 8 sequences): the eval losses agree."""),
+    new_code_cell("""# --device cpu: the same CPU run (gloo) on any machine, GPU or not
+common = ["--steps", "40", "--d-model", "64", "--n-layers", "2", "--seq-len", "64", "--eval-every", "20",
+          "--device", "cpu"]
 shardkit = [sys.executable, "-m", "shardkit.cli", "train"]
 r2 = subprocess.run(shardkit + ["--nproc", "2", "--strategy", "ddp", "--batch-size", "8",
                     "--log-json", str(work / "ddp.json")] + common, capture_output=True, text=True, timeout=600)

@@ -305,7 +305,8 @@ class DataParallelStrategy(Strategy):
     """Replicated data parallelism over ``ctx``'s dp axis, on :class:`~shardkit.parallel.DataParallel` (``"ddp"``).
 
     Gradients are averaged over dp during backward (bucketed all-reduces overlapped with
-    autograd); fp16 overflows are agreed over the dp group. Replicas hold identical gradients
+    autograd; with a loss scaler the unscale is fused into the same pass); fp16 overflows are
+    agreed over the dp group. Replicas hold identical gradients
     after the all-reduce, so the clip norm needs no further communication.
 
     Args:
@@ -340,9 +341,12 @@ class DataParallelStrategy(Strategy):
         self.grad_buckets = grad_buckets
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        # With a loss scaler, DataParallel fuses the unscale (and the inf/nan flag and Σg²) into
+        # its post-all-reduce copy back; clip()'s scaler.unscale_ then only agrees the overflow.
         self.model = DataParallel(
-            model, self.ctx, bucket_mb=self.bucket_mb, gradient_as_bucket_view=self.grad_buckets == "view"
-        )
+            model, self.ctx, bucket_mb=self.bucket_mb, gradient_as_bucket_view=self.grad_buckets == "view",
+            loss_scaler=self.loss_scaler,
+        )  # fmt: skip
         return self.model
 
     def overflow_group(self) -> Any:

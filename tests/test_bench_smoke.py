@@ -1,6 +1,6 @@
 """Smoke tests of the optimizer benchmark (tiny sizes) and of the CUDA C baseline's source.
 
-The benchmark itself is never part of the test run (STYLE.md §6): ``--quick`` runs every peer
+The benchmark itself is never part of the test run (docs/architecture.md, "perf/"): ``--quick`` runs every peer
 for a few steps on tiny tensors (~5-10 s, one torch thread) to check that the script runs end to
 end, that each peer did the same work, and that the JSON carries every field the report needs.
 """
@@ -39,7 +39,8 @@ def test_model_shapes_rejects_tiny_totals() -> None:
 def test_quick_benchmark_writes_complete_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # In-process (torch is already imported) but through the perf/ script, as a user runs it.
     threads = torch.get_num_threads()
-    monkeypatch.setattr(sys, "argv", ["perf/optim.py", "--quick", "--out", f"{tmp_path}/"])
+    # --device cpu: with the default `auto` a CUDA machine would run (and name the file) cuda
+    monkeypatch.setattr(sys, "argv", ["perf/optim.py", "--quick", "--device", "cpu", "--out", f"{tmp_path}/"])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(REPO / "perf" / "optim.py"), run_name="__main__")
     assert exit_info.value.code == 0
@@ -49,6 +50,7 @@ def test_quick_benchmark_writes_complete_json(tmp_path: Path, monkeypatch: pytes
     assert (tmp_path / "optim_cpu.png").stat().st_size > 1000
     assert report["machine"]["versions"]["torch"] and report["machine"]["versions"]["triton"]
     assert report["command"][0] == "optim.py" and "--quick" in report["command"]
+    assert not (tmp_path / "optim_cuda.json").exists()
     assert [r["params"] for r in report["results"]] == report["settings"]["sizes"]
     for res in report["results"]:
         assert set(res["peers"]) == set(PEERS)  # every peer has an entry, available or not
@@ -81,3 +83,15 @@ def test_cuda_c_adamw_compiles_to_ptx(compiler: str) -> None:
     # float4 views must become 128-bit accesses: 4 loads (p, g, m, v) and 3 stores (p, m, v)
     assert len(re.findall(r"ld\.global(?:\.nc)?\.v4\.f32", vec4)) == 4
     assert len(re.findall(r"st\.global\.v4\.f32", vec4)) == 3
+
+
+def test_shardkit_bench_runs_the_registered_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardkit.cli import main
+
+    with pytest.raises(SystemExit) as exc:  # the benchmark's own parser answers --help
+        main(["bench", "optim", "--help"])
+    assert exc.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "nosuch"])
+    assert exc.value.code == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,15 @@ def test_notebook_executes(path: Path) -> None:
     client.execute()  # raises CellExecutionError with the failing cell's traceback
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
+
+
+def test_notebooks_pin_the_cpu_path() -> None:
+    """The notebooks train on CPU; on a GPU machine an unpinned ``from_env()`` picks NCCL and
+    ``shardkit train`` (``--device auto``) picks CUDA, and both break the CPU cells. Every
+    process-group construction must name gloo and every ``shardkit train`` run ``--device cpu``."""
+    for path in NOTEBOOKS:
+        source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+        for call in re.findall(r"from_env\([^)]*\)", source):
+            assert 'backend="gloo"' in call, (path.name, call)
+        if '"shardkit.cli", "train"' in source:
+            assert '"--device", "cpu"' in source, path.name
