@@ -40,6 +40,18 @@ state_dict from a torch optimizer (no ``master_param``) starts the master from t
 param itself is never read back: after writing params directly (loading weights, EMA swaps),
 call :meth:`FusedOptimizer.sync_master_weights`.
 
+[Note: implementation flags]
+``torch.optim.Optimizer.load_state_dict`` replaces every group entry but ``params`` with the
+saved one, the flags that pick an implementation included (torch to torch as well). Our groups
+carry torch's keys (``fused``, ``foreach``, ``capturable``, ``differentiable``) so state_dicts
+interchange, but the values the user passed us (``fused=None`` by default) would switch a
+``torch.optim.AdamW(fused=True)`` target to its slow for-loop path. So ``state_dict()`` saves
+``fused=True, foreach=None, capturable=False, differentiable=False`` — the state comes from a
+fused implementation, and torch has fused kernels for every device and dtype we accept — and
+``load_state_dict`` keeps our own flags whatever was saved. A torch target built with
+``capturable=True`` (CUDA graphs) gets ``capturable=False`` back, as from any non-capturable
+torch optimizer: set ``group["capturable"] = True`` again after loading.
+
 [Note: torch.compile]
 ``torch.compile(opt.step)`` compiles the closure (if any) and runs the update eagerly behind a
 graph break: the update is already one fused launch per launch group, so compiling it gains
@@ -61,6 +73,11 @@ from .layout import SUPPORTED_DTYPES, is_dense, same_layout
 from .runtime import resolve_backend
 
 __all__ = ["LaunchGroup", "FusedOptimizer", "check_betas", "check_nonneg"]
+
+#: What a saved group tells torch.optim about its implementation (see [Note: implementation flags])
+_IMPLEMENTATION_FLAGS: dict[str, bool | None] = {
+    "fused": True, "foreach": None, "capturable": False, "differentiable": False,
+}  # fmt: skip
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -323,6 +340,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._plans = {}  # plans hold live tensors: never carried through pickling/deepcopy
 
     # ---- state_dict ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state_dict, with groups that keep a torch target on its fused path.
+
+        See [Note: implementation flags]: each saved group's ``fused``/``foreach``/``capturable``/
+        ``differentiable`` (those the matching torch class has) say "fused".
+
+        Returns:
+            ``{"state": {id: {key: tensor}}, "param_groups": [{..., "params": [id, ...]}]}``,
+            loadable by this class and by the matching ``torch.optim`` class.
+        """
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:  # fresh dicts: our own groups are untouched
+            group.update({k: v for k, v in _IMPLEMENTATION_FLAGS.items() if k in group})
+        return state_dict
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict (ours or the matching torch.optim class's).
 
@@ -334,7 +366,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         by_id: dict[Any, torch.Tensor] = {}
         for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
             by_id.update(zip(saved_group["params"], group["params"]))
+        own_flags = [{k: g[k] for k in _IMPLEMENTATION_FLAGS if k in g} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, flags in zip(self.param_groups, own_flags):
+            group.update(flags)  # ours, not the saved ones: see [Note: implementation flags]
         self._plans = {}
         for state in self.state.values():
             # torch hands the saved step tensors over as they are; ours advance in place (launch-group

@@ -7,9 +7,12 @@ GPT-2 / Llama models built from tiny configs (no download) trained against ``tor
 
 from __future__ import annotations
 
+import copy
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from torch.testing import assert_close
 
 from test_optimizers import DEFAULTS, PAIRS, loss_fn, make_model, train
@@ -49,3 +52,53 @@ def test_compiled_step_matches_eager(backend: str, name: str) -> None:
         # inductor code (other op order), so grads and everything after differ by fp32 rounding
         tol = dict(rtol=0, atol=0) if i < 2 else FP32
         assert_close(list(model.parameters()), list(eager_model.parameters()), **tol)
+
+
+# ---- state_dict interchange keeps the target's implementation ---------------------------------
+FLAGS = ("fused", "foreach", "capturable", "differentiable")
+INTERCHANGE = [
+    ("adam", dict(lr=1e-2, weight_decay=0.01), "_fused_adam_"),
+    ("adamw", dict(lr=1e-2, weight_decay=0.1), "_fused_adamw_"),
+    ("sgd", dict(lr=0.05, momentum=0.9), "_fused_sgd_"),
+]
+
+
+def _flags(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: g[k] for k in FLAGS if k in g} for g in opt.param_groups]
+
+
+def _ops_run(fn: Any) -> set[str]:
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.function_events}
+
+
+@pytest.mark.parametrize("name, kw, fused_op", INTERCHANGE, ids=[n for n, _, _ in INTERCHANGE])
+@pytest.mark.parametrize("direction", ["fused_to_torch", "torch_to_fused"])
+def test_state_dict_interchange_keeps_the_targets_fast_path(name: str, kw: dict, fused_op: str, direction: str) -> None:
+    """torch's load_state_dict takes group flags from the saved dict: ours must not switch a
+    ``torch.optim.AdamW(fused=True)`` target to its for-loop path (it did: saved ``fused=None``)."""
+    fused_cls, torch_cls = PAIRS[name]
+
+    def build(cls: type, model: nn.Module) -> torch.optim.Optimizer:
+        return cls(model.parameters(), backend="torch", **kw) if cls is fused_cls else cls(model.parameters(), fused=True, **kw)
+
+    src_cls, dst_cls = (fused_cls, torch_cls) if direction == "fused_to_torch" else (torch_cls, fused_cls)
+    model = make_model()
+    src = build(src_cls, model)
+    train(model, src, 3)
+    model2 = copy.deepcopy(model)
+    dst = build(dst_cls, model2)
+    before = _flags(dst)
+    dst.load_state_dict(copy.deepcopy(src.state_dict()))
+    assert _flags(dst) == before
+    if dst_cls is torch_cls:  # and the target really runs its fused kernel
+        assert f"aten::{fused_op}" in _ops_run(lambda: train(model2, dst, 1, start=3))
+        train(model, src, 1, start=3)
+    train(model, src, 3, start=4)
+    train(model2, dst, 3, start=4)
+    assert_close(list(model2.parameters()), list(model.parameters()), **FP32)
+    # and the way back: a second load into the source class keeps the source's flags too
+    src_flags = _flags(src)
+    src.load_state_dict(dst.state_dict())
+    assert _flags(src) == src_flags
