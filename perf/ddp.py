@@ -1,12 +1,15 @@
 """Step time of shardkit DataParallel vs torch DDP: same model, same data, same run.
 
-Spawns ``--nproc`` local processes (gloo on CPU, NCCL on CUDA). Each timed step is forward +
+Spawns ``--nproc`` local processes (``--device cpu``: gloo; ``--device cuda``: NCCL, one GPU per
+rank, and an error naming both numbers when there are more ranks than GPUs; ``auto`` picks cuda
+when CUDA is available). Each timed step is forward +
 backward (with the gradient all-reduce) + optimizer step, for the same MLP under both wrappers,
 interleaved repeat by repeat so machine noise hits both alike. Reports min/median per wrapper
 and the ratio shardkit/torch (< 1 is faster), plus a bucket-size sweep for shardkit.
 
-    python perf/ddp.py                       # full run -> perf/results/ddp_cpu.json + .png
-    python perf/ddp.py --quick --out /tmp/x  # smoke run (used by the test suite)
+    python perf/ddp.py --device cpu                       # full run -> perf/results/ddp_cpu.json + .png
+    python perf/ddp.py --device cpu --quick --out /tmp/x  # smoke run (used by the test suite)
+    python perf/ddp.py --device cpu --profile --repeats 3 # + per-phase times of both wrappers
 """
 
 from __future__ import annotations
@@ -52,12 +55,56 @@ def time_steps(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n:
     return times
 
 
+def resolve_device(device: str, backend: str, nproc: int) -> tuple[str, str]:
+    """``(device, backend)`` from the flags; raise ``SystemExit`` naming both numbers when
+    ``nproc`` ranks would need more GPUs than there are (each rank takes ``cuda:local_rank``)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cpu" and backend == "nccl":
+        raise SystemExit("--backend nccl needs --device cuda (NCCL does not run on CPU tensors)")
+    if device == "cuda":
+        n_gpus = torch.cuda.device_count()
+        if nproc > n_gpus:
+            raise SystemExit(
+                f"--nproc {nproc} ranks but only {n_gpus} CUDA device(s): each rank needs its own GPU. "
+                "Use --nproc <= the GPU count, or --device cpu (gloo)."
+            )
+    return device, backend
+
+
+def phase_times(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n: int) -> dict[str, float]:
+    """Median ms of each phase of a step: forward, backward (incl. the all-reduce), step."""
+    out: dict[str, list[float]] = {"zero_grad": [], "forward": [], "backward": [], "step": []}
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    for _ in range(n):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        loss = model(x).square().mean()
+        sync()
+        t2 = time.perf_counter()
+        loss.backward()
+        sync()
+        t3 = time.perf_counter()
+        opt.step()
+        sync()
+        t4 = time.perf_counter()
+        for k, a, b in (("zero_grad", t0, t1), ("forward", t1, t2), ("backward", t2, t3), ("step", t3, t4)):
+            out[k].append(1e3 * (b - a))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    ctx = ParallelContext.from_env()
-    device = ctx.device
+    ctx = ParallelContext.from_env(backend=args.backend)
+    # gloo on CUDA tensors is allowed: the context then says CPU, so place the model ourselves
+    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     torch.manual_seed(100 + rank)
     x = torch.randn(args.batch, args.width, device=device)
 
@@ -79,6 +126,12 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp
         for k, (m, o) in models.items():
             samples[k] += time_steps(m, o, x, args.steps)
     results["main"] = samples
+    if args.profile:  # interleaved too, after the timed runs so it cannot perturb them
+        phases: dict[str, list[dict[str, float]]] = {k: [] for k in models}
+        for _ in range(args.repeats):
+            for k, (m, o) in models.items():
+                phases[k].append(phase_times(m, o, x, args.steps))
+        results["phases"] = {k: {ph: statistics.median(r[ph] for r in v) for ph in v[0]} for k, v in phases.items()}
     for mb in args.sweep:
         sk = build("shardkit", mb)
         td = build("torch_ddp", mb)
@@ -102,6 +155,11 @@ def summarize(samples: list[float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="cpu: gloo on CPU; cuda: one GPU per rank (default: cuda if available)")
+    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                   help="process-group backend (default: nccl on cuda, gloo on cpu)")
+    p.add_argument("--profile", action="store_true", help="also time forward/backward/step separately")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--batch", type=int, default=32)
@@ -113,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
+    args.device, args.backend = resolve_device(args.device, args.backend, args.nproc)
     if args.quick:
         args.width, args.depth, args.batch, args.sweep = 64, 2, 8, [1.0]
         args.warmup, args.steps, args.repeats = 1, 2, 1
@@ -134,8 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
     main_sk, main_td = summarize(raw["main"]["shardkit"]), summarize(raw["main"]["torch_ddp"])
     report = {
         "benchmark": "ddp_step",
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-        "backend": "nccl" if torch.cuda.is_available() else "gloo",
+        "device": args.device,
+        "backend": args.backend,
         "nproc": args.nproc, "params": n_params, "grad_bytes": 4 * n_params,
         "model": f"MLP width={args.width} depth={args.depth} batch/rank={args.batch}",
         "bucket_mb": args.bucket_mb,
@@ -149,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "sweep": {mb: {"shardkit": summarize(v["shardkit"]), "torch_ddp": summarize(v["torch_ddp"])}
                   for mb, v in raw["sweep"].items()},
+        "phases_median_ms": raw.get("phases"),
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }  # fmt: skip
@@ -162,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     v = report["gradient_as_bucket_view"]
     print(f"  gradient_as_bucket_view: shardkit {v['shardkit']['median_ms']:.1f} ms, torch {v['torch_ddp']['median_ms']:.1f} ms, "
           f"ratio {v['ratio_median']:.3f}")  # fmt: skip
+    for k, ph in (report["phases_median_ms"] or {}).items():
+        print(f"  phases {k:<15} " + "  ".join(f"{name} {ms:6.1f} ms" for name, ms in ph.items()))
     for mb, v in report["sweep"].items():
         print(f"  bucket {mb:>6} MiB: shardkit {v['shardkit']['median_ms']:8.1f} ms, "
               f"torch {v['torch_ddp']['median_ms']:8.1f} ms")  # fmt: skip
