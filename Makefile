@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 NPROC  ?= 2
 STEPS  ?= 200
 
-.PHONY: all test demo bench install clean
+.PHONY: all test demo bench install clean mutate
 
 all: test
 
@@ -31,6 +31,16 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/shardkit bench optim
+
+# Mutation testing in a temporary copy of the repository (tools/mutate.py, cosmic-ray; the
+# working tree is never written). MODULE=parallel/buckets.py (optionally :FIRST-LAST lines) runs
+# one module against the tests that cover it; the default runs the parallel/ and comm/ modules in
+# sequence. MUTATE_ARGS: e.g. --rev HEAD, --sample 40, --timeout 120. See docs/testing.md.
+MODULE      ?=
+MUTATE_ARGS ?=
+mutate: $(STAMP)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check cosmic-ray==8.7.0
+	$(BIN)/python tools/mutate.py $(MODULE) $(MUTATE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
