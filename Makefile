@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 NPROC  ?= 2
 STEPS  ?= 200
 
-.PHONY: all test demo bench install clean mutate
+.PHONY: all test demo bench install clean test-gpu mutate
 
 all: test
 
@@ -28,6 +28,20 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/shardkit train --nproc $(NPROC) --strategy ddp --steps $(STEPS)
+
+# On a CUDA machine: GPU-only tests (`-m cuda`: aligned/unaligned kernels, fp16, NCCL DataParallel on 2
+# GPUs, ...) then the optimizer and DDP benchmarks on CUDA, results in perf/results/*_cuda.json.
+# The venv's torch must be a CUDA build: create it first, e.g.
+#   python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
+# ($(STAMP)'s `pip install torch==2.13.0` then finds 2.13.0+cu128 already satisfying the pin).
+test-gpu: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+		'make test-gpu: no CUDA device or a CPU-only torch ' + torch.__version__ + ' (see the comment above test-gpu)')"
+	$(BIN)/python -m pytest -q -m cuda tests
+	$(BIN)/python perf/optim.py --device cuda --out perf/results/
+	@gpus=$$($(BIN)/python -c "import torch; print(torch.cuda.device_count())"); \
+	if [ $$gpus -ge 2 ]; then $(BIN)/python perf/ddp.py --device cuda --nproc $$gpus --out perf/results; \
+	else echo "perf/ddp.py skipped: $$gpus GPU (DataParallel over NCCL needs 2)"; fi
 
 bench: $(STAMP)
 	$(BIN)/shardkit bench optim
