@@ -4,7 +4,9 @@
 * :func:`all_reduce`, :func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`,
   :func:`send`, :func:`recv` — take ``group=`` explicitly and return a :class:`CommHandle`.
 * :class:`CommStats` — explicit, thread-safe call/byte accounting (``stats=``).
-* :class:`CommTimeoutError` — a collective outlived its group's timeout.
+* :class:`CommTimeoutError` — a collective outlived its group's timeout (gloo; on NCCL only with
+  ``blocking_wait=True``, else NCCL's watchdog aborts the process: see [Note: what a timeout
+  looks like on each backend] in :mod:`shardkit.comm.context`).
 
 Nothing runs at import: no environment reads, no device queries, no process groups.
 

@@ -16,12 +16,35 @@ group per axis in :meth:`ParallelContext.from_world`) gets an explicit ``timeout
 c10d's 30 min, so a rank that never joins a collective becomes a
 :class:`~shardkit.comm.CommTimeoutError` naming the op instead of a hang. Groups inside a mesh
 passed to :meth:`ParallelContext.from_mesh` keep the timeout they were created with.
+
+[Note: what a timeout looks like on each backend]
+* gloo (CPU): the blocked ``wait()`` raises after the group's timeout, and shardkit turns it into
+  :class:`~shardkit.comm.CommTimeoutError` naming the op, the group and this rank. The process
+  lives on (the group's collectives are out of step: rebuild the groups or restart the job).
+* NCCL (CUDA), default: ``wait()`` only makes the current CUDA stream wait, so there is nothing
+  on the host to raise from. NCCL's watchdog thread notices the timed-out collective, logs
+  ``Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., OpType=ALLREDUCE, ...)
+  ran for ... milliseconds before timing out`` and, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s
+  default, aborts the communicator and tears the process down (SIGABRT): **no Python exception,
+  no CommTimeoutError**. The log line (and torchrun's exit summary) is what the user gets. This
+  is torch's choice because an async NCCL failure may leave CUDA memory in an unknown state.
+* NCCL with ``blocking_wait=True`` (opt-in, :meth:`ParallelContext.from_env` /
+  :meth:`~ParallelContext.from_world`): the groups shardkit creates are built with
+  ``TORCH_NCCL_BLOCKING_WAIT=1``, so ``wait()`` blocks the *host* until the collective finishes
+  and raises on timeout; shardkit turns that into :class:`~shardkit.comm.CommTimeoutError` as on
+  gloo. The cost: every ``wait()`` is a host synchronisation (no CPU run-ahead past a wait, e.g.
+  DataParallel's end-of-backward waits), so use it for debugging hangs, not for speed. After such
+  an error the communicator must be considered broken: save what you need and exit.
+ProcessGroupNCCL reads ``TORCH_NCCL_BLOCKING_WAIT`` once, when a group is constructed; shardkit
+sets it only around its own group creation and restores the previous value, so groups created
+elsewhere are unaffected, and nothing is read at import.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
@@ -55,6 +78,35 @@ def _check_timeout(timeout: object) -> timedelta:
     if timeout <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout}")
     return timeout
+
+
+def _check_blocking_wait(blocking_wait: object) -> bool:
+    if not isinstance(blocking_wait, bool):
+        raise TypeError(f"blocking_wait must be a bool, got {type(blocking_wait).__name__}")
+    return blocking_wait
+
+
+#: The variable ProcessGroupNCCL reads when a group is constructed.
+NCCL_BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"
+
+
+@contextlib.contextmanager
+def _nccl_blocking_wait(enabled: bool) -> Iterator[None]:
+    """Within the block, NCCL groups are constructed with blocking wait (if ``enabled``); the
+    previous value of the variable (or its absence) is restored afterwards.
+    See [Note: what a timeout looks like on each backend]."""
+    if not enabled:
+        yield
+        return
+    previous = os.environ.get(NCCL_BLOCKING_WAIT_ENV)
+    os.environ[NCCL_BLOCKING_WAIT_ENV] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(NCCL_BLOCKING_WAIT_ENV, None)
+        else:
+            os.environ[NCCL_BLOCKING_WAIT_ENV] = previous
 
 
 def _env_int(name: str) -> int:
@@ -148,6 +200,7 @@ class ParallelContext:
         pp: int = 1,
         backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        blocking_wait: bool = False,
     ) -> ParallelContext:
         """Initialize from torchrun's environment and build the context.
 
@@ -162,16 +215,22 @@ class ParallelContext:
             backend: ``"nccl"`` when CUDA is available, else ``"gloo"``, unless given. With NCCL
                 the CUDA device is set from ``LOCAL_RANK`` first.
             timeout: timeout of the default group and of every axis group.
+            blocking_wait: NCCL only: make ``wait()`` block the host and raise
+                :class:`~shardkit.comm.CommTimeoutError` on timeout instead of NCCL's watchdog
+                aborting the process (slower; see [Note: what a timeout looks like on each
+                backend]). No effect on gloo, which always raises.
 
         Returns:
             The context; collective on every rank.
 
         Example:
             >>> ctx = ParallelContext.from_env(tp=2, timeout=timedelta(minutes=2))
+            >>> debug = ParallelContext.from_env(timeout=timedelta(seconds=60), blocking_wait=True)
         """
         _check_timeout(timeout)
+        _check_blocking_wait(blocking_wait)
         if dist.is_initialized():
-            return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout)
+            return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout, blocking_wait=blocking_wait)
         env = os.environ
         if "RANK" not in env and "WORLD_SIZE" not in env:
             rank, world_size, local_rank = 0, 1, 0
@@ -188,17 +247,18 @@ class ParallelContext:
         if "nccl" in backend:
             torch.cuda.set_device(local_rank)
             device_id = torch.device("cuda", local_rank)
-        if world_size == 1 and "WORLD_SIZE" not in env:
-            dist.init_process_group(
-                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
-            )
-        else:
-            # env:// (not tcp://) so torchrun's agent store is reused when it provides one.
-            dist.init_process_group(
-                backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
-                device_id=device_id,
-            )
-        return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout)
+        with _nccl_blocking_wait(blocking_wait and "nccl" in backend):
+            if world_size == 1 and "WORLD_SIZE" not in env:
+                dist.init_process_group(
+                    backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+                )
+            else:
+                # env:// (not tcp://) so torchrun's agent store is reused when it provides one.
+                dist.init_process_group(
+                    backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
+                    device_id=device_id,
+                )
+        return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout, blocking_wait=blocking_wait)
 
     @classmethod
     def from_world(
@@ -208,6 +268,7 @@ class ParallelContext:
         tp: int = 1,
         pp: int = 1,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        blocking_wait: bool = False,
     ) -> ParallelContext:
         """Build the context on the already-initialized default process group.
 
@@ -219,6 +280,9 @@ class ParallelContext:
             dp, tp, pp: axis sizes (see :meth:`resolve_sizes`), validated before any group is
                 created.
             timeout: timeout of every group created.
+            blocking_wait: NCCL only: create the axis groups with blocking wait, so a timeout
+                raises :class:`~shardkit.comm.CommTimeoutError` (see [Note: what a timeout looks
+                like on each backend]). No effect on gloo.
 
         Returns:
             The context; release its groups with :meth:`destroy` (or use it as a context
@@ -233,6 +297,7 @@ class ParallelContext:
             [[[0, 1], [2, 3]]]
         """
         _check_timeout(timeout)
+        _check_blocking_wait(blocking_wait)
         if not dist.is_initialized():
             raise RuntimeError(
                 "ParallelContext.from_world needs an initialized default process group; "
@@ -244,12 +309,13 @@ class ParallelContext:
         layout = torch.arange(world_size, dtype=torch.int).reshape([sizes[a] for a in AXES])
         me = dist.get_rank()
         mine: list[dist.ProcessGroup] = []
-        for dim, axis in enumerate(AXES):
-            # every rank creates every group of the axis, in the same order (new_group's contract)
-            for ranks in layout.movedim(dim, -1).reshape(-1, sizes[axis]).tolist():
-                group = dist.new_group(ranks, timeout=timeout, group_desc=f"shardkit_{axis}")
-                if me in ranks:
-                    mine.append(group)
+        with _nccl_blocking_wait(blocking_wait and device_type == "cuda"):
+            for dim, axis in enumerate(AXES):
+                # every rank creates every group of the axis, in the same order (new_group's contract)
+                for ranks in layout.movedim(dim, -1).reshape(-1, sizes[axis]).tolist():
+                    group = dist.new_group(ranks, timeout=timeout, group_desc=f"shardkit_{axis}")
+                    if me in ranks:
+                        mine.append(group)
         mesh = DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=AXES)
         return cls(mesh, mine)
 

@@ -34,8 +34,9 @@ from .stats import group_label
 __all__ = ["CommHandle", "CommTimeoutError", "as_timeout_error"]
 
 # Backends report timeouts in their own words: gloo "Timed out waiting 2000ms for recv
-# operation", NCCL's watchdog "collective operation timeout".
-_TIMEOUT_RE = re.compile(r"timed\s*out|timeout", re.IGNORECASE)
+# operation", NCCL "collective operation timeout" / "ran for N milliseconds before timing out"
+# (the latter is what a blocking wait raises).
+_TIMEOUT_RE = re.compile(r"timed\s*out|timeout|timing\s*out", re.IGNORECASE)
 
 
 class CommTimeoutError(RuntimeError):
@@ -44,6 +45,10 @@ class CommTimeoutError(RuntimeError):
     The message names the op, the group (see :func:`~shardkit.comm.stats.group_label`), the
     timeout and this rank; the backend's own error is chained as ``__cause__``. The usual cause
     is a rank that never issued the matching op (see [Note: comm handles and ordering]).
+
+    Raised on gloo always, and on NCCL only for groups created with ``blocking_wait=True``: by
+    default NCCL's watchdog aborts the process instead (see [Note: what a timeout looks like on
+    each backend] in :mod:`shardkit.comm.context`).
     """
 
 

@@ -7,6 +7,7 @@ single-process reference is built on every rank and compared there.
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 from unittest import mock
@@ -29,6 +30,8 @@ from shardkit.comm import (
     reduce_scatter,
     send,
 )
+from shardkit.comm.context import NCCL_BLOCKING_WAIT_ENV, _nccl_blocking_wait
+from shardkit.comm.handle import as_timeout_error
 from tolerances import FP32
 
 WORLD_SIZES = [2, 4]
@@ -438,3 +441,95 @@ def test_timeout_names_the_op(dist_pool):
     assert "all_reduce" in messages[0] and messages[1] == ""
     # the default group and new groups still work for the next test
     assert dist_pool.run(_still_works_body, world_size=2) == [4.0, 4.0]
+
+
+# ---- blocking wait (NCCL opt-in; what can be checked on gloo) -----------------------------------
+def _blocking_wait_gloo_body() -> tuple[str | None, str | None]:
+    """On gloo ``blocking_wait=True`` is accepted, leaves the environment alone, and a timeout
+    still raises CommTimeoutError (gloo always blocks)."""
+    before = os.environ.get(NCCL_BLOCKING_WAIT_ENV)
+    with ParallelContext.from_world(timeout=timedelta(seconds=1), blocking_wait=True) as ctx:
+        during = os.environ.get(NCCL_BLOCKING_WAIT_ENV)
+        if dist.get_rank() == 0:
+            with pytest.raises(CommTimeoutError, match="all_reduce .* timed out after 1 s"):
+                all_reduce(torch.ones(2), group=ctx.group("dp"))
+        dist.barrier()
+    with pytest.raises(TypeError, match="blocking_wait must be a bool"):
+        ParallelContext.from_world(blocking_wait="yes")  # validated before any group exists
+    assert os.environ.get(NCCL_BLOCKING_WAIT_ENV) == before
+    return before, during
+
+
+def test_blocking_wait_on_gloo(dist_pool):
+    for before, during in dist_pool.run(_blocking_wait_gloo_body, world_size=2, timeout=30):
+        assert during == before  # gloo groups: the NCCL variable is not touched
+
+
+@pytest.mark.parametrize("previous", [None, "0", "1"])
+def test_nccl_blocking_wait_env_is_scoped_to_group_creation(monkeypatch, previous):
+    """The variable ProcessGroupNCCL reads at construction is "1" inside the block only, then
+    restored (or removed) even if group creation raised; disabled, it is not touched."""
+    if previous is None:
+        monkeypatch.delenv(NCCL_BLOCKING_WAIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(NCCL_BLOCKING_WAIT_ENV, previous)
+    with _nccl_blocking_wait(True):
+        assert os.environ[NCCL_BLOCKING_WAIT_ENV] == "1"
+    assert os.environ.get(NCCL_BLOCKING_WAIT_ENV) == previous
+    with pytest.raises(RuntimeError, match="boom"), _nccl_blocking_wait(True):
+        raise RuntimeError("boom")
+    assert os.environ.get(NCCL_BLOCKING_WAIT_ENV) == previous
+    with _nccl_blocking_wait(False):
+        assert os.environ.get(NCCL_BLOCKING_WAIT_ENV) == previous
+
+
+def test_from_env_creates_nccl_groups_under_blocking_wait(monkeypatch):
+    """from_env(backend="nccl", blocking_wait=True) initializes the default group with the
+    variable set (checked with init_process_group patched: no GPU here), and only then."""
+    seen = []
+    monkeypatch.delenv(NCCL_BLOCKING_WAIT_ENV, raising=False)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(*args, **kwargs):
+        seen.append(os.environ.get(NCCL_BLOCKING_WAIT_ENV))
+        raise Stop
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *_: None)
+    for flag in (True, False):
+        with pytest.raises(Stop):
+            ParallelContext.from_env(backend="nccl", blocking_wait=flag)
+        with pytest.raises(Stop):
+            ParallelContext.from_env(backend="gloo", blocking_wait=flag)
+    assert seen == ["1", None, None, None]
+    assert NCCL_BLOCKING_WAIT_ENV not in os.environ
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE, "
+        "NumelIn=4, NumelOut=4, Timeout(ms)=2000) ran for 2001 milliseconds before timing out.",
+        "Work ran for 2001 milliseconds before timing out.",
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 2000ms for recv operation to complete",
+    ],
+)
+def test_backend_timeout_messages_become_comm_timeout_error(message):
+    """The words each backend uses for a timeout (NCCL watchdog / blocking wait, gloo) are
+    recognized; other errors are not."""
+    group = mock.Mock(spec=dist.ProcessGroup)
+    group.rank.return_value, group.size.return_value = 0, 2
+    with (
+        mock.patch("shardkit.comm.handle.group_label", return_value="shardkit_dp[0, 1]"),
+        mock.patch("shardkit.comm.handle._group_timeout", return_value=timedelta(seconds=2)),
+    ):
+        err = as_timeout_error(RuntimeError(message), "all_reduce", group, torch.device("cpu"))
+        assert isinstance(err, CommTimeoutError)
+        assert "all_reduce on group shardkit_dp[0, 1] timed out after 2 s (rank 0 of 2" in str(err)
+        assert as_timeout_error(RuntimeError("NCCL error: unhandled system error"), "x", group, torch.device("cpu")) is None
+        assert as_timeout_error(ValueError(message), "x", group, torch.device("cpu")) is None
