@@ -36,9 +36,17 @@ them is one op instead of one per param.
 param, with fp32 moments; the kernel updates master and moments and writes the rounded param in
 the same pass. ``Optimizer.load_state_dict`` would cast every state tensor to the param's
 dtype, so :meth:`FusedOptimizer.load_state_dict` restores fp32 for these params afterwards. A
-state_dict from a torch optimizer (no ``master_param``) starts the master from the param. The
-param itself is never read back: after writing params directly (loading weights, EMA swaps),
-call :meth:`FusedOptimizer.sync_master_weights`.
+state_dict from a torch optimizer (no ``master_param``) starts the master from the param.
+
+A param written by the user (``model.load_state_dict``, a rollback, an EMA swap, ``p.copy_``
+under ``no_grad``, ``p.data = w``) would be silently undone by the next step, which continues
+from the master. So the optimizer remembers each master-weight param's ``(_version, data_ptr)``
+after writing it, and ``step`` copies a param whose pair moved into its master first — the
+fp32 math then continues from the written weights (moments kept), as an fp32 optimizer would.
+The check is one list comparison per launch group per step. Writes through ``p.data`` in place
+(``p.data.copy_(w)``) move no version counter: call :meth:`FusedOptimizer.sync_master_weights`
+after those. ``load_state_dict`` makes the loaded masters current, so load the model's weights
+first and the optimizer's state second (the usual order) to keep the fp32 masters.
 
 [Note: implementation flags]
 ``torch.optim.Optimizer.load_state_dict`` replaces every group entry but ``params`` with the
@@ -166,6 +174,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.backend = backend
         self._plans: dict[int, tuple[Any, tuple, list]] = {}
+        self._written: dict[int, tuple[int, int]] = {}  # id(param) -> (_version, data_ptr)
         super().__init__(params, defaults)
 
     # ---- construction-time checks ---------------------------------------------------------
@@ -282,11 +291,40 @@ class FusedOptimizer(torch.optim.Optimizer):
             if plan is None or plan[0] is not params or plan[1] != signature:
                 plan = (params, signature, self._plan(group))
                 self._plans[index] = plan
-            for device, launch_group in plan[2]:
+            for device, launch_group, master in plan[2]:
                 scale = grad_scale.to(device) if grad_scale is not None else None
+                if master:
+                    self._resync_written_masters(launch_group)
                 self._update(group, launch_group, scale)
+                if master:
+                    self._record_written(launch_group)
 
-    def _plan(self, group: dict[str, Any]) -> list[tuple[torch.device, LaunchGroup]]:
+    def _resync_written_masters(self, params: LaunchGroup) -> None:
+        """Copy into its master every param written since the optimizer wrote it.
+
+        See [Note: master weights]. One pass over the group's (version, address) pairs; the
+        per-param lookup only runs when something moved (or on a new plan's first step).
+        """
+        now = [(p._version, p.data_ptr()) for p in params]
+        if now == params.cache.get("written"):
+            return
+        for p, current in zip(params, now):
+            last = self._written.get(id(p))
+            if last is not None and last != current:
+                self.state[p]["master_param"].copy_(p.detach())
+
+    def _record_written(self, params: Iterable[torch.Tensor]) -> None:
+        """Remember how the optimizer left these params (see [Note: master weights])."""
+        params = params if isinstance(params, list) else list(params)
+        now = [(p._version, p.data_ptr()) for p in params]
+        if isinstance(params, LaunchGroup):
+            params.cache["written"] = now
+            ids = params.cache.get("ids") or params.cache.setdefault("ids", list(map(id, params)))
+        else:
+            ids = list(map(id, params))
+        self._written.update(zip(ids, now))
+
+    def _plan(self, group: dict[str, Any]) -> list[tuple[torch.device, LaunchGroup, bool]]:
         """Validate grads, create missing state, and split a group into launch groups (see [Note: launch groups])."""
         groups: dict[Hashable, LaunchGroup] = defaultdict(LaunchGroup)
         for i, p in enumerate(group["params"]):
@@ -300,7 +338,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._conform_state(p, state, i)
             key = (p.device, p.dtype, p.grad.dtype, self._uses_master(p), self._launch_group_key(state, group))
             groups[key].append(p)
-        return [(key[0], params) for key, params in groups.items()]
+        return [(key[0], params, key[3]) for key, params in groups.items()]  # device, params, master
 
     def _conform_state(self, p: torch.Tensor, state: dict[str, Any], index: int) -> None:
         """Check state sizes against ``p``; give state the dtype and strides the kernels expect."""
@@ -338,6 +376,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._plans = {}  # plans hold live tensors: never carried through pickling/deepcopy
+        self._written = {}  # keyed by id(param): meaningless in a copy
 
     # ---- state_dict ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -384,17 +423,19 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key in (*self._fp32_state_keys, "master_param"):
                 if isinstance(saved.get(key), torch.Tensor):
                     state[key] = saved[key].to(device=p.device, dtype=torch.float32, copy=True)
+            self._record_written([p])  # the loaded master wins over the param as it is now
 
     @torch.no_grad()
     def sync_master_weights(self) -> None:
         """Copy every param into its fp32 master copy (``master_weights=True`` only).
 
-        The optimizer updates the master and writes the rounded param; the param is never read
-        back. Call this after writing params yourself (``model.load_state_dict(...)``, an EMA
-        swap, weight surgery), or the next step continues from the old master.
+        ``step`` already does this for every param written since the optimizer last wrote it
+        (see [Note: master weights]); call it after writes ``step`` cannot see: through
+        ``p.data`` in place (``p.data.copy_(w)``), which moves no version counter.
 
         Example:
-            >>> model.load_state_dict(best_weights)
+            >>> for p, w in zip(model.parameters(), best_weights):
+            ...     p.data.copy_(w)
             >>> opt.sync_master_weights()
         """
         for group in self.param_groups:
@@ -402,6 +443,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 master = self.state.get(p, {}).get("master_param")
                 if master is not None:
                     master.copy_(p.detach())
+                    self._record_written([p])
 
     @staticmethod
     def _step_tensor() -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from test_optimizers import DEFAULTS, PAIRS, loss_fn, make_model, train
-from tolerances import FP32
+from tolerances import FP32, MASTER, rounded_param
 
 
 # ---- torch.compile(opt.step) ----------------------------------------------------------------
@@ -102,3 +102,88 @@ def test_state_dict_interchange_keeps_the_targets_fast_path(name: str, kw: dict,
     src_flags = _flags(src)
     src.load_state_dict(dst.state_dict())
     assert _flags(src) == src_flags
+
+
+# ---- master weights notice params written by the user -----------------------------------------
+def _write(how: str, model: nn.Module, opt: torch.optim.Optimizer, weights: dict[str, torch.Tensor]) -> None:
+    if how == "copy_":
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(weights[n])
+    elif how == "load_state_dict":  # a rollback to a checkpoint
+        model.load_state_dict(weights)
+    elif how == "opt_then_model_load":  # the optimizer's state first: the weights still win
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        model.load_state_dict(weights)
+    elif how == "data_assign":  # an EMA swap through .data: new storage
+        for n, p in model.named_parameters():
+            p.data = weights[n].clone()
+    else:  # in place through .data moves no version counter: the documented sync call
+        for n, p in model.named_parameters():
+            p.data.copy_(weights[n])
+        opt.sync_master_weights()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("how", ["copy_", "load_state_dict", "opt_then_model_load", "data_assign", "data_copy_then_sync"])
+def test_master_weights_continue_from_weights_the_user_wrote(backend: str, name: str, how: str) -> None:
+    """With ``master_weights=True`` a user's write to the params used to be silently undone by the
+    next step (it continued from the old fp32 master). Reference: torch.optim on fp32 copies,
+    restarted from the same written weights with its moments kept."""
+    fused_cls, ref_cls = PAIRS[name]
+    model = make_model().to(torch.bfloat16)
+    ref = make_model().float()
+    ref.load_state_dict(model.state_dict())  # same (rounded) start
+    opt = fused_cls(model.parameters(), master_weights=True, backend=backend, **DEFAULTS[name])
+    ref_opt = ref_cls(ref.parameters(), **DEFAULTS[name])
+    gen = torch.Generator().manual_seed(7)
+
+    def step() -> None:
+        for p, r in zip(model.parameters(), ref.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            r.grad = p.grad.float()  # the reference sees exactly the (rounded) grads we see
+        opt.step()
+        ref_opt.step()
+
+    for _ in range(3):
+        step()
+    written = {n: torch.randn(p.shape, generator=gen).to(torch.bfloat16) for n, p in model.named_parameters()}
+    _write(how, model, opt, written)
+    ref.load_state_dict(written)
+    assert all(torch.equal(p.float(), written[n].float()) for n, p in model.named_parameters())
+    for _ in range(3):
+        step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert_close(opt.state[p]["master_param"], r.detach(), **MASTER)
+        assert_close(p.detach().float(), r.detach(), **rounded_param(torch.bfloat16))
+
+
+def _bf16_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for i in steps:
+        gen = torch.Generator().manual_seed(300 + i)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+        opt.step()
+
+
+def test_loaded_masters_are_kept_when_the_model_is_loaded_first() -> None:
+    """The usual resume order (model, then optimizer) keeps the checkpoint's fp32 masters: a
+    rollback in a live optimizer continues exactly as a fresh optimizer resumed from the files."""
+    model = make_model().to(torch.bfloat16)
+    opt = PAIRS["adamw"][0](model.parameters(), master_weights=True, lr=1e-2)
+    _bf16_steps(model, opt, range(2))
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    _bf16_steps(model, opt, range(2, 4))  # move on, then roll back
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    _bf16_steps(model, opt, range(2, 3))
+    model2 = make_model().to(torch.bfloat16)
+    model2.load_state_dict(ckpt["model"])
+    opt2 = PAIRS["adamw"][0](model2.parameters(), master_weights=True, lr=1e-2)
+    opt2.load_state_dict(ckpt["opt"])
+    _bf16_steps(model2, opt2, range(2, 3))
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(opt.state[p]["master_param"], opt2.state[q]["master_param"])
+        # and that master is not the bf16 param: the checkpoint's fp32 precision was kept
+    assert any(not torch.equal(opt.state[p]["master_param"], p.float()) for p in model.parameters())
