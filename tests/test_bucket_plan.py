@@ -294,3 +294,7 @@ def test_grad_bucket_grads_or_zeros_and_nbytes() -> None:
     got = bucket.grads_or_zeros()
     assert got[0] is p.grad
     assert torch.equal(got[1], torch.zeros(2, dtype=torch.float64))
+    # identity semantics: buckets key dicts/sets (strategies map bucket -> work/shard), and two
+    # buckets with equal fields are still different buffers
+    twin = GradBucket(index=0, params=[p, q], offsets=[0, 3], buffer=bucket.buffer)
+    assert bucket != twin and len({bucket, twin}) == 2
