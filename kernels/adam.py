@@ -33,6 +33,7 @@ from .runtime import (
     torch_to_triton_dtype,
     triton_kernel,
 )
+from .tl_helpers import load_chunk, program_chunk, role_ptr, store_chunk
 
 __all__ = ["adam_step", "adam_launch_config"]
 
@@ -42,15 +43,15 @@ def _adam_kernel(
     numels_ptr,  # int64 [n_tensors]
     chunk_tensor_ptr,  # int32 [grid]: tensor index of this program
     chunk_index_ptr,  # int32 [grid]: chunk of BLOCK elements within that tensor
-    n_tensors,
+    n_tensors: tl.int32,
     grad_scale_ptr,  # fp32 [1]; read only when HAS_GRAD_SCALE
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step_size,  # lr / (1 - beta1**step)
-    bc2_sqrt,  # sqrt(1 - beta2**step)
+    lr: tl.float32,
+    beta1: tl.float32,
+    beta2: tl.float32,
+    eps: tl.float32,
+    weight_decay: tl.float32,
+    step_size: tl.float32,  # lr / (1 - beta1**step)
+    bc2_sqrt: tl.float32,  # sqrt(1 - beta2**step)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     S_DTYPE: tl.constexpr,  # exp_avg / exp_avg_sq dtype
@@ -60,60 +61,43 @@ def _adam_kernel(
     HAS_MASTER: tl.constexpr,
     MASTER_ROW: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every pointer 16-byte aligned ([Note: aligned full chunks])
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
-    start = tl.load(chunk_index_ptr + pid).to(tl.int64) * BLOCK
-    n = tl.load(numels_ptr + t)
-    p_ptr = tl.load(ptrs_ptr + t).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(ptrs_ptr + n_tensors + t).to(tl.pointer_type(G_DTYPE))
-    m_ptr = tl.load(ptrs_ptr + 2 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-    v_ptr = tl.load(ptrs_ptr + 3 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-    if ALIGNED:
-        n = tl.multiple_of(n, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
+    t, _, offs, n, full = program_chunk(chunk_tensor_ptr, chunk_index_ptr, numels_ptr, BLOCK)
+    p_ptr = role_ptr(ptrs_ptr, 0, n_tensors, t, P_DTYPE, ALIGNED)
+    g_ptr = role_ptr(ptrs_ptr, 1, n_tensors, t, G_DTYPE, ALIGNED)
+    m_ptr = role_ptr(ptrs_ptr, 2, n_tensors, t, S_DTYPE, ALIGNED)
+    v_ptr = role_ptr(ptrs_ptr, 3, n_tensors, t, S_DTYPE, ALIGNED)
 
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = load_chunk(g_ptr, offs, n, full)
     if HAS_GRAD_SCALE:
         g = g / tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
     if HAS_MASTER:
-        w_ptr = tl.load(ptrs_ptr + MASTER_ROW * n_tensors + t).to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            w_ptr = tl.multiple_of(w_ptr, 16)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w_ptr = role_ptr(ptrs_ptr, MASTER_ROW, n_tensors, t, tl.float32, ALIGNED)
+        w = load_chunk(w_ptr, offs, n, full)
     else:
-        w = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = load_chunk(p_ptr, offs, n, full)
     if DECOUPLED:
         w = w * (1.0 - lr * weight_decay)
     else:
         g = g + weight_decay * w
 
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    tl.store(m_ptr + offs, m.to(S_DTYPE), mask=mask)
-    tl.store(v_ptr + offs, v.to(S_DTYPE), mask=mask)
+    m = beta1 * load_chunk(m_ptr, offs, n, full) + (1.0 - beta1) * g
+    v = beta2 * load_chunk(v_ptr, offs, n, full) + (1.0 - beta2) * g * g
+    store_chunk(m_ptr, offs, m, n, full)
+    store_chunk(v_ptr, offs, v, n, full)
     if AMSGRAD:
-        vmax_ptr = tl.load(ptrs_ptr + 4 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-        if ALIGNED:
-            vmax_ptr = tl.multiple_of(vmax_ptr, 16)
-        v = tl.maximum(tl.load(vmax_ptr + offs, mask=mask, other=0.0).to(tl.float32), v)
-        tl.store(vmax_ptr + offs, v.to(S_DTYPE), mask=mask)
+        vmax_ptr = role_ptr(ptrs_ptr, 4, n_tensors, t, S_DTYPE, ALIGNED)
+        v = tl.maximum(load_chunk(vmax_ptr, offs, n, full), v)
+        store_chunk(vmax_ptr, offs, v, n, full)
     w = w - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
 
     if HAS_MASTER:
-        tl.store(w_ptr + offs, w, mask=mask)
-    tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
+        store_chunk(w_ptr, offs, w, n, full)
+    store_chunk(p_ptr, offs, w, n, full)
 
 
 _ADAM = triton_kernel(_adam_kernel)
@@ -243,25 +227,17 @@ def _adam_step_torch(
 
 def _aot_configs() -> list[dict]:
     """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
-    import triton.language as tl
-
-    sig = {
-        "ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32",
-        "n_tensors": "i32", "grad_scale_ptr": "*fp32", "lr": "fp32", "beta1": "fp32", "beta2": "fp32",
-        "eps": "fp32", "weight_decay": "fp32", "step_size": "fp32", "bc2_sqrt": "fp32",
-    }  # fmt: skip
     block, num_warps = adam_launch_config(torch.device("cuda"), 1 << 20)
     base = dict(DECOUPLED=True, AMSGRAD=False, MAXIMIZE=False, HAS_GRAD_SCALE=False, ALIGNED=True, BLOCK=block)
     fp32 = dict(base, P_DTYPE=tl.float32, G_DTYPE=tl.float32, S_DTYPE=tl.float32, HAS_MASTER=False, MASTER_ROW=4)
     bf16 = dict(base, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, S_DTYPE=tl.float32, HAS_MASTER=True, MASTER_ROW=4)
+    common = dict(kernel=_ADAM, pointers={"grad_scale_ptr": "*fp32"}, num_warps=num_warps, elements_per_program=block)
+    # bytes per element: fp32 read p, g, m, v + write p, m, v = 28; bf16+master read g(2), m, v,
+    # w + write p(2), m, v, w = 28 (docs/reference.md, "Optimizer bytes per parameter").
     return [
-        dict(kernel=_ADAM, name="adamw_fp32", signature=sig, constexprs=fp32, num_warps=num_warps,
-             pointer_args=["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr", "grad_scale_ptr"],
-             elements_per_program=block, bytes_per_element=28),
-        dict(kernel=_ADAM, name="adamw_bf16_master", signature=sig, constexprs=bf16, num_warps=num_warps,
-             pointer_args=["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr", "grad_scale_ptr"],
-             elements_per_program=block, bytes_per_element=28),
-    ]  # fmt: skip
+        dict(common, name="adamw_fp32", constexprs=fp32, bytes_per_element=28),
+        dict(common, name="adamw_bf16_master", constexprs=bf16, bytes_per_element=28),
+    ]
 
 
 AOT_CONFIGS = _aot_configs

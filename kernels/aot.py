@@ -5,15 +5,29 @@ callable returning one (so building it does no work at import). A config has the
 
 * ``kernel`` — the :class:`~shardkit.kernels.runtime.TritonKernel` (its ``.jit`` is compiled);
 * ``name`` — unique within the module, e.g. ``"adamw_fp32"``;
-* ``signature`` — ``{arg: "*fp32" | "i32" | "fp32" | ...}`` for every non-constexpr argument;
 * ``constexprs`` — ``{ARG: value}`` for every ``tl.constexpr`` argument;
 * ``num_warps`` — the launcher's default;
-* ``pointer_args`` — pointer arguments the launcher guarantees 16-byte aligned (they get the
-  ``tt.divisibility=16`` hint a real launch would infer);
 * ``elements_per_program`` — elements one program instance handles (the kernel's ``BLOCK``);
 * ``bytes_per_element`` — bytes moved per element by one launch, from the kernel's formula
-  (e.g. 28 for fp32 AdamW: read p, g, m, v + write p, m, v; see shared/REFERENCE.md);
-* optional ``expect_no_spills`` (default True) — tests assert zero spills unless False.
+  (e.g. 28 for fp32 AdamW: read p, g, m, v + write p, m, v; see ``docs/reference.md``,
+  "Optimizer bytes per parameter");
+* optional ``pointers`` — ``{arg: "*fp32" | "*bf16" | ...}`` for pointer arguments other than the
+  multi-tensor table's (:data:`TABLE_POINTERS`);
+* optional ``pointer_args`` — pointer arguments the launcher guarantees 16-byte aligned (they get
+  the ``tt.divisibility=16`` hint a real launch would infer); default: every pointer argument;
+* optional ``signature`` — the full ``{arg: type}`` of the runtime arguments, replacing the
+  derived one (for kernels outside these conventions);
+* optional ``expect_no_spills`` (default True) — tests assert zero spills unless False;
+* optional ``report`` (default True) — False keeps a config out of ``perf/kernel_report.py``'s
+  default table (e.g. test-only variants).
+
+[Note: AOT signatures]
+The runtime signature is derived from the kernel's own parameters (:func:`kernel_signature`),
+never restated per config: ``tl.constexpr`` parameters take their values from ``constexprs``;
+parameters named ``*_ptr`` are pointers, typed by the config's ``pointers`` or, for the launch
+tables every multi-tensor kernel shares, by :data:`TABLE_POINTERS`; every other parameter is
+annotated in the kernel (``n_tensors: tl.int32``, ``lr: tl.float32``), which also tells the
+runtime JIT its type.
 
 :func:`all_configs` discovers them by iterating the modules of the ``shardkit.kernels`` package
 (``pkgutil``), so a new kernel module is covered by the AOT tests and ``perf/kernel_report.py``
@@ -56,6 +70,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import pkgutil
 import re
@@ -65,13 +80,23 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["REQUIRED_KEYS", "all_configs", "compile_config", "kernel_resources", "ptx_global_accesses"]
+__all__ = [
+    "REQUIRED_KEYS",
+    "TABLE_POINTERS",
+    "all_configs",
+    "kernel_signature",
+    "compile_config",
+    "kernel_resources",
+    "ptx_global_accesses",
+    "ptx_instruction_count",
+]
 
 #: keys every ``AOT_CONFIGS`` entry must have (see the module docstring)
-REQUIRED_KEYS = (
-    "kernel", "name", "signature", "constexprs", "num_warps", "pointer_args",
-    "elements_per_program", "bytes_per_element",
-)  # fmt: skip
+REQUIRED_KEYS = ("kernel", "name", "constexprs", "num_warps", "elements_per_program", "bytes_per_element")
+
+#: pointer types of the multi-tensor launch tables
+#: (:class:`~shardkit.kernels.runtime.MultiTensorTable`), shared by every multi-tensor kernel
+TABLE_POINTERS = {"ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32"}
 
 _PACKAGE = "shardkit.kernels"
 _COMPILED: dict[tuple, Any] = {}  # in-process cache: (config identity, cc) -> CompiledKernel
@@ -114,15 +139,77 @@ def all_configs(package: str = _PACKAGE) -> list[dict[str, Any]]:
     return configs
 
 
+def kernel_signature(
+    fn: Any, constexprs: Mapping[str, Any], pointers: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The compile signature of kernel ``fn``, derived from its parameters (see [Note: AOT signatures]).
+
+    Args:
+        fn: the kernel function (``TritonKernel.fn``).
+        constexprs: values of its ``tl.constexpr`` parameters.
+        pointers: types of ``*_ptr`` parameters not in :data:`TABLE_POINTERS`.
+
+    Returns:
+        ``{param: "constexpr" | "*fp32" | "i32" | ...}`` for every parameter, in order.
+
+    Raises:
+        ValueError: a constexpr without a value, a pointer without a type, an unannotated
+            scalar, or a ``constexprs``/``pointers`` name that is not a matching parameter.
+
+    Example:
+        >>> kernel_signature(_ADAM.fn, constexprs, {"grad_scale_ptr": "*fp32"})["lr"]
+        'fp32'
+    """
+    from triton.runtime.jit import _normalize_ty, type_canonicalisation_dict
+
+    pointers = dict(pointers or {})
+    params = inspect.signature(fn).parameters
+    scalar_types = set(type_canonicalisation_dict.values())
+    signature: dict[str, str] = {}
+    for name, param in params.items():
+        annotation = "" if param.annotation is inspect.Parameter.empty else _normalize_ty(param.annotation)
+        if annotation == "constexpr":
+            if name not in constexprs:
+                raise ValueError(f"{fn.__name__}: constexpr {name} has no value in constexprs")
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            ty = pointers.get(name, TABLE_POINTERS.get(name))
+            if ty is None or not ty.startswith("*"):
+                raise ValueError(f"{fn.__name__}: pointer {name} needs a type in the config's pointers")
+            signature[name] = ty
+        elif annotation in scalar_types:
+            signature[name] = annotation
+        else:
+            raise ValueError(f"{fn.__name__}: annotate scalar parameter {name} (e.g. tl.int32, tl.float32)")
+    stray = [k for k in constexprs if signature.get(k) != "constexpr"]
+    stray += [k for k in pointers if k not in params or not k.endswith("_ptr")]
+    if stray:
+        raise ValueError(f"{fn.__name__}: {sorted(stray)} are not constexpr / pointer parameters")
+    return signature
+
+
+def _runtime_signature(cfg: Mapping[str, Any]) -> dict[str, str]:
+    if "signature" in cfg:
+        return dict(cfg["signature"])
+    derived = kernel_signature(cfg["kernel"].fn, cfg["constexprs"], cfg.get("pointers"))
+    return {k: v for k, v in derived.items() if v != "constexpr"}
+
+
 def _config_identity(cfg: Mapping[str, Any]) -> tuple:
     """A hashable key for everything that determines the compiled binary."""
     fn = cfg["kernel"].fn
     return (
         fn.__module__, fn.__qualname__,
-        tuple(sorted((k, str(v)) for k, v in cfg["signature"].items())),
+        tuple(sorted((k, str(v)) for k, v in _runtime_signature(cfg).items())),
         tuple(sorted((k, repr(v)) for k, v in cfg["constexprs"].items())),
-        int(cfg["num_warps"]), tuple(sorted(cfg["pointer_args"])),
+        int(cfg["num_warps"]), tuple(sorted(_pointer_args(cfg))),
     )  # fmt: skip
+
+
+def _pointer_args(cfg: Mapping[str, Any]) -> list[str]:
+    if "pointer_args" in cfg:
+        return list(cfg["pointer_args"])
+    return [k for k, v in _runtime_signature(cfg).items() if v.startswith("*")]
 
 
 def compile_config(cfg: Mapping[str, Any], cc: int) -> Any:
@@ -157,7 +244,7 @@ def compile_config(cfg: Mapping[str, Any], cc: int) -> Any:
 
     fn = cfg["kernel"].jit
     where = f"{cfg.get('module', '?')}:{cfg['name']}"
-    constexprs, runtime_sig = dict(cfg["constexprs"]), dict(cfg["signature"])
+    constexprs, runtime_sig = dict(cfg["constexprs"]), _runtime_signature(cfg)
     unknown = (set(constexprs) | set(runtime_sig)) - set(fn.arg_names)
     if unknown:
         raise ValueError(f"{where}: {sorted(unknown)} are not arguments of {fn.__name__}")
@@ -165,10 +252,11 @@ def compile_config(cfg: Mapping[str, Any], cc: int) -> Any:
     if missing:
         raise ValueError(f"{where}: arguments {missing} are in neither signature nor constexprs")
     signature = {a: "constexpr" if a in constexprs else runtime_sig[a] for a in fn.arg_names}
-    bad = [a for a in cfg["pointer_args"] if a not in runtime_sig or not runtime_sig[a].startswith("*")]
+    aligned = _pointer_args(cfg)
+    bad = [a for a in aligned if a not in runtime_sig or not runtime_sig[a].startswith("*")]
     if bad:
         raise ValueError(f"{where}: pointer_args {bad} are not pointer arguments")
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in cfg["pointer_args"]}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", int(cc), 32),
@@ -214,6 +302,19 @@ def ptx_global_accesses(ptx: str) -> dict[str, dict[str, int]]:
         "global_stores": dict(sorted(counts["st"].items())),
         "global_atomics": dict(sorted(counts["atomic"].items())),
     }
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?[a-z][\w.:]*[\s;]", re.M)
+
+
+def ptx_instruction_count(ptx: str) -> int:
+    """Static number of PTX instructions (directives, labels, declarations and comments excluded).
+
+    Example:
+        >>> ptx_instruction_count("\t.reg .b32 %r<4>;\n$L1:\n\tadd.s32 %r1, %r2, %r3;\n\tret;")
+        2
+    """
+    return sum(1 for _ in _INSTRUCTION.finditer(ptx))
 
 
 def _access_bits(key: str) -> int:
@@ -294,6 +395,7 @@ def kernel_resources(compiled: Any, cfg: Mapping[str, Any] | None = None) -> dic
         A JSON-ready dict: ``target`` ("sm_90"), ``num_warps``, ``registers``,
         ``spill_stores_bytes``, ``spill_loads_bytes``, ``stack_bytes``, ``local_bytes``,
         ``shared_mem_bytes`` (Triton's launch-time allocation), ``static_shared_bytes``,
+        ``ptx_instructions`` (static count, both arms of every branch: code size, not work),
         ``global_loads``/``global_stores``/``global_atomics`` (``{access: count}``),
         ``ptxas_matches_cubin``, plus the ``cfg`` fields above.
 
@@ -322,6 +424,7 @@ def kernel_resources(compiled: Any, cfg: Mapping[str, Any] | None = None) -> dic
         "shared_mem_bytes": int(meta.shared),
         "static_shared_bytes": cubin["SHARED"],
         **accesses,
+        "ptx_instructions": ptx_instruction_count(compiled.asm["ptx"]),
         "ptxas_matches_cubin": log["registers"] == cubin["REG"],
         "ptxas": _ptxas_for(cc)[1],
     }

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .runtime import Backend, multi_tensor_table, resolve_backend, torch_to_triton_dtype, triton_kernel
+from .tl_helpers import load_chunk, program_chunk, role_ptr, store_chunk
 
 __all__ = [
     "ALIGN_ELEMENTS",
@@ -66,21 +67,17 @@ def _flat_copy_kernel(
     offsets_ptr,  # int64 [n_tensors]: element offset of each tensor's slot in flat
     flat_ptr,  # the 1-D bucket
     scale_ptr,  # fp32 [1]; read only when SCALE == 2
-    scale,  # fp32 multiplier; used only when SCALE == 1
+    scale: tl.float32,  # used only when SCALE == 1
     T_DTYPE: tl.constexpr,  # dtype of the tensors
     TO_FLAT: tl.constexpr,  # True: tensors -> flat; False: flat -> tensors
     SCALE: tl.constexpr,  # 0: plain copy, 1: multiply by `scale`, 2: multiply by *scale_ptr
     ALIGNED: tl.constexpr,  # tensor pointers and flat slots all 16-byte aligned
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
-    start = tl.load(chunk_index_ptr + pid).to(tl.int64) * BLOCK
-    n = tl.load(numels_ptr + t)
-    t_ptr = tl.load(ptrs_ptr + t).to(tl.pointer_type(T_DTYPE))
+    t, _, offs, n, full = program_chunk(chunk_tensor_ptr, chunk_index_ptr, numels_ptr, BLOCK)
+    t_ptr = role_ptr(ptrs_ptr, 0, 0, t, T_DTYPE, ALIGNED)
     f_ptr = flat_ptr + tl.load(offsets_ptr + t)
     if ALIGNED:
-        t_ptr = tl.multiple_of(t_ptr, 16)
         f_ptr = tl.multiple_of(f_ptr, 16)
     if TO_FLAT:
         src = t_ptr
@@ -88,23 +85,20 @@ def _flat_copy_kernel(
     else:
         src = f_ptr
         dst = t_ptr
-    offs = start + tl.arange(0, BLOCK)
-    # Full chunks take the unmasked branch, so they vectorize whatever the tensor sizes are
-    # (a mask on an odd size would make the whole launch scalar); only tails are masked.
-    full = start + BLOCK <= n
-    if full:
-        x = tl.load(src + offs)
-    else:
-        x = tl.load(src + offs, mask=offs < n, other=0.0)
-    if SCALE == 1:
-        x = x.to(tl.float32) * scale
-    if SCALE == 2:
-        x = x.to(tl.float32) * tl.load(scale_ptr)
-    y = x.to(dst.dtype.element_ty)
-    if full:
-        tl.store(dst + offs, y)
-    else:
-        tl.store(dst + offs, y, mask=offs < n)
+    # Full chunks are unmasked, so they vectorize whatever the tensor sizes are (a mask on an odd
+    # size would make the whole launch scalar); only tails are masked.
+    if SCALE == 0 and src.dtype == dst.dtype:  # a plain copy moves the bits, NaN payloads included
+        if full:
+            tl.store(dst + offs, tl.load(src + offs))
+        else:
+            tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+    else:  # through fp32 (exact for every dtype here), rounded once, to nearest even, on the store
+        x = load_chunk(src, offs, n, full)
+        if SCALE == 1:
+            x = x * scale
+        if SCALE == 2:
+            x = x * tl.load(scale_ptr)
+        store_chunk(dst, offs, x, n, full)
 
 
 _FLAT_COPY = triton_kernel(_flat_copy_kernel)
@@ -450,11 +444,6 @@ def flatten(
 
 def _aot_configs() -> list[dict]:
     """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
-    sig = {
-        "ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32",
-        "offsets_ptr": "*i64", "flat_ptr": "*fp32", "scale_ptr": "*fp32", "scale": "fp32",
-    }  # fmt: skip
-    pointer_args = ["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr", "offsets_ptr", "flat_ptr", "scale_ptr"]
     block, num_warps = flatten_launch_config(torch.device("cuda"), 1 << 20)
     base = dict(ALIGNED=True, BLOCK=block)
     configs = [  # (name, tensor dtype, flat dtype, direction, scale mode, bytes moved per element)
@@ -465,9 +454,9 @@ def _aot_configs() -> list[dict]:
         ("flatten_bf16", tl.bfloat16, "*bf16", True, 0, 4),
     ]
     return [
-        dict(kernel=_FLAT_COPY, name=name, signature=dict(sig, flat_ptr=flat), num_warps=num_warps,
-             constexprs=dict(base, T_DTYPE=t_dtype, TO_FLAT=to_flat, SCALE=scale),
-             pointer_args=pointer_args, elements_per_program=block, bytes_per_element=nbytes)
+        dict(kernel=_FLAT_COPY, name=name, pointers={"offsets_ptr": "*i64", "flat_ptr": flat, "scale_ptr": "*fp32"},
+             num_warps=num_warps, constexprs=dict(base, T_DTYPE=t_dtype, TO_FLAT=to_flat, SCALE=scale),
+             elements_per_program=block, bytes_per_element=nbytes)
         for name, t_dtype, flat, to_flat, scale, nbytes in configs
     ]  # fmt: skip
 

@@ -45,14 +45,11 @@ import triton
 import triton.language as tl
 
 from .runtime import Backend, multi_tensor_table, resolve_backend, torch_to_triton_dtype, triton_kernel
+from .tl_helpers import load_chunk, ordered_sum, program_chunk, role_ptr, round_to, store_chunk, widen
 
 __all__ = ["GradStats", "unscale_and_norm_", "clip_coef", "clip_grads_", "epilogue_launch_config", "AOT_CONFIGS"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# Reductions use tl.reduce with Triton's own sum combiner rather than tl.sum: tl.sum is a
-# @triton.jit helper, which the interpreter cannot call from a kernel built by TritonKernel
-# (see [Note: one kernel source...] in runtime.py); the interpreter recognizes this combiner.
 
 
 def _unscale_norm_kernel(
@@ -60,10 +57,10 @@ def _unscale_norm_kernel(
     numels_ptr,  # int64 [n_tensors]
     chunk_tensor_ptr,  # int32 [grid]: tensor index of this program (a tensor's chunks are consecutive)
     chunk_index_ptr,  # int32 [grid]: chunk of BLOCK elements within that tensor
-    n_tensors,
-    n_live,  # tensors with at least one element
+    n_tensors: tl.int32,
+    n_live: tl.int32,  # tensors with at least one element
     inv_scale_ptr,  # fp32 [1]; read only when SCALE == 2
-    inv_scale,  # fp32; used only when SCALE == 1
+    inv_scale: tl.float32,  # used only when SCALE == 1
     partials_ptr,  # fp32 [grid]: scratch, Σ out² of each program's chunk
     counters_ptr,  # int32 [n_tensors + 1], zeroed: finished chunks per tensor, then finished tensors
     tensor_sumsq_ptr,  # fp32 [n_tensors], zeroed
@@ -78,61 +75,37 @@ def _unscale_norm_kernel(
     BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr,  # lanes of the final fixed-order reductions
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
-    c = tl.load(chunk_index_ptr + pid).to(tl.int64)
-    start = c * BLOCK
-    n = tl.load(numels_ptr + t)
-    g_ptr = tl.load(ptrs_ptr + t).to(tl.pointer_type(G_DTYPE))
-    o_ptr = g_ptr
-    if HAS_OUT:
-        o_ptr = tl.load(ptrs_ptr + n_tensors + t).to(tl.pointer_type(O_DTYPE))
-    if ALIGNED:
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        o_ptr = tl.multiple_of(o_ptr, 16)
-    offs = start + tl.arange(0, BLOCK)
-    full = start + BLOCK <= n  # unmasked, hence vectorized, except in a tensor's tail chunk
-    if full:
-        g = tl.load(g_ptr + offs)
-    else:
-        g = tl.load(g_ptr + offs, mask=offs < n, other=0.0)
-    g = g.to(tl.float32)
+    t, c, offs, n, full = program_chunk(chunk_tensor_ptr, chunk_index_ptr, numels_ptr, BLOCK)
+    g_ptr = role_ptr(ptrs_ptr, 0, n_tensors, t, G_DTYPE, ALIGNED)
+    g = load_chunk(g_ptr, offs, n, full)
     if SCALE == 1:
         g = g * inv_scale
     if SCALE == 2:
         g = g * tl.load(inv_scale_ptr)
     if HAS_OUT or SCALE != 0:
-        y = g.to(O_DTYPE)
-        if full:
-            tl.store(o_ptr + offs, y)
+        g = widen(round_to(g, O_DTYPE))  # check and measure what is stored
+        if HAS_OUT:
+            store_chunk(role_ptr(ptrs_ptr, 1, n_tensors, t, O_DTYPE, ALIGNED), offs, g, n, full)
         else:
-            tl.store(o_ptr + offs, y, mask=offs < n)
-        g = y.to(tl.float32)  # check and measure what was stored
+            store_chunk(g_ptr, offs, g, n, full)
 
     # inf/nan <=> all exponent bits set; an integer test, immune to float compare folding
     bad = (g.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000
-    n_bad = tl.reduce(bad.to(tl.int32), 0, tl.standard._sum_combine)
+    n_bad = tl.sum(bad.to(tl.int32), 0)
     tl.atomic_add(tensor_nonfinite_ptr + t, n_bad.to(tl.int64), mask=n_bad > 0)
     tl.store(found_inf_ptr, 1.0, mask=n_bad > 0)
 
     # [Note: deterministic grad norm]
-    tl.store(partials_ptr + pid, tl.reduce(g * g, 0, tl.standard._sum_combine))
+    pid = tl.program_id(0)
+    tl.store(partials_ptr + pid, tl.sum(g * g, 0))
     tl.debug_barrier()  # the partial is written before this program's release below
     n_chunks = (n + BLOCK - 1) // BLOCK
     if tl.atomic_add(counters_ptr + t, 1, sem="acq_rel") == n_chunks - 1:
-        first = pid - c
-        acc = tl.full([RBLOCK], 0.0, tl.float32)
-        for i in range(0, n_chunks, RBLOCK):
-            r = i + tl.arange(0, RBLOCK)
-            acc += tl.load(partials_ptr + first + r, mask=r < n_chunks, other=0.0, cache_modifier=".cg")
-        tl.store(tensor_sumsq_ptr + t, tl.reduce(acc, 0, tl.standard._sum_combine))
+        tl.store(tensor_sumsq_ptr + t, ordered_sum(partials_ptr, pid - c, n_chunks, RBLOCK))
         tl.debug_barrier()
         if tl.atomic_add(counters_ptr + n_tensors, 1, sem="acq_rel") == n_live - 1:
-            acc = tl.full([RBLOCK], 0.0, tl.float32)
-            for j in range(0, n_tensors, RBLOCK):
-                r = j + tl.arange(0, RBLOCK)
-                acc += tl.load(tensor_sumsq_ptr + r, mask=r < n_tensors, other=0.0, cache_modifier=".cg")
-            tl.store(sumsq_ptr, tl.load(sumsq_ptr) + tl.reduce(acc, 0, tl.standard._sum_combine))
+            total = ordered_sum(tensor_sumsq_ptr, 0, n_tensors, RBLOCK)
+            tl.store(sumsq_ptr, tl.load(sumsq_ptr) + total)
 
 
 def _clip_kernel(
@@ -142,31 +115,20 @@ def _clip_kernel(
     chunk_index_ptr,  # int32 [grid]
     sumsq_ptr,  # fp32 [1]: Σ g² over every gradient being clipped together
     coef_ptr,  # fp32 [1]: receives the clip coefficient
-    max_norm,
-    eps,
+    max_norm: tl.float32,
+    eps: tl.float32,
     G_DTYPE: tl.constexpr,
     ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
     coef = max_norm / (tl.sqrt_rn(tl.load(sumsq_ptr)) + eps)
     coef = tl.minimum(coef, 1.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, like torch.clamp
-    if pid == 0:
+    if tl.program_id(0) == 0:
         tl.store(coef_ptr, coef)
     if coef != 1.0:  # below max_norm nothing is read or written
-        t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
-        start = tl.load(chunk_index_ptr + pid).to(tl.int64) * BLOCK
-        n = tl.load(numels_ptr + t)
-        g_ptr = tl.load(ptrs_ptr + t).to(tl.pointer_type(G_DTYPE))
-        if ALIGNED:
-            g_ptr = tl.multiple_of(g_ptr, 16)
-        offs = start + tl.arange(0, BLOCK)
-        if start + BLOCK <= n:
-            tl.store(g_ptr + offs, (tl.load(g_ptr + offs).to(tl.float32) * coef).to(G_DTYPE))
-        else:
-            mask = offs < n
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(g_ptr + offs, (g * coef).to(G_DTYPE), mask=mask)
+        t, _, offs, n, full = program_chunk(chunk_tensor_ptr, chunk_index_ptr, numels_ptr, BLOCK)
+        g_ptr = role_ptr(ptrs_ptr, 0, 0, t, G_DTYPE, ALIGNED)
+        store_chunk(g_ptr, offs, load_chunk(g_ptr, offs, n, full) * coef, n, full)
 
 
 _UNSCALE_NORM = triton_kernel(_unscale_norm_kernel)
@@ -426,18 +388,8 @@ def clip_grads_(
 def _aot_configs() -> list[dict]:
     """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
     block, rblock, num_warps = epilogue_launch_config(torch.device("cuda"), 1 << 20)
-    table = ["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr"]
-    sig = {
-        "ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32",
-        "n_tensors": "i32", "n_live": "i32", "inv_scale_ptr": "*fp32", "inv_scale": "fp32",
-        "partials_ptr": "*fp32", "counters_ptr": "*i32", "tensor_sumsq_ptr": "*fp32",
-        "tensor_nonfinite_ptr": "*i64", "found_inf_ptr": "*fp32", "sumsq_ptr": "*fp32",
-    }  # fmt: skip
-    clip_sig = {
-        "ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32",
-        "sumsq_ptr": "*fp32", "coef_ptr": "*fp32", "max_norm": "fp32", "eps": "fp32",
-    }  # fmt: skip
-    ptrs = table + [k for k, v in sig.items() if v.startswith("*") and k not in table]
+    pointers = dict(inv_scale_ptr="*fp32", partials_ptr="*fp32", counters_ptr="*i32", tensor_sumsq_ptr="*fp32",
+                    tensor_nonfinite_ptr="*i64", found_inf_ptr="*fp32", sumsq_ptr="*fp32")  # fmt: skip
     base = dict(HAS_OUT=False, SCALE=2, ALIGNED=True, BLOCK=block, RBLOCK=rblock)
     configs = [  # (name, grad dtype, out dtype, has out, bytes moved per element)
         ("unscale_norm_fp32", tl.float32, tl.float32, False, 8),
@@ -445,15 +397,14 @@ def _aot_configs() -> list[dict]:
         ("unscale_norm_fp32_bucket_to_bf16", tl.float32, tl.bfloat16, True, 6),
     ]
     out = [
-        dict(kernel=_UNSCALE_NORM, name=name, signature=sig, num_warps=num_warps, pointer_args=ptrs,
+        dict(kernel=_UNSCALE_NORM, name=name, pointers=pointers, num_warps=num_warps,
              constexprs=dict(base, G_DTYPE=g, O_DTYPE=o, HAS_OUT=has_out),
              elements_per_program=block, bytes_per_element=nbytes)
         for name, g, o, has_out, nbytes in configs
     ]  # fmt: skip
     for name, g, nbytes in [("clip_fp32", tl.float32, 8), ("clip_bf16", tl.bfloat16, 4)]:
-        out.append(dict(kernel=_CLIP, name=name, signature=clip_sig, num_warps=num_warps,
-                        constexprs=dict(G_DTYPE=g, ALIGNED=True, BLOCK=block),
-                        pointer_args=table + ["sumsq_ptr", "coef_ptr"],
+        out.append(dict(kernel=_CLIP, name=name, pointers=dict(sumsq_ptr="*fp32", coef_ptr="*fp32"),
+                        num_warps=num_warps, constexprs=dict(G_DTYPE=g, ALIGNED=True, BLOCK=block),
                         elements_per_program=block, bytes_per_element=nbytes))  # fmt: skip
     return out
 

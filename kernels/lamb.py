@@ -21,17 +21,22 @@ not *adapted* (``adapt=False``: Apex's NVLAMB with ``weight_decay == 0`` and not
 The trust ratio needs two per-tensor norms before any element of that tensor can be updated, so
 where the other fused optimizers take one launch per launch group, LAMB takes two:
 
-1. ``_lamb_moments_kernel``: update ``m``, ``v``; compute ``u``; add each program's partial
-   ``sum(w^2)`` and ``sum(u^2)`` (a block reduction then ``tl.atomic_add``) into an fp32
-   ``[2 * n_tensors]`` buffer that the launcher zeroes;
+1. ``_lamb_moments_kernel``: update ``m``, ``v``; compute ``u``; reduce ``sum(w^2)`` and
+   ``sum(u^2)`` per tensor in a fixed order (below) into an fp32 ``[2 * n_tensors]`` buffer;
 2. ``_lamb_apply_kernel``: recompute ``u`` from the stored ``m``, ``v`` and the unchanged ``w``
    (cheaper than a scratch copy of ``u``: it reads 12 B/element instead of writing and reading
    8) and apply ``w -= lr * trust * u``.
 
 Phase 1 computes ``u`` from ``m``/``v`` *as stored* (rounded to their dtype), so both phases use
 the same ``u``. An un-adapted group needs no norms: phase 1 applies the update itself, one
-launch. The fp32 atomics make the norms' summation order, and so their last bit, vary from run
-to run on a GPU (the interpreter runs programs in order).
+launch.
+
+The per-tensor norms are reduced in a fixed order, as the gradient epilogue's norm (see [Note:
+deterministic grad norm] in grad_epilogue.py): every program writes its chunk's two partial sums,
+and the program that finishes a tensor last (an int atomic counter per tensor, acquire/release)
+adds that tensor's partials in chunk order. The trust ratios are then bitwise reproducible, so
+DDP replicas holding equal grads stay bitwise equal (fp32 atomics made the last bit of each norm,
+and so the replicas, depend on timing).
 
 ``w`` is the fp32 master copy when one is kept (bf16/fp16 params with ``master_weights``); the
 param is then written as ``w`` rounded to its dtype in the same pass.
@@ -50,14 +55,16 @@ import triton.language as tl
 
 from .runtime import (
     Backend,
+    MultiTensorTable,
     elementwise_launch_config,
     live_multi_tensor_table,
     resolve_backend,
     torch_to_triton_dtype,
     triton_kernel,
 )
+from .tl_helpers import load_chunk, ordered_sum, program_chunk, role_ptr, round_to, store_chunk, widen
 
-__all__ = ["lamb_step", "lamb_launch_config"]
+__all__ = ["lamb_step", "lamb_launch_config", "lamb_reduce_block"]
 
 
 def _lamb_moments_kernel(
@@ -65,79 +72,69 @@ def _lamb_moments_kernel(
     numels_ptr,  # int64 [n_tensors]
     chunk_tensor_ptr,  # int32 [grid]: tensor index of this program
     chunk_index_ptr,  # int32 [grid]: chunk of BLOCK elements within that tensor
-    n_tensors,
+    n_tensors: tl.int32,
     grad_scale_ptr,  # fp32 [1]; read only when HAS_GRAD_SCALE
-    norms_ptr,  # fp32 [2 * n_tensors], zeroed: accumulates sum(w^2), sum(u^2) of tensor t at 2t, 2t+1
-    lr,  # used only when not ADAPT
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    bc1,  # 1 - beta1**step (1 without bias correction)
-    bc2_sqrt,  # sqrt(1 - beta2**step) (1 without bias correction)
+    partials_ptr,  # fp32 [2, grid]: scratch, each program's sum(w^2) and sum(u^2)
+    counters_ptr,  # int32 [n_tensors], zeroed: finished programs per tensor
+    norms_ptr,  # fp32 [2 * n_tensors]: receives sum(w^2), sum(u^2) of tensor t at 2t, 2t+1
+    lr: tl.float32,  # used only when not ADAPT
+    beta1: tl.float32,
+    beta2: tl.float32,
+    eps: tl.float32,
+    weight_decay: tl.float32,
+    bc1: tl.float32,  # 1 - beta1**step (1 without bias correction)
+    bc2_sqrt: tl.float32,  # sqrt(1 - beta2**step) (1 without bias correction)
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     S_DTYPE: tl.constexpr,  # exp_avg / exp_avg_sq dtype
     MAXIMIZE: tl.constexpr,
     HAS_MASTER: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
-    ADAPT: tl.constexpr,  # accumulate norms (phase 2 applies) | apply w -= lr * u here
-    ALIGNED: tl.constexpr,
+    ADAPT: tl.constexpr,  # reduce norms (phase 2 applies) | apply w -= lr * u here
+    ALIGNED: tl.constexpr,  # every pointer 16-byte aligned ([Note: aligned full chunks])
     BLOCK: tl.constexpr,
+    RBLOCK: tl.constexpr,  # lanes of the fixed-order per-tensor reduction
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
-    start = tl.load(chunk_index_ptr + pid).to(tl.int64) * BLOCK
-    n = tl.load(numels_ptr + t)
-    p_ptr = tl.load(ptrs_ptr + t).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(ptrs_ptr + n_tensors + t).to(tl.pointer_type(G_DTYPE))
-    m_ptr = tl.load(ptrs_ptr + 2 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-    v_ptr = tl.load(ptrs_ptr + 3 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-    if ALIGNED:
-        n = tl.multiple_of(n, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
+    t, c, offs, n, full = program_chunk(chunk_tensor_ptr, chunk_index_ptr, numels_ptr, BLOCK)
+    p_ptr = role_ptr(ptrs_ptr, 0, n_tensors, t, P_DTYPE, ALIGNED)
+    g_ptr = role_ptr(ptrs_ptr, 1, n_tensors, t, G_DTYPE, ALIGNED)
+    m_ptr = role_ptr(ptrs_ptr, 2, n_tensors, t, S_DTYPE, ALIGNED)
+    v_ptr = role_ptr(ptrs_ptr, 3, n_tensors, t, S_DTYPE, ALIGNED)
 
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = load_chunk(g_ptr, offs, n, full)
     if HAS_GRAD_SCALE:
         g = g / tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
     if HAS_MASTER:
-        w_ptr = tl.load(ptrs_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            w_ptr = tl.multiple_of(w_ptr, 16)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w_ptr = role_ptr(ptrs_ptr, 4, n_tensors, t, tl.float32, ALIGNED)
+        w = load_chunk(w_ptr, offs, n, full)
     else:
-        w = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = load_chunk(p_ptr, offs, n, full)
 
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = (beta1 * m + (1.0 - beta1) * g).to(S_DTYPE)
-    v = (beta2 * v + (1.0 - beta2) * g * g).to(S_DTYPE)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    u = (m.to(tl.float32) / bc1) / (tl.sqrt(v.to(tl.float32)) / bc2_sqrt + eps) + weight_decay * w
+    m = round_to(beta1 * load_chunk(m_ptr, offs, n, full) + (1.0 - beta1) * g, S_DTYPE)
+    v = round_to(beta2 * load_chunk(v_ptr, offs, n, full) + (1.0 - beta2) * g * g, S_DTYPE)
+    store_chunk(m_ptr, offs, m, n, full)
+    store_chunk(v_ptr, offs, v, n, full)
+    u = (widen(m) / bc1) / (tl.sqrt(widen(v)) / bc2_sqrt + eps) + weight_decay * w
 
     if ADAPT:
-        u = tl.where(mask, u, 0.0)  # masked lanes: 0 / eps, or NaN when eps == 0
-        # tl.reduce with tl.sum's own combine function, not tl.sum: tl.sum is a @triton.jit
-        # helper bound to compiled mode, while the interpreter recognises this combine function
-        # and reduces with numpy (see [Note: one kernel source, ...] in runtime.py).
-        # Relaxed atomics: phase 2 is a later launch, so no ordering is needed here.
-        w_sq = tl.reduce(w * w, 0, tl.standard._sum_combine)
-        u_sq = tl.reduce(u * u, 0, tl.standard._sum_combine)
-        tl.atomic_add(norms_ptr + 2 * t, w_sq, sem="relaxed")
-        tl.atomic_add(norms_ptr + 2 * t + 1, u_sq, sem="relaxed")
+        u = tl.where(offs < n, u, 0.0)  # masked lanes: 0 / eps, or NaN when eps == 0
+        pid = tl.program_id(0)
+        grid = tl.num_programs(0)
+        tl.store(partials_ptr + pid, tl.sum(w * w, 0))
+        tl.store(partials_ptr + grid + pid, tl.sum(u * u, 0))
+        tl.debug_barrier()  # the partials are written before this program's release below
+        n_chunks = (n + BLOCK - 1) // BLOCK
+        if tl.atomic_add(counters_ptr + t, 1, sem="acq_rel") == n_chunks - 1:
+            first = pid - c  # a tensor's chunks have consecutive program ids (MultiTensorTable)
+            tl.store(norms_ptr + 2 * t, ordered_sum(partials_ptr, first, n_chunks, RBLOCK))
+            tl.store(norms_ptr + 2 * t + 1, ordered_sum(partials_ptr + grid, first, n_chunks, RBLOCK))
     else:
         w = w - lr * u
         if HAS_MASTER:
-            tl.store(w_ptr + offs, w, mask=mask)
-        tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
+            store_chunk(w_ptr, offs, w, n, full)
+        store_chunk(p_ptr, offs, w, n, full)
 
 
 def _lamb_apply_kernel(
@@ -145,46 +142,34 @@ def _lamb_apply_kernel(
     numels_ptr,  # int64 [n_tensors]
     chunk_tensor_ptr,  # int32 [grid]: tensor index of this program
     chunk_index_ptr,  # int32 [grid]: chunk of BLOCK elements within that tensor
-    n_tensors,
+    n_tensors: tl.int32,
     norms_ptr,  # fp32 [2 * n_tensors]: sum(w^2), sum(u^2) per tensor, from phase 1
-    lr,
-    eps,
-    weight_decay,
-    bc1,  # 1 - beta1**step (1 without bias correction)
-    bc2_sqrt,  # sqrt(1 - beta2**step) (1 without bias correction)
-    weight_norm_min,  # phi's clamp of ||w||: the paper's gamma_l
-    weight_norm_max,  # ... and gamma_u (inf: no upper clamp)
-    max_trust_ratio,  # upper clamp of the trust ratio (inf: none)
+    lr: tl.float32,
+    eps: tl.float32,
+    weight_decay: tl.float32,
+    bc1: tl.float32,  # 1 - beta1**step (1 without bias correction)
+    bc2_sqrt: tl.float32,  # sqrt(1 - beta2**step) (1 without bias correction)
+    weight_norm_min: tl.float32,  # phi's clamp of ||w||: the paper's gamma_l
+    weight_norm_max: tl.float32,  # ... and gamma_u (inf: no upper clamp)
+    max_trust_ratio: tl.float32,  # upper clamp of the trust ratio (inf: none)
     P_DTYPE: tl.constexpr,
     S_DTYPE: tl.constexpr,  # exp_avg / exp_avg_sq dtype
     HAS_MASTER: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every pointer 16-byte aligned ([Note: aligned full chunks])
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
-    start = tl.load(chunk_index_ptr + pid).to(tl.int64) * BLOCK
-    n = tl.load(numels_ptr + t)
-    p_ptr = tl.load(ptrs_ptr + t).to(tl.pointer_type(P_DTYPE))
-    m_ptr = tl.load(ptrs_ptr + 2 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-    v_ptr = tl.load(ptrs_ptr + 3 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-    if ALIGNED:
-        n = tl.multiple_of(n, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        m_ptr = tl.multiple_of(m_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
+    t, _, offs, n, full = program_chunk(chunk_tensor_ptr, chunk_index_ptr, numels_ptr, BLOCK)
+    p_ptr = role_ptr(ptrs_ptr, 0, n_tensors, t, P_DTYPE, ALIGNED)
+    m_ptr = role_ptr(ptrs_ptr, 2, n_tensors, t, S_DTYPE, ALIGNED)
+    v_ptr = role_ptr(ptrs_ptr, 3, n_tensors, t, S_DTYPE, ALIGNED)
 
     if HAS_MASTER:
-        w_ptr = tl.load(ptrs_ptr + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            w_ptr = tl.multiple_of(w_ptr, 16)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w_ptr = role_ptr(ptrs_ptr, 4, n_tensors, t, tl.float32, ALIGNED)
+        w = load_chunk(w_ptr, offs, n, full)
     else:
-        w = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = load_chunk(p_ptr, offs, n, full)
+    m = load_chunk(m_ptr, offs, n, full)
+    v = load_chunk(v_ptr, offs, n, full)
     u = (m / bc1) / (tl.sqrt(v) / bc2_sqrt + eps) + weight_decay * w
 
     w_norm = tl.sqrt(tl.load(norms_ptr + 2 * t))
@@ -195,8 +180,8 @@ def _lamb_apply_kernel(
     w = w - (lr * trust) * u
 
     if HAS_MASTER:
-        tl.store(w_ptr + offs, w, mask=mask)
-    tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
+        store_chunk(w_ptr, offs, w, n, full)
+    store_chunk(p_ptr, offs, w, n, full)
 
 
 _LAMB_MOMENTS = triton_kernel(_lamb_moments_kernel)
@@ -208,7 +193,7 @@ def lamb_launch_config(device: torch.device, max_numel: int) -> tuple[int, int]:
 
     CUDA: 1024 elements and 4 warps, as for Adam (8 fp32 per thread = two 128-bit accesses per
     tensor, no spills at sm_80/sm_90 — see ``AOT_CONFIGS``); the per-program partial norms then
-    cost one atomic per 1024 elements per norm. Interpreter: it pays per program instance, so one
+    cost two 4-byte stores and one int atomic per 1024 elements. Interpreter: it pays per program instance, so one
     large block per tensor up to 2^16 elements.
 
     Example:
@@ -276,33 +261,62 @@ def lamb_step(
             max_trust_ratio=max_trust_ratio, adapt=adapt, maximize=maximize, grad_scale=grad_scale,
         )  # fmt: skip
         return
+    launched = _launch_moments(
+        params, grads, exp_avgs, exp_avg_sqs, masters, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, bc1=bc1, bc2_sqrt=bc2_sqrt, adapt=adapt, maximize=maximize,
+        grad_scale=grad_scale,
+    )  # fmt: skip
+    if launched is None or not adapt:
+        return
+    table, block, num_warps, norms = launched
+    _LAMB_APPLY[(table.n_chunks,)](
+        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, norms,
+        lr, eps, weight_decay, bc1, bc2_sqrt, lo, hi, float(max_trust_ratio),
+        P_DTYPE=torch_to_triton_dtype(params[0].dtype), S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype),
+        HAS_MASTER=bool(masters), ALIGNED=table.aligned, BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def lamb_reduce_block(device: torch.device) -> int:
+    """``RBLOCK``, the lanes of the fixed-order per-tensor norm reduction; a pure function.
+
+    CUDA: 1024 (one pass covers a 1M-element tensor's partials at BLOCK=1024). Interpreter: 8,
+    cheap there, so that a tensor of a few chunks already exercises the multi-step loop.
+    """
+    return 1024 if device.type == "cuda" else 8
+
+
+def _launch_moments(
+    params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay, bc1,
+    bc2_sqrt, adapt, maximize, grad_scale,
+) -> tuple[MultiTensorTable, int, int, torch.Tensor] | None:  # fmt: skip
+    """Phase 1 (see [Note: LAMB launches]): ``(table, BLOCK, num_warps, norms)``, None if empty.
+
+    ``norms`` is fp32 ``[2 * n_live_tensors]``: ``sum(w^2)``, ``sum(u^2)`` of each live tensor,
+    reduced in a fixed order (valid when ``adapt``).
+    """
     roles = [params, grads, exp_avgs, exp_avg_sqs]
     if masters:
         roles.append(masters)
     built = live_multi_tensor_table(roles, lamb_launch_config)
     if built is None:
-        return
+        return None
     table, block, num_warps = built
+    device = params[0].device
     scale = grad_scale if grad_scale is not None else table.numels  # placeholder pointer, unread
-    norms = torch.zeros(2 * table.n_tensors if adapt else 1, dtype=torch.float32, device=device)
-    p_dtype = torch_to_triton_dtype(params[0].dtype)
-    s_dtype = torch_to_triton_dtype(exp_avgs[0].dtype)
-    grid = (table.n_chunks,)
-    _LAMB_MOMENTS[grid](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, scale, norms,
+    n_partials = 2 * table.n_chunks if adapt else 1
+    norms = torch.empty(2 * table.n_tensors if adapt else 1, dtype=torch.float32, device=device)
+    _LAMB_MOMENTS[(table.n_chunks,)](
+        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, scale,
+        torch.empty(n_partials, dtype=torch.float32, device=device),
+        torch.zeros(table.n_tensors if adapt else 1, dtype=torch.int32, device=device), norms,
         lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt,
-        P_DTYPE=p_dtype, G_DTYPE=torch_to_triton_dtype(grads[0].dtype), S_DTYPE=s_dtype,
-        MAXIMIZE=maximize, HAS_MASTER=bool(masters), HAS_GRAD_SCALE=grad_scale is not None,
-        ADAPT=adapt, ALIGNED=table.aligned, BLOCK=block, num_warps=num_warps,
+        P_DTYPE=torch_to_triton_dtype(params[0].dtype), G_DTYPE=torch_to_triton_dtype(grads[0].dtype),
+        S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype), MAXIMIZE=maximize, HAS_MASTER=bool(masters),
+        HAS_GRAD_SCALE=grad_scale is not None, ADAPT=adapt, ALIGNED=table.aligned, BLOCK=block,
+        RBLOCK=lamb_reduce_block(device), num_warps=num_warps,
     )  # fmt: skip
-    if not adapt:
-        return
-    _LAMB_APPLY[grid](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, norms,
-        lr, eps, weight_decay, bc1, bc2_sqrt, lo, hi, float(max_trust_ratio),
-        P_DTYPE=p_dtype, S_DTYPE=s_dtype, HAS_MASTER=bool(masters),
-        ALIGNED=table.aligned, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+    return table, block, num_warps, norms
 
 
 def _lamb_step_torch(
@@ -352,35 +366,25 @@ def _lamb_step_torch(
 
 def _aot_configs() -> list[dict]:
     """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
-    head = {
-        "ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32",
-        "n_tensors": "i32",
-    }  # fmt: skip
-    sig1 = dict(head, grad_scale_ptr="*fp32", norms_ptr="*fp32", lr="fp32", beta1="fp32", beta2="fp32",
-                eps="fp32", weight_decay="fp32", bc1="fp32", bc2_sqrt="fp32")  # fmt: skip
-    sig2 = dict(head, norms_ptr="*fp32", lr="fp32", eps="fp32", weight_decay="fp32", bc1="fp32",
-                bc2_sqrt="fp32", weight_norm_min="fp32", weight_norm_max="fp32",
-                max_trust_ratio="fp32")  # fmt: skip
-    ptrs = ["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr", "norms_ptr"]
     block, num_warps = lamb_launch_config(torch.device("cuda"), 1 << 20)
+    rblock = lamb_reduce_block(torch.device("cuda"))
     base = dict(ALIGNED=True, BLOCK=block)
-    p1 = dict(base, MAXIMIZE=False, HAS_GRAD_SCALE=False, ADAPT=True)
+    p1 = dict(base, MAXIMIZE=False, HAS_GRAD_SCALE=False, ADAPT=True, RBLOCK=rblock)
     fp32 = dict(P_DTYPE=tl.float32, S_DTYPE=tl.float32, HAS_MASTER=False)
     bf16 = dict(P_DTYPE=tl.bfloat16, S_DTYPE=tl.float32, HAS_MASTER=True)
+    moments = dict(kernel=_LAMB_MOMENTS, num_warps=num_warps, elements_per_program=block,
+                   pointers={"grad_scale_ptr": "*fp32", "partials_ptr": "*fp32", "counters_ptr": "*i32",
+                             "norms_ptr": "*fp32"})  # fmt: skip
+    apply = dict(kernel=_LAMB_APPLY, num_warps=num_warps, elements_per_program=block, pointers={"norms_ptr": "*fp32"})
     # bytes per element, fp32: phase 1 reads p, g, m, v + writes m, v (24); phase 2 reads p, m, v
     # + writes p (16). bf16 + master: phase 1 reads g(2), m, v, w + writes m, v (22); phase 2
     # reads m, v, w + writes w, p(2) (18).
     return [
-        dict(kernel=_LAMB_MOMENTS, name="lamb_moments_fp32", signature=sig1,
-             constexprs=dict(p1, G_DTYPE=tl.float32, **fp32), num_warps=num_warps,
-             pointer_args=ptrs + ["grad_scale_ptr"], elements_per_program=block, bytes_per_element=24),
-        dict(kernel=_LAMB_APPLY, name="lamb_apply_fp32", signature=sig2, constexprs=dict(base, **fp32),
-             num_warps=num_warps, pointer_args=ptrs, elements_per_program=block, bytes_per_element=16),
-        dict(kernel=_LAMB_MOMENTS, name="lamb_moments_bf16_master", signature=sig1,
-             constexprs=dict(p1, G_DTYPE=tl.bfloat16, **bf16), num_warps=num_warps,
-             pointer_args=ptrs + ["grad_scale_ptr"], elements_per_program=block, bytes_per_element=22),
-        dict(kernel=_LAMB_APPLY, name="lamb_apply_bf16_master", signature=sig2, constexprs=dict(base, **bf16),
-             num_warps=num_warps, pointer_args=ptrs, elements_per_program=block, bytes_per_element=18),
+        dict(moments, name="lamb_moments_fp32", constexprs=dict(p1, G_DTYPE=tl.float32, **fp32), bytes_per_element=24),
+        dict(apply, name="lamb_apply_fp32", constexprs=dict(base, **fp32), bytes_per_element=16),
+        dict(moments, name="lamb_moments_bf16_master", constexprs=dict(p1, G_DTYPE=tl.bfloat16, **bf16),
+             bytes_per_element=22),
+        dict(apply, name="lamb_apply_bf16_master", constexprs=dict(base, **bf16), bytes_per_element=18),
     ]  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Kernel runtime: one Triton source, two executors, launch accounting.
+"""Kernel runtime: one Triton source, two executors, shared device helpers, launch accounting.
 
 [Note: one kernel source, compiled on CUDA and interpreted on CPU]
 Triton decides between compiling and interpreting when ``@triton.jit`` *decorates* a function
@@ -7,16 +7,31 @@ for the whole process. shardkit kernels are therefore written as plain, undecora
 functions and wrapped in :class:`TritonKernel`, which builds both executors from that one source,
 lazily and explicitly:
 
-* ``triton.runtime.jit.JITFunction(fn)`` — compiled; used for CUDA tensors and for the
+* ``triton.runtime.jit.JITFunction`` — compiled; used for CUDA tensors and for the
   ahead-of-time (AOT) compile checks in :mod:`shardkit.kernels.aot`.
-* ``triton.runtime.interpreter.InterpretedFunction(fn)`` — Triton's interpreter; used for CPU
+* ``triton.runtime.interpreter.InterpretedFunction`` — Triton's interpreter; used for CPU
   tensors when a caller asks for ``backend="triton"`` (the test suite does, to check the very
   same source against torch on a machine with no GPU).
 
 Both live in one process, no environment variable is read, and nothing is built at import time.
 The interpreter is for correctness only: normal CPU use (``backend="auto"``) takes each op's
-torch fast path instead. Kernels must not call other ``@triton.jit`` helpers (a helper would be
-bound to one mode); they are written self-contained.
+torch fast path instead.
+
+[Note: device helpers]
+Kernels call shared device functions (``@triton.jit`` helpers in Triton's terms) declared with
+:func:`triton_helper` and called *by bare name* (``from .tl_helpers import load_chunk``). A
+helper, like a kernel, is a plain function, so it cannot be bound to one mode either: each
+executor is built from a copy of the function whose globals map every helper name it uses to
+that helper built for the *same* executor — a ``JITFunction`` for compiled code (Triton inlines
+it), the interpreter's rewritten Python function for interpreted code (called directly, since
+the interpreted launch has already patched ``triton.language``; going through
+``InterpretedFunction.__call__`` would re-patch the whole language on every call, ~0.5 ms).
+Copying the globals also keeps the interpreter from writing its own names into our modules.
+Triton's own ``@jit`` library functions (``tl.sum``, ``tl.max``, ...) are ``JITFunction`` objects
+that refuse to be called from interpreted code unless the whole process runs with
+``TRITON_INTERPRET=1``; an interpreted launch therefore swaps them, for its duration only, for
+their interpreted form — what the interpreter itself does with ``tl.load`` and every other
+builtin (so, like the interpreter, interpreted launches are not thread-safe).
 
 [Note: multi-tensor launches]
 A multi-tensor kernel updates many tensors in one launch. Its arguments are two small int64
@@ -24,10 +39,27 @@ tables: a pointer table ``ptrs[role, t]`` (``data_ptr()`` of tensor ``t`` in rol
 param/grad/exp_avg) and per-tensor element counts; and a chunk table mapping each program id to
 ``(tensor index, chunk index)``. The chunk table depends only on sizes and is cached; the pointer
 table is rebuilt per call (gradients are reallocated by ``zero_grad(set_to_none=True)``) and
-copied to the device with one small non-blocking copy. Kernels cast loaded addresses with
-``.to(tl.pointer_type(DTYPE))``. When every tensor is 16-byte aligned with a size that is a
-multiple of 16 the launcher passes ``ALIGNED=True`` and the kernel adds ``tl.multiple_of``
-hints, which is what lets the compiler emit 128-bit vector loads/stores.
+copied to the device with one small non-blocking copy. The shared preamble (which tensor and
+chunk this program handles, each role's typed pointer) is :mod:`shardkit.kernels.tl_helpers`.
+
+[Note: aligned full chunks]
+128-bit loads/stores need the compiler to know that 4 consecutive fp32 (8 bf16) lanes are
+16-byte aligned and all in bounds. Every chunk but a tensor's last is full, so kernels run the
+chunk body twice in the source — unmasked for full chunks, masked for the tail — and, when the
+launcher passes ``ALIGNED=True`` (every pointer of the launch 16-byte aligned: true for every
+separately allocated tensor, false only for views at odd offsets), hint the pointers with
+``tl.multiple_of``. A tensor's *size* no longer matters: a 1000-element bias or a 50257-row
+embedding runs its full chunks vectorized and only its last chunk masked (scalar), where an
+all-or-nothing ``numel % 16`` flag dropped the whole launch group to scalar accesses. Splitting
+launch groups by alignment instead would cost an extra launch per group and still leave the odd
+tensors' bulk scalar. Chunks start at multiples of ``BLOCK`` elements, so an aligned tensor's
+chunks are all aligned.
+
+[Note: launch device]
+A compiled Triton launch runs on ``torch.cuda.current_device()`` and its current stream, while
+the pointer tables live on the tensors' device; a launch is therefore made under
+``torch.cuda.device(tensor.device)``, so params on ``cuda:1`` (or an optimizer whose launch
+groups span two GPUs) run on their own device and its current stream.
 """
 
 from __future__ import annotations
@@ -35,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import types
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -46,6 +79,8 @@ __all__ = [
     "Backend",
     "TritonKernel",
     "triton_kernel",
+    "TritonHelper",
+    "triton_helper",
     "count_launches",
     "resolve_backend",
     "MultiTensorTable",
@@ -101,10 +136,109 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["triton", "to
     return backend  # type: ignore[return-value]
 
 
+class TritonHelper:
+    """A device function that kernels (and other helpers) call, for both executors.
+
+    See [Note: device helpers]. Use :func:`triton_helper` as a decorator; call a helper only from
+    kernel or helper source, by its bare name.
+
+    Args:
+        fn: the undecorated function (written as for ``@triton.jit``).
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        functools.update_wrapper(self, fn)
+
+    @functools.cached_property
+    def jit(self) -> Any:
+        """The compiled form (a ``JITFunction``, inlined by Triton at the call site)."""
+        from triton.runtime.jit import JITFunction
+
+        return JITFunction(_bind_helpers(self.fn, "jit"))
+
+    @functools.cached_property
+    def interpreted(self) -> Callable[..., Any]:
+        """The interpreted form: the interpreter's rewritten Python function."""
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(_bind_helpers(self.fn, "interpreted")).rewrite()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.name} is a Triton device helper: call it only from a kernel or helper")
+
+    def __repr__(self) -> str:
+        return f"TritonHelper({self.name})"
+
+
+def triton_helper(fn: Callable[..., Any]) -> TritonHelper:
+    """Declare a device helper callable from :class:`TritonKernel` kernels.
+
+    Example:
+        >>> @triton_helper
+        ... def leaky_relu(x):
+        ...     return tl.where(x >= 0, x, 0.01 * x)
+        >>> def _act_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        ...     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ...     x = tl.load(x_ptr + offs, mask=offs < n)
+        ...     tl.store(x_ptr + offs, leaky_relu(x), mask=offs < n)
+    """
+    return TritonHelper(fn)
+
+
+def _bind_helpers(fn: Callable[..., Any], mode: Literal["jit", "interpreted"]) -> Callable[..., Any]:
+    """A copy of ``fn`` whose globals map each helper it names to that helper's ``mode`` form."""
+    glob = dict(fn.__globals__)
+    for name in fn.__code__.co_names:
+        value = glob.get(name)
+        if isinstance(value, TritonHelper):
+            glob[name] = getattr(value, mode)
+    copy = types.FunctionType(fn.__code__, glob, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__annotations__ = dict(fn.__annotations__)
+    copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return copy
+
+
+@functools.cache
+def _interpreted_tl_library() -> tuple[tuple[str, Callable[..., Any]], ...]:
+    """``(name, interpreted form)`` of every Triton ``@jit`` library function in ``tl``."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    found = []
+    for name, value in vars(tl).items():
+        if isinstance(value, JITFunction):
+            # A copy with copied globals: the rewriter must not write into triton's module, and
+            # the function keeps referring to the library's own combine functions (the
+            # interpreter reduces with numpy when it recognises e.g. ``_sum_combine``).
+            found.append((name, InterpretedFunction(_bind_helpers(value.fn, "interpreted")).rewrite()))
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def _interpreted_tl_functions() -> Iterator[None]:
+    """Make ``tl.sum`` & co. callable from interpreted code for the duration of a launch."""
+    import triton.language as tl
+
+    saved = [(name, getattr(tl, name)) for name, _ in _interpreted_tl_library()]
+    try:
+        for name, interpreted in _interpreted_tl_library():
+            setattr(tl, name, interpreted)
+        yield
+    finally:
+        for name, original in saved:
+            setattr(tl, name, original)
+
+
 class TritonKernel:
     """A Triton kernel source with a compiled (CUDA) and an interpreted (CPU) executor.
 
-    See [Note: one kernel source, compiled on CUDA and interpreted on CPU].
+    See [Note: one kernel source, compiled on CUDA and interpreted on CPU]; the kernel may call
+    helpers declared with :func:`triton_helper` (see [Note: device helpers]). A launch on CUDA
+    tensors runs on their device (see [Note: launch device]).
 
     Args:
         fn: the undecorated kernel function (written as for ``@triton.jit``).
@@ -125,22 +259,26 @@ class TritonKernel:
         """The compiled executor (``JITFunction``), built on first use."""
         from triton.runtime.jit import JITFunction
 
-        return JITFunction(self.fn)
+        return JITFunction(_bind_helpers(self.fn, "jit"))
 
     @functools.cached_property
     def interpreted(self) -> Any:
         """The interpreter executor (``InterpretedFunction``), built on first use."""
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(self.fn)
+        return InterpretedFunction(_bind_helpers(self.fn, "interpreted"))
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         def launch(*args: Any, **kwargs: Any) -> None:
             device = _first_tensor_device(args, kwargs)
-            runner = self.jit if device.type == "cuda" else self.interpreted
             for counter in _active_counters.get():
                 counter[self.name] += 1
-            runner[grid](*args, **kwargs)
+            if device.type == "cuda":
+                with torch.cuda.device(device):  # [Note: launch device]
+                    self.jit[grid](*args, **kwargs)
+            else:
+                with _interpreted_tl_functions():
+                    self.interpreted[grid](*args, **kwargs)
 
         return launch
 
@@ -175,11 +313,11 @@ def torch_to_triton_dtype(dtype: torch.dtype) -> Any:
 
 
 def is_aligned(tensors: Sequence[torch.Tensor]) -> bool:
-    """True when every tensor starts on 16 bytes and has a multiple of 16 elements.
+    """True when every tensor starts on a 16-byte boundary (its size does not matter).
 
-    Multi-tensor kernels pass this as ``ALIGNED`` (see [Note: multi-tensor launches]).
+    Multi-tensor kernels pass this as ``ALIGNED`` (see [Note: aligned full chunks]).
     """
-    return all(t.data_ptr() % 16 == 0 and t.numel() % 16 == 0 for t in tensors)
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -196,7 +334,7 @@ class MultiTensorTable:
             ``pid - chunk_index`` is the tensor's first program.
         n_tensors: number of tensors per role.
         n_chunks: grid size.
-        aligned: every tensor 16-byte aligned with a multiple of 16 elements.
+        aligned: every tensor of every role starts on 16 bytes (see [Note: aligned full chunks]).
     """
 
     ptrs: torch.Tensor

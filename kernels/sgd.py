@@ -34,6 +34,7 @@ from .runtime import (
     torch_to_triton_dtype,
     triton_kernel,
 )
+from .tl_helpers import load_chunk, program_chunk, role_ptr, store_chunk
 
 __all__ = ["sgd_step", "sgd_launch_config"]
 
@@ -43,12 +44,12 @@ def _sgd_kernel(
     numels_ptr,  # int64 [n_tensors]
     chunk_tensor_ptr,  # int32 [grid]: tensor index of this program
     chunk_index_ptr,  # int32 [grid]: chunk of BLOCK elements within that tensor
-    n_tensors,
+    n_tensors: tl.int32,
     grad_scale_ptr,  # fp32 [1]; read only when HAS_GRAD_SCALE
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
+    lr: tl.float32,
+    momentum: tl.float32,
+    dampening: tl.float32,
+    weight_decay: tl.float32,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
     S_DTYPE: tl.constexpr,  # momentum buffer dtype
@@ -59,45 +60,32 @@ def _sgd_kernel(
     HAS_MASTER: tl.constexpr,
     MASTER_ROW: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every pointer 16-byte aligned ([Note: aligned full chunks])
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    t = tl.load(chunk_tensor_ptr + pid).to(tl.int64)
-    start = tl.load(chunk_index_ptr + pid).to(tl.int64) * BLOCK
-    n = tl.load(numels_ptr + t)
-    p_ptr = tl.load(ptrs_ptr + t).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(ptrs_ptr + n_tensors + t).to(tl.pointer_type(G_DTYPE))
-    if ALIGNED:
-        n = tl.multiple_of(n, 16)
-        p_ptr = tl.multiple_of(p_ptr, 16)
-        g_ptr = tl.multiple_of(g_ptr, 16)
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
+    t, _, offs, n, full = program_chunk(chunk_tensor_ptr, chunk_index_ptr, numels_ptr, BLOCK)
+    p_ptr = role_ptr(ptrs_ptr, 0, n_tensors, t, P_DTYPE, ALIGNED)
+    g_ptr = role_ptr(ptrs_ptr, 1, n_tensors, t, G_DTYPE, ALIGNED)
 
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = load_chunk(g_ptr, offs, n, full)
     if HAS_GRAD_SCALE:
         g = g / tl.load(grad_scale_ptr)
     if MAXIMIZE:
         g = -g
     if HAS_MASTER:
-        w_ptr = tl.load(ptrs_ptr + MASTER_ROW * n_tensors + t).to(tl.pointer_type(tl.float32))
-        if ALIGNED:
-            w_ptr = tl.multiple_of(w_ptr, 16)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        w_ptr = role_ptr(ptrs_ptr, MASTER_ROW, n_tensors, t, tl.float32, ALIGNED)
+        w = load_chunk(w_ptr, offs, n, full)
     else:
-        w = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w = load_chunk(p_ptr, offs, n, full)
     g = g + weight_decay * w
 
     if HAS_MOMENTUM:
-        b_ptr = tl.load(ptrs_ptr + 2 * n_tensors + t).to(tl.pointer_type(S_DTYPE))
-        if ALIGNED:
-            b_ptr = tl.multiple_of(b_ptr, 16)
+        b_ptr = role_ptr(ptrs_ptr, 2, n_tensors, t, S_DTYPE, ALIGNED)
         if FIRST_STEP:
             buf = g
         else:
-            buf = momentum * tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32) + (1.0 - dampening) * g
-        tl.store(b_ptr + offs, buf.to(S_DTYPE), mask=mask)
+            buf = momentum * load_chunk(b_ptr, offs, n, full) + (1.0 - dampening) * g
+        store_chunk(b_ptr, offs, buf, n, full)
         if NESTEROV:
             g = g + momentum * buf
         else:
@@ -105,8 +93,8 @@ def _sgd_kernel(
     w = w - lr * g
 
     if HAS_MASTER:
-        tl.store(w_ptr + offs, w, mask=mask)
-    tl.store(p_ptr + offs, w.to(P_DTYPE), mask=mask)
+        store_chunk(w_ptr, offs, w, n, full)
+    store_chunk(p_ptr, offs, w, n, full)
 
 
 _SGD = triton_kernel(_sgd_kernel)
@@ -234,25 +222,18 @@ def _sgd_step_torch(
 
 def _aot_configs() -> list[dict]:
     """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
-    sig = {
-        "ptrs_ptr": "*i64", "numels_ptr": "*i64", "chunk_tensor_ptr": "*i32", "chunk_index_ptr": "*i32",
-        "n_tensors": "i32", "grad_scale_ptr": "*fp32", "lr": "fp32", "momentum": "fp32",
-        "dampening": "fp32", "weight_decay": "fp32",
-    }  # fmt: skip
-    pointer_args = ["ptrs_ptr", "numels_ptr", "chunk_tensor_ptr", "chunk_index_ptr", "grad_scale_ptr"]
     block, num_warps = sgd_launch_config(torch.device("cuda"), 1 << 20)
     base = dict(HAS_MOMENTUM=True, FIRST_STEP=False, NESTEROV=False, MAXIMIZE=False, HAS_GRAD_SCALE=False,
                 ALIGNED=True, BLOCK=block)
     fp32 = dict(base, P_DTYPE=tl.float32, G_DTYPE=tl.float32, S_DTYPE=tl.float32, HAS_MASTER=False, MASTER_ROW=3)
     bf16 = dict(base, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, S_DTYPE=tl.float32, HAS_MASTER=True, MASTER_ROW=3)
+    common = dict(kernel=_SGD, pointers={"grad_scale_ptr": "*fp32"}, num_warps=num_warps, elements_per_program=block)
     # bytes per element: fp32 read p, g, buf + write p, buf = 20; bf16+master read g(2), buf, w
     # + write p(2), buf, w = 20.
     return [
-        dict(kernel=_SGD, name="sgd_momentum_fp32", signature=sig, constexprs=fp32, num_warps=num_warps,
-             pointer_args=pointer_args, elements_per_program=block, bytes_per_element=20),
-        dict(kernel=_SGD, name="sgd_momentum_bf16_master", signature=sig, constexprs=bf16, num_warps=num_warps,
-             pointer_args=pointer_args, elements_per_program=block, bytes_per_element=20),
-    ]  # fmt: skip
+        dict(common, name="sgd_momentum_fp32", constexprs=fp32, bytes_per_element=20),
+        dict(common, name="sgd_momentum_bf16_master", constexprs=bf16, bytes_per_element=20),
+    ]
 
 
 AOT_CONFIGS = _aot_configs

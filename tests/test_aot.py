@@ -12,8 +12,17 @@ import sys
 import textwrap
 
 import pytest
+import triton.language as tl
 
-from shardkit.kernels.aot import all_configs, compile_config, kernel_resources, ptx_global_accesses
+from shardkit.kernels.aot import (
+    all_configs,
+    compile_config,
+    kernel_resources,
+    kernel_signature,
+    ptx_global_accesses,
+)
+from shardkit.kernels.runtime import triton_kernel
+from shardkit.kernels.tl_helpers import round_to
 
 TARGETS = (80, 90)
 CONFIGS = all_configs()
@@ -57,23 +66,86 @@ def test_config_compiles_without_spills(cfg: dict, cc: int) -> None:
     assert any(res[k] for k in ("global_loads", "global_stores", "global_atomics")), "no global memory access?"
 
 
+def _expect_vectorized(cfg: dict, res: dict, read_bytes: int, write_bytes: int, tail: dict) -> None:
+    """Full chunks: every data access 128-bit; the tail chunk's scalar accesses are ``tail``."""
+    threads = cfg["num_warps"] * 32
+    assert read_bytes + write_bytes == cfg["bytes_per_element"]
+    # Every thread moves 16 B per 128-bit access, so a BLOCK of elements needs this many of each:
+    expect_ld = read_bytes * cfg["elements_per_program"] // (16 * threads)
+    expect_st = write_bytes * cfg["elements_per_program"] // (16 * threads)
+    assert res["global_loads"].get("ld.global.v4.b32") == expect_ld
+    assert res["global_stores"].get("st.global.v4.b32") == expect_st
+    assert res["vec128_bytes_per_element"] == cfg["bytes_per_element"]
+    # The masked tail chunk (one per tensor, [Note: aligned full chunks]) is scalar, one access
+    # per element per tensor; the rest are the per-program launch-table reads (32/64-bit).
+    scalar = {k: n for k, n in {**res["global_loads"], **res["global_stores"]}.items() if "v4" not in k}
+    assert scalar == tail, scalar
+
+
 @pytest.mark.parametrize("cc", TARGETS)
 def test_aligned_fp32_adamw_uses_128bit_accesses(cc: int) -> None:
     cfg = _cfg("shardkit.kernels.adam", "adamw_fp32")
-    res = resources(cfg, cc)
-    threads = cfg["num_warps"] * 32
-    # fp32 AdamW reads p, g, m, v and writes p, m, v (shared/REFERENCE.md: 28 B/param). Every
-    # thread moves 16 B per 128-bit access, so a BLOCK of elements needs this many of each:
-    read_bytes, write_bytes = 4 * 4, 3 * 4
-    assert read_bytes + write_bytes == cfg["bytes_per_element"]
-    expect_ld = read_bytes * cfg["elements_per_program"] // (16 * threads)
-    expect_st = write_bytes * cfg["elements_per_program"] // (16 * threads)
-    assert res["global_loads"].get("ld.global.v4.b32") == expect_ld  # 8 at BLOCK=1024, 4 warps
-    assert res["global_stores"] == {"st.global.v4.b32": expect_st}  # 6: no scalar data stores
-    # The only non-vector loads are the per-program launch-table reads (uniform, 32/64-bit).
-    scalar = {k: n for k, n in res["global_loads"].items() if k != "ld.global.v4.b32"}
-    assert set(scalar) <= {"ld.global.b32", "ld.global.b64"}
-    assert res["vec128_bytes_per_element"] == cfg["bytes_per_element"]
+    per_thread = cfg["elements_per_program"] // (cfg["num_warps"] * 32)  # 8 at BLOCK=1024, 4 warps
+    # fp32 AdamW reads p, g, m, v and writes p, m, v (docs/reference.md, "Optimizer bytes per
+    # parameter": 28 B/param). Table reads: chunk tensor/index (b32), numel + 4 pointers (b64).
+    tail = {"ld.global.b32": 4 * per_thread + 2, "ld.global.b64": 5, "st.global.b32": 3 * per_thread}
+    _expect_vectorized(cfg, resources(cfg, cc), 4 * 4, 3 * 4, tail)
+
+
+@pytest.mark.parametrize("cc", TARGETS)
+def test_gpt2_parameter_list_keeps_128bit_accesses(cc: int) -> None:
+    """A GPT-2-shaped launch group with odd sizes (a 50257 bias, a scalar) stays vectorized.
+
+    Before the full/tail split, one tensor with numel % 16 != 0 made ALIGNED False for the whole
+    launch group: every access scalar. Now ALIGNED depends only on the pointers, and the odd
+    tensors pay scalar accesses in their last chunk only.
+    """
+    report = _kernel_report()
+    row = report.param_list_row(cc)
+    info = row["param_list"]
+    assert info["aligned"] and not info["aligned_by_numel_rule"], info
+    assert info["full_chunk_fraction"] > 0.999, info
+    cfg = report.param_list_config()
+    assert cfg["constexprs"]["ALIGNED"] is True
+    per_thread = cfg["elements_per_program"] // (cfg["num_warps"] * 32)
+    tail = {"ld.global.b32": 4 * per_thread + 2, "ld.global.b64": 5, "st.global.b32": 3 * per_thread}
+    _expect_vectorized(cfg, row, 4 * 4, 3 * 4, tail)
+
+
+def _kernel_report():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "perf" / "kernel_report.py"
+    spec = importlib.util.spec_from_file_location("kernel_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _round_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, round_to(tl.load(x_ptr + offs), tl.bfloat16))
+
+
+def _cast_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16))
+
+
+def test_rne_rounding_costs_few_instructions() -> None:
+    """round_to's bit-level fp32 -> bf16 rounding vs the native cvt.rn: a few integer ops each."""
+    counts = {}
+    for fn in (_round_kernel, _cast_kernel):
+        cfg = dict(kernel=triton_kernel(fn), name=fn.__name__, constexprs={"BLOCK": 1024}, num_warps=4,
+                   pointers={"x_ptr": "*fp32", "y_ptr": "*bf16"}, elements_per_program=1024, bytes_per_element=6)
+        res = kernel_resources(compile_config(cfg, 90), cfg)
+        assert res["global_loads"] == {"ld.global.v4.b32": 2} and res["global_stores"] == {"st.global.v4.b32": 1}
+        counts[fn.__name__] = res["ptx_instructions"]
+    # 8 elements per thread. Measured 8 per element at sm_90 (shr, bfe, 2 add, shr, or, setp.nan,
+    # selp; ptxas fuses some into IADD3/LOP3): noise next to a memory-bound kernel's 16+ bytes.
+    extra_per_element = (counts["_round_kernel"] - counts["_cast_kernel"]) / 8
+    assert 0 < extra_per_element <= 8, counts
 
 
 def test_ptx_access_parser() -> None:
@@ -102,9 +174,8 @@ def test_discovery_covers_new_modules_and_validates(tmp_path, monkeypatch) -> No
     (pkg / "no_configs.py").write_text("X = 1\n")
     (pkg / "newop.py").write_text(
         "def _k(x_ptr, BLOCK): pass\n"
-        "AOT_CONFIGS = lambda: [dict(kernel=None, name='newop_fp32', signature={'x_ptr': '*fp32'},\n"
-        "    constexprs={'BLOCK': 1024}, num_warps=4, pointer_args=['x_ptr'],\n"
-        "    elements_per_program=1024, bytes_per_element=8)]\n"
+        "AOT_CONFIGS = lambda: [dict(kernel=None, name='newop_fp32', pointers={'x_ptr': '*fp32'},\n"
+        "    constexprs={'BLOCK': 1024}, num_warps=4, elements_per_program=1024, bytes_per_element=8)]\n"
     )
     (pkg / "listed.py").write_text("AOT_CONFIGS = [dict(name='a', kernel=None)]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -115,3 +186,24 @@ def test_discovery_covers_new_modules_and_validates(tmp_path, monkeypatch) -> No
         monkeypatch.delitem(sys.modules, mod)
     found = all_configs("scratch_kernels")
     assert [(c["module"], c["name"]) for c in found] == [("scratch_kernels.newop", "newop_fp32")]
+
+
+def test_signature_is_derived_from_the_kernel() -> None:
+    """Scalars by annotation, *_ptr by the config's pointers or the launch tables, constexprs."""
+    def _k(ptrs_ptr, out_ptr, n: tl.int32, alpha: tl.float32, BLOCK: tl.constexpr):
+        pass
+
+    sig = kernel_signature(_k, {"BLOCK": 1024}, {"out_ptr": "*bf16"})
+    assert sig == {"ptrs_ptr": "*i64", "out_ptr": "*bf16", "n": "i32", "alpha": "fp32", "BLOCK": "constexpr"}
+    with pytest.raises(ValueError, match="out_ptr needs a type"):
+        kernel_signature(_k, {"BLOCK": 1024})
+    with pytest.raises(ValueError, match="constexpr BLOCK has no value"):
+        kernel_signature(_k, {}, {"out_ptr": "*bf16"})
+    with pytest.raises(ValueError, match="not constexpr / pointer"):
+        kernel_signature(_k, {"BLOCK": 1, "n": 3}, {"out_ptr": "*bf16"})
+
+    def _unannotated(x_ptr, n):
+        pass
+
+    with pytest.raises(ValueError, match="annotate scalar parameter n"):
+        kernel_signature(_unannotated, {}, {"x_ptr": "*fp32"})

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardkit.kernels.aot import kernel_signature
 from shardkit.kernels.flatten import (
     ALIGN_ELEMENTS,
     AOT_CONFIGS,
@@ -257,9 +258,10 @@ def test_aot_configs_cover_every_kernel_argument():
     configs = AOT_CONFIGS()
     assert {c["name"] for c in configs} >= {"flatten_fp32", "unflatten_fp32_avg", "flatten_bf16_to_fp32"}
     for c in configs:
-        args = c["kernel"].jit.arg_names
-        assert sorted(args) == sorted([*c["signature"], *c["constexprs"]]), c["name"]
-        assert set(c["pointer_args"]) <= {k for k, v in c["signature"].items() if v.startswith("*")}
+        # derived from the kernel's parameters (raises on a missing constexpr / pointer type)
+        sig = kernel_signature(c["kernel"].fn, c["constexprs"], c.get("pointers"))
+        assert list(sig) == c["kernel"].jit.arg_names, c["name"]
+        assert {k for k, v in sig.items() if v == "constexpr"} == set(c["constexprs"]), c["name"]
         assert c["constexprs"]["BLOCK"] == c["elements_per_program"] and c["constexprs"]["ALIGNED"]
 
 
