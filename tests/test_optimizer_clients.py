@@ -187,3 +187,94 @@ def test_loaded_masters_are_kept_when_the_model_is_loaded_first() -> None:
         assert torch.equal(opt.state[p]["master_param"], opt2.state[q]["master_param"])
         # and that master is not the bf16 param: the checkpoint's fp32 precision was kept
     assert any(not torch.equal(opt.state[p]["master_param"], p.float()) for p in model.parameters())
+
+
+# ---- Hugging Face models built from tiny configs (no download) --------------------------------
+def _hf_model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":  # tied input/output embeddings: one param in two places
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                       max_position_embeddings=32)  # fmt: skip
+        model = transformers.LlamaForCausalLM(cfg)
+    return model.to(dtype).train()
+
+
+def _hf_loss(model: nn.Module) -> torch.Tensor:
+    # one fixed batch: its loss must fall within a few steps, whatever the initialisation
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(500))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _hf_train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, step: Any = None) -> list[float]:
+    """``steps`` steps on fixed random tokens; ``step`` replaces ``opt.step`` (a compiled one)."""
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _hf_loss(model)
+        loss.backward()
+        (step or opt.step)()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_model_fp32_matches_torch_fused_adamw(kind: str) -> None:
+    """FusedAdamW (the path a CPU user gets) vs ``torch.optim.AdamW(fused=True)`` on the whole
+    param list of a real model: embeddings (GPT-2's tied to the head), norms, biases, GQA."""
+    from shardkit.kernels import FusedAdamW
+
+    model, ref = _hf_model(kind), _hf_model(kind)
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    losses = _hf_train(model, FusedAdamW(model.parameters(), **kw), 5)
+    ref_losses = _hf_train(ref, torch.optim.AdamW(ref.parameters(), fused=True, **kw), 5)
+    assert losses[-1] < losses[0]  # it trains
+    assert_close(losses, ref_losses, **FP32)
+    assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), **FP32)
+
+
+def test_hf_gpt2_compiled_step_matches_eager() -> None:
+    import torch._dynamo
+
+    from shardkit.kernels import FusedAdamW
+
+    torch._dynamo.reset()
+    model, ref = _hf_model("gpt2"), _hf_model("gpt2")
+    opt, ref_opt = FusedAdamW(model.parameters(), lr=1e-3), FusedAdamW(ref.parameters(), lr=1e-3)
+    _hf_train(model, opt, 3, step=torch.compile(opt.step))
+    _hf_train(ref, ref_opt, 3)
+    assert_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_hf_model_bf16_master_weights_track_fp32_reference(kind: str) -> None:
+    """bf16 params with fp32 masters vs ``torch.optim.AdamW`` on fp32 copies fed the same (bf16)
+    grads: masters within :data:`tolerances.MASTER`, params one rounding away (``rounded_param``)."""
+    from shardkit.kernels import FusedAdamW
+
+    model = _hf_model(kind, torch.bfloat16)
+    ref = _hf_model(kind)
+    ref.load_state_dict(model.state_dict())  # same (rounded) start
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    opt = FusedAdamW(model.parameters(), master_weights=True, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), fused=True, **kw)
+    pairs = list(zip(model.parameters(), ref.parameters()))
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        loss = _hf_loss(model)
+        loss.backward()
+        losses.append(loss.item())
+        for p, r in pairs:
+            r.grad = p.grad.float()
+        opt.step()
+        ref_opt.step()
+    assert losses[-1] < losses[0]
+    for p, r in pairs:
+        assert_close(opt.state[p]["master_param"], r.detach(), **MASTER)
+        assert_close(p.detach().float(), r.detach(), **rounded_param(torch.bfloat16))
