@@ -24,7 +24,11 @@ class FusedAdam(FusedOptimizer):
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see :class:`FusedOptimizer`).
 
     ``foreach`` and ``fused`` are accepted for drop-in compatibility and ignored (this optimizer
-    is always fused); ``capturable`` and ``differentiable`` must be False.
+    is always fused); ``capturable`` and ``differentiable`` must be False. ``state_dict()`` saves
+    ``fused=True`` so a ``torch.optim.Adam(fused=True)`` that loads it stays fused, and
+    ``load_state_dict`` keeps these flags as constructed (see [Note: implementation flags] in
+    :mod:`shardkit.kernels.optim_base`). ``torch.compile(opt.step)`` runs the update eagerly
+    behind a graph break.
 
     State per param: ``step`` (float32 CPU scalar), ``exp_avg``, ``exp_avg_sq``, and
     ``max_exp_avg_sq`` with ``amsgrad`` — the keys of ``torch.optim.Adam`` — plus

@@ -31,7 +31,9 @@ class FusedSGD(FusedOptimizer):
         weight_decay: L2 penalty added to the gradient (>= 0).
         nesterov: Nesterov momentum (needs ``momentum > 0`` and ``dampening == 0``).
         maximize: maximize the objective instead of minimizing it.
-        foreach, fused: accepted for drop-in compatibility and ignored (always fused).
+        foreach, fused: accepted for drop-in compatibility and ignored (always fused);
+            ``state_dict()`` saves ``fused=True`` so a ``torch.optim.SGD(fused=True)`` loading
+            it stays fused (see [Note: implementation flags] in :mod:`shardkit.kernels.optim_base`).
         differentiable: must be False.
         master_weights: keep fp32 master params and momentum buffers for fp16/bf16 params.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see :class:`FusedOptimizer`).
