@@ -27,9 +27,9 @@ Within a cached plan all params of a launch group were stepped together last tim
 (step counts, SGD first-step) still agree. ``add_param_group`` and ``load_state_dict`` drop
 every plan; building a plan checks every state tensor against its param (size, dtype, layout).
 Replacing one param's state dict in place (``opt.state[p] = {...}``) is not detected: reset
-state with ``opt.state = collections.defaultdict(dict)`` or ``load_state_dict``. Within a launch group the ``step`` counters are 0-d views of one
-float32 buffer (still one tensor per param in ``state``, as torch.optim has it), so advancing
-them is one op instead of one per param.
+state with ``opt.state = collections.defaultdict(dict)`` or ``load_state_dict``. Within a
+launch group the ``step`` counters are 0-d views of one float32 buffer (still one tensor per
+param in ``state``, as torch.optim has it), so advancing them is one op instead of one per param.
 
 [Note: master weights]
 ``master_weights=True`` keeps an fp32 copy (``state["master_param"]``) for every fp16/bf16
@@ -43,7 +43,8 @@ under ``no_grad``, ``p.data = w``) would be silently undone by the next step, wh
 from the master. So the optimizer remembers each master-weight param's ``(_version, data_ptr)``
 after writing it, and ``step`` copies a param whose pair moved into its master first — the
 fp32 math then continues from the written weights (moments kept), as an fp32 optimizer would.
-The check is one list comparison per launch group per step. Writes through ``p.data`` in place
+The check is one list comparison per launch group per step (with the record, ~0.5 us per
+master-weight param on CPU). Writes through ``p.data`` in place
 (``p.data.copy_(w)``) move no version counter: call :meth:`FusedOptimizer.sync_master_weights`
 after those. ``load_state_dict`` makes the loaded masters current, so load the model's weights
 first and the optimizer's state second (the usual order) to keep the fp32 masters.
@@ -63,8 +64,8 @@ torch optimizer: set ``group["capturable"] = True`` again after loading.
 [Note: torch.compile]
 ``torch.compile(opt.step)`` compiles the closure (if any) and runs the update eagerly behind a
 graph break: the update is already one fused launch per launch group, so compiling it gains
-nothing, and inductor cannot compile it (the CPU path's ``torch._fused_adamw_``/``_fused_sgd_``
-mutate their inputs, which inductor's functionalization rejects; the Triton path launches
+nothing, and inductor cannot compile it (on the CPU path ``torch._fused_adamw_`` trips a
+functionalization assert and ``torch._fused_sgd_`` has no fake kernel; the Triton path launches
 through raw pointer tables). Params and state come out exactly as in eager mode.
 """
 
@@ -256,11 +257,19 @@ class FusedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Perform one optimization step over every param group.
 
+        With ``master_weights=True``, params written since the last step are first copied into
+        their masters ([Note: master weights]). Under ``torch.compile`` the closure is compiled
+        and the update runs eagerly behind a graph break ([Note: torch.compile]).
+
         Args:
             closure: re-evaluates the model and returns the loss (optional).
 
         Returns:
             The closure's loss, or None.
+
+        Example:
+            >>> loss = model(x).sum(); loss.backward()
+            >>> opt.step()  # or: torch.compile(opt.step)()
         """
         loss = None
         if closure is not None:
