@@ -119,6 +119,24 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+def _check_gpus_per_node(local_rank: int) -> None:
+    """NCCL needs a GPU of its own for every rank of a node: fail clearly, on every rank, when not.
+
+    Without this, the rank whose ``LOCAL_RANK`` has no GPU fails inside ``torch.cuda.set_device``
+    with CUDA's "invalid device ordinal" while the others wait in the rendezvous until the
+    timeout. ``LOCAL_WORLD_SIZE`` (set by torchrun) lets the ranks that do have a GPU raise the
+    same error.
+    """
+    n_gpus = torch.cuda.device_count()
+    per_node = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else local_rank + 1
+    if local_rank < 0 or max(per_node, local_rank + 1) > n_gpus:
+        raise ValueError(
+            f"backend 'nccl' needs one GPU per rank on each node: local rank {local_rank} of {per_node} "
+            f"ranks per node (LOCAL_RANK / LOCAL_WORLD_SIZE), but torch.cuda.device_count() is {n_gpus}; "
+            f"launch at most {n_gpus} ranks per node (torchrun --nproc-per-node={n_gpus}) or use backend='gloo'"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """Named parallel axes ``pp``, ``dp``, ``tp`` over a 3-D ``DeviceMesh``.
@@ -223,6 +241,11 @@ class ParallelContext:
         Returns:
             The context; collective on every rank.
 
+        Raises:
+            ValueError: with NCCL, when the node has fewer GPUs than ranks
+                (``LOCAL_WORLD_SIZE`` or ``LOCAL_RANK + 1`` > ``torch.cuda.device_count()``),
+                before any process group exists.
+
         Example:
             >>> ctx = ParallelContext.from_env(tp=2, timeout=timedelta(minutes=2))
             >>> debug = ParallelContext.from_env(timeout=timedelta(seconds=60), blocking_wait=True)
@@ -245,6 +268,7 @@ class ParallelContext:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         device_id = None
         if "nccl" in backend:
+            _check_gpus_per_node(local_rank)  # before set_device and any rendezvous
             torch.cuda.set_device(local_rank)
             device_id = torch.device("cuda", local_rank)
         with _nccl_blocking_wait(blocking_wait and "nccl" in backend):

@@ -501,6 +501,7 @@ def test_from_env_creates_nccl_groups_under_blocking_wait(monkeypatch):
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", fake_init)
     monkeypatch.setattr(torch.cuda, "set_device", lambda *_: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one (pretend) GPU for rank 0
     for flag in (True, False):
         with pytest.raises(Stop):
             ParallelContext.from_env(backend="nccl", blocking_wait=flag)
@@ -533,3 +534,50 @@ def test_backend_timeout_messages_become_comm_timeout_error(message):
         assert "all_reduce on group shardkit_dp[0, 1] timed out after 2 s (rank 0 of 2" in str(err)
         assert as_timeout_error(RuntimeError("NCCL error: unhandled system error"), "x", group, torch.device("cpu")) is None
         assert as_timeout_error(ValueError(message), "x", group, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize(
+    "local_rank, local_world, n_gpus",
+    [(1, "2", 1), (0, "2", 1), (1, None, 1), (0, "1", 0), (3, "4", 2)],
+)
+def test_from_env_nccl_with_fewer_gpus_than_ranks_names_both(monkeypatch, local_rank, local_world, n_gpus):
+    """Two ranks on a one-GPU node with NCCL: a ValueError naming the local rank, the ranks per
+    node and torch.cuda.device_count(), on every rank (rank 0 too, via LOCAL_WORLD_SIZE), before
+    set_device or any process group (both patched to fail: no GPU here)."""
+    env = dict(RANK=str(local_rank), WORLD_SIZE="4", LOCAL_RANK=str(local_rank), MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29500")  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    forbidden = mock.Mock(side_effect=AssertionError("must fail before this"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", forbidden)
+    monkeypatch.setattr(torch.cuda, "set_device", forbidden)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n_gpus)
+    per_node = local_world if local_world is not None else str(local_rank + 1)
+    with pytest.raises(ValueError, match=rf"local rank {local_rank} of {per_node} ranks per node.*device_count\(\) is {n_gpus}"):
+        ParallelContext.from_env(backend="nccl")
+    forbidden.assert_not_called()
+
+
+def test_from_env_nccl_with_enough_gpus_sets_the_local_device(monkeypatch):
+    """The check lets a node with a GPU per rank through: rank 1 of 2 on 2 GPUs sets device 1."""
+    env = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29500")  # fmt: skip
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    class Stop(Exception):
+        pass
+
+    set_device = mock.Mock()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", mock.Mock(side_effect=Stop))
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(Stop):
+        ParallelContext.from_env(backend="nccl")
+    set_device.assert_called_once_with(1)
