@@ -11,6 +11,7 @@ from .buckets import BucketedGradReducer, GradBucket, plan_buckets
 from .data_parallel import DataParallel
 from .grad_utils import OverflowReport, clip_grad_norm_, unscale_grads_
 from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
+from .strategy import Strategy, make_strategy
 
 __all__ = [
     "BucketedGradReducer",
@@ -19,7 +20,9 @@ __all__ = [
     "GradBucket",
     "LossScaleAtMinimumError",
     "OverflowReport",
+    "Strategy",
     "clip_grad_norm_",
+    "make_strategy",
     "plan_buckets",
     "unscale_grads_",
 ]
