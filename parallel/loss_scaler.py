@@ -40,14 +40,12 @@ class LossScaleAtMinimumError(RuntimeError):
     """An overflow happened with the loss scale already at ``min_loss_scale``."""
 
 
-_DEFAULTS = dict(
-    loss_scale=0.0,
-    initial_scale_power=16,
-    loss_scale_window=1000,
-    hysteresis=2,
-    consecutive_hysteresis=False,
-    min_loss_scale=1.0,
-)
+#: The ``"fp16"`` config keys :meth:`DynamicLossScaler.from_config` passes on; their defaults
+#: are the constructor's (DeepSpeed's, checked in tests/test_loss_scaler_deepspeed.py).
+_CONFIG_KEYS = (
+    "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+    "min_loss_scale",
+)  # fmt: skip
 
 
 class DynamicLossScaler:
@@ -111,10 +109,10 @@ class DynamicLossScaler:
         Raises:
             ValueError: an unknown key (a typo would otherwise be silently ignored).
         """
-        unknown = set(config) - set(_DEFAULTS) - {"enabled", "auto_cast"}
+        unknown = set(config) - set(_CONFIG_KEYS) - {"enabled", "auto_cast"}
         if unknown:
-            raise ValueError(f"unknown fp16 config key(s): {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
-        return cls(**{k: config[k] for k in _DEFAULTS if k in config})
+            raise ValueError(f"unknown fp16 config key(s): {sorted(unknown)}; known: {sorted(_CONFIG_KEYS)}")
+        return cls(**{k: config[k] for k in _CONFIG_KEYS if k in config})
 
     @property
     def scale(self) -> float:

@@ -10,6 +10,7 @@ and a Hypothesis test compares the two on random overflow sequences. The rules a
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -190,6 +191,7 @@ def test_matches_written_out_rules(
 def test_static_scale_never_changes() -> None:
     s = DynamicLossScaler(loss_scale=128.0, loss_scale_window=1, hysteresis=1)
     assert run(s, "o.o..oo") == [128.0] * 7
+    assert s.state_dict()["cur_iter"] == 7  # steps are still counted (checkpoints record them)
 
 
 def test_from_config_deepspeed_keys_and_typos() -> None:
@@ -230,3 +232,73 @@ def test_grad_utils_does_not_import_loss_scaler() -> None:
     imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any("loss_scaler" in m for m in imported), imported
+
+
+# ---- scale_loss / unscale_ / expect_unscaled (single process) --------------------------------
+def _named_grads(scale: float) -> list[tuple[str, torch.nn.Parameter]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for i, shape in enumerate([(4,), (3, 5)]):
+        p = torch.nn.Parameter(torch.randn(shape, generator=g))
+        p.grad = torch.randn(shape, generator=g) * scale
+        out.append((f"w{i}", p))
+    return out
+
+
+def test_scale_loss_multiplies_by_the_scale_and_backward_sees_it() -> None:
+    s = DynamicLossScaler(initial_scale_power=5)
+    w = torch.tensor(3.0, requires_grad=True)
+    loss = s.scale_loss(w * w)
+    assert loss.item() == 9.0 * 32.0
+    loss.backward()
+    assert w.grad.item() == 6.0 * 32.0  # d(S w²)/dw = 2 S w
+    assert DynamicLossScaler(loss_scale=0.5).scale_loss(torch.tensor(4.0)).item() == 2.0  # static
+
+
+def test_unscale_divides_by_the_scale_and_names_params() -> None:
+    s = DynamicLossScaler(initial_scale_power=6)
+    named = _named_grads(64.0)
+    want = [p.grad / 64.0 for _, p in named]
+    report = s.unscale_(named)
+    assert not report.overflow
+    torch.testing.assert_close([p.grad for _, p in named], want, rtol=0, atol=0)  # 1/64: exact
+    assert report.grad_norm == pytest.approx(torch.cat([g.reshape(-1) for g in want]).norm().item(), rel=1e-6)
+    named[1][1].grad[2, 1] = float("inf")
+    report = s.unscale_(named)
+    assert report.overflow and report.nonfinite == []  # names only when asked (a host-side scan)
+    assert s.unscale_(named, report_nonfinite=True).nonfinite == ["w1"]  # (name, param) pairs
+    named[1][1].grad[2, 1] = float("nan")
+    assert s.unscale_([p for _, p in named], report_nonfinite=True).nonfinite == ["param[1]"]  # bare params
+
+
+def test_unscale_options_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        DynamicLossScaler().unscale_(_named_grads(1.0), None)  # type: ignore[misc]
+
+
+def _record_for(named, loss_scale: float):
+    from shardkit.parallel.grad_utils import UnscaledGrads
+
+    grads = {id(p): (p, p.grad, p.grad._version) for _, p in named}
+    sumsq = torch.cat([p.grad.reshape(-1) for _, p in named]).square().sum().reshape(1)
+    return UnscaledGrads(loss_scale, grads, torch.zeros(1), sumsq)
+
+
+def test_expect_unscaled_is_used_once_and_must_match_the_scale() -> None:
+    """A record at the current scale: unscale_ leaves those grads alone, once (the next call
+    unscales again). A record at another scale raises; update() and load_state_dict drop it."""
+    s = DynamicLossScaler(initial_scale_power=3)
+    named = _named_grads(1.0)
+    before = [p.grad.clone() for _, p in named]
+    s.expect_unscaled(_record_for(named, 8.0))
+    s.unscale_(named)
+    assert all(torch.equal(p.grad, b) for (_, p), b in zip(named, before))
+    s.unscale_(named)  # consumed: this one divides by S
+    torch.testing.assert_close([p.grad for _, p in named], [b / 8.0 for b in before], rtol=0, atol=0)
+    s.expect_unscaled(_record_for(named, 16.0))
+    with pytest.raises(RuntimeError, match="loss scale 16.0, but the scale is now 8.0"):
+        s.unscale_(named)
+    for drop in (lambda: s.update(False), lambda: s.load_state_dict(s.state_dict())):
+        s.expect_unscaled(_record_for(named, 16.0))
+        drop()
+        s.unscale_(named)  # no stale record: no error

@@ -152,3 +152,21 @@ def test_minimum_above_initial_scale_matches_deepspeed() -> None:
     # 2**1 < min 8: no error on the first overflow, lifted to 8; the next one raises.
     ours, theirs = make_pair(power=1, window=2, hysteresis=1, min_scale=8.0)
     assert drive(ours, theirs, [True, True]) == [8]
+
+
+def test_constructor_defaults_are_deepspeeds() -> None:
+    """An ``"fp16"`` section that leaves a key out means DeepSpeed's default for it."""
+    import inspect
+
+    from deepspeed.runtime import constants as c
+
+    defaults = {k: p.default for k, p in inspect.signature(DynamicLossScaler).parameters.items()}
+    assert defaults["loss_scale"] == c.FP16_LOSS_SCALE_DEFAULT
+    assert defaults["initial_scale_power"] == c.FP16_INITIAL_SCALE_POWER_DEFAULT
+    assert defaults["loss_scale_window"] == c.FP16_LOSS_SCALE_WINDOW_DEFAULT
+    assert defaults["hysteresis"] == c.FP16_HYSTERESIS_DEFAULT
+    assert defaults["consecutive_hysteresis"] == c.FP16_CONSECUTIVE_HYSTERESIS_DEFAULT
+    assert defaults["min_loss_scale"] == c.FP16_MIN_LOSS_SCALE_DEFAULT
+    s = DynamicLossScaler.from_config({"enabled": True})
+    assert (s.scale, s.loss_scale_window, s.hysteresis, s.cur_hysteresis, s.consecutive_hysteresis,
+            s.min_loss_scale, s.dynamic) == (2.0**16, 1000, 2, 2, False, 1.0, True)  # fmt: skip
