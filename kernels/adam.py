@@ -165,10 +165,23 @@ def adam_step(
     bc2 = 1.0 - beta2**step_value
     if resolve_backend(backend, device) == "torch":
         _adam_step_torch(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
-            step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            decoupled=decoupled, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            masters,
+            step=step,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            grad_scale=grad_scale,
+        )
         return
     roles = [params, grads, exp_avgs, exp_avg_sqs]
     if amsgrad:
@@ -182,21 +195,53 @@ def adam_step(
     table, block, num_warps = built
     scale = grad_scale if grad_scale is not None else table.numels  # placeholder pointer, unread
     _ADAM[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, scale,
-        lr, beta1, beta2, eps, weight_decay, lr / bc1, bc2**0.5,
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        table.n_tensors,
+        scale,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        lr / bc1,
+        bc2**0.5,
         P_DTYPE=torch_to_triton_dtype(params[0].dtype),
         G_DTYPE=torch_to_triton_dtype(grads[0].dtype),
         S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype),
-        DECOUPLED=decoupled, AMSGRAD=amsgrad, MAXIMIZE=maximize,
-        HAS_MASTER=bool(masters), MASTER_ROW=master_row, HAS_GRAD_SCALE=grad_scale is not None,
-        ALIGNED=table.aligned, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+        DECOUPLED=decoupled,
+        AMSGRAD=amsgrad,
+        MAXIMIZE=maximize,
+        HAS_MASTER=bool(masters),
+        MASTER_ROW=master_row,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        ALIGNED=table.aligned,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
 
 
 def _adam_step_torch(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, *, step, lr, beta1, beta2,
-    eps, weight_decay, decoupled, amsgrad, maximize, grad_scale,
-) -> None:  # fmt: skip
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    masters,
+    *,
+    step,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    decoupled,
+    amsgrad,
+    maximize,
+    grad_scale,
+) -> None:
     """CPU/any-device fast path: torch's own fused Adam(W) on fp32 (master or upcast) tensors.
 
     fp16/bf16 params and state without a master copy are upcast and written back rounded, as the
@@ -214,9 +259,21 @@ def _adam_step_torch(
     steps = [step] * len(targets)
     op = torch._fused_adamw_ if decoupled else torch._fused_adam_
     op(
-        work[0], gs, work[1], work[2], work[3], steps, lr=lr, beta1=beta1, beta2=beta2,
-        weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize, grad_scale=grad_scale,
-    )  # fmt: skip
+        work[0],
+        gs,
+        work[1],
+        work[2],
+        work[3],
+        steps,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        grad_scale=grad_scale,
+    )
     if lowp:
         for dst, src in zip(stored, work):
             if dst:

@@ -139,9 +139,7 @@ def all_configs(package: str = _PACKAGE) -> list[dict[str, Any]]:
     return configs
 
 
-def kernel_signature(
-    fn: Any, constexprs: Mapping[str, Any], pointers: Mapping[str, str] | None = None
-) -> dict[str, str]:
+def kernel_signature(fn: Any, constexprs: Mapping[str, Any], pointers: Mapping[str, str] | None = None) -> dict[str, str]:
     """The compile signature of kernel ``fn``, derived from its parameters (see [Note: AOT signatures]).
 
     Args:
@@ -199,11 +197,13 @@ def _config_identity(cfg: Mapping[str, Any]) -> tuple:
     """A hashable key for everything that determines the compiled binary."""
     fn = cfg["kernel"].fn
     return (
-        fn.__module__, fn.__qualname__,
+        fn.__module__,
+        fn.__qualname__,
         tuple(sorted((k, str(v)) for k, v in _runtime_signature(cfg).items())),
         tuple(sorted((k, repr(v)) for k, v in cfg["constexprs"].items())),
-        int(cfg["num_warps"]), tuple(sorted(_pointer_args(cfg))),
-    )  # fmt: skip
+        int(cfg["num_warps"]),
+        tuple(sorted(_pointer_args(cfg))),
+    )
 
 
 def _pointer_args(cfg: Mapping[str, Any]) -> list[str]:
@@ -408,9 +408,7 @@ def kernel_resources(compiled: Any, cfg: Mapping[str, Any] | None = None) -> dic
     cc = int(meta.target.arch)
     num_warps = int(meta.num_warps)
     cubin = _cubin_resources(compiled.asm["cubin"], meta.name)
-    log = _ptxas_log(
-        compiled.asm["ptx"], cc, bool(getattr(meta, "enable_fp_fusion", True)), getattr(meta, "ptx_options", None)
-    )
+    log = _ptxas_log(compiled.asm["ptx"], cc, bool(getattr(meta, "enable_fp_fusion", True)), getattr(meta, "ptx_options", None))
     accesses = ptx_global_accesses(compiled.asm["ptx"])
     res: dict[str, Any] = {
         "kernel": meta.name,
@@ -431,9 +429,7 @@ def kernel_resources(compiled: Any, cfg: Mapping[str, Any] | None = None) -> dic
     if cfg is not None:
         threads = num_warps * 32
         per_program = int(cfg["elements_per_program"])
-        vec128 = sum(
-            n for kind in ("global_loads", "global_stores") for k, n in accesses[kind].items() if _access_bits(k) == 128
-        )
+        vec128 = sum(n for kind in ("global_loads", "global_stores") for k, n in accesses[kind].items() if _access_bits(k) == 128)
         res = {"module": cfg.get("module"), "name": cfg["name"], **res}
         res["elements_per_program"] = per_program
         res["bytes_per_element"] = cfg["bytes_per_element"]

@@ -121,9 +121,7 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def bucket_layout(
-    numels: Sequence[int], *, align: int = 1, pad_to_multiple_of: int = 1
-) -> tuple[tuple[int, ...], int]:
+def bucket_layout(numels: Sequence[int], *, align: int = 1, pad_to_multiple_of: int = 1) -> tuple[tuple[int, ...], int]:
     """Element offsets of tensors packed in order into one bucket, and the bucket size.
 
     ``o_0 = 0``, ``o_i = roundup(o_{i-1} + n_{i-1}, align)``,
@@ -160,9 +158,7 @@ def bucket_layout(
     return tuple(offsets), _round_up(end, pad_to_multiple_of)
 
 
-def shard_segments(
-    offsets: Sequence[int], numels: Sequence[int], *, start: int, stop: int
-) -> list[Segment]:
+def shard_segments(offsets: Sequence[int], numels: Sequence[int], *, start: int, stop: int) -> list[Segment]:
     """The pieces of each tensor that fall in bucket elements ``[start, stop)`` (a ZeRO shard).
 
     With ``shard = flat.numel() // world_size``, rank ``r`` owns ``[r * shard, (r + 1) * shard)``;
@@ -193,9 +189,7 @@ def shard_segments(
     return segments
 
 
-def bucket_views(
-    flat: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Sequence[int]]
-) -> list[torch.Tensor]:
+def bucket_views(flat: torch.Tensor, offsets: Sequence[int], shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like the bucket's tensors: ``flat[o_i : o_i + n_i].view(shape_i)``.
 
     Writes through a view land in the bucket: this is how a DDP gradient can *be* its bucket slot
@@ -239,9 +233,7 @@ def _check_scale(scale: float | torch.Tensor | None, device: torch.device) -> No
         raise TypeError(f"scale must be a float, a 1-element float32 tensor or None, got {type(scale)}")
 
 
-def _check_bucket(
-    tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int], *, writes_flat: bool
-) -> None:
+def _check_bucket(tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int], *, writes_flat: bool) -> None:
     if not isinstance(flat, torch.Tensor):
         raise TypeError(f"flat must be a tensor, got {type(flat)}")
     _check_float("flat", flat.dtype)
@@ -260,9 +252,7 @@ def _check_bucket(
             raise ValueError(f"tensors[{i}] must be contiguous")
         o = offsets[i]
         if isinstance(o, bool) or not isinstance(o, numbers.Integral) or o < 0 or o + t.numel() > flat.numel():
-            raise ValueError(
-                f"offsets[{i}]={o!r} with numel {t.numel()} does not fit in flat of {flat.numel()} elements"
-            )
+            raise ValueError(f"offsets[{i}]={o!r} with numel {t.numel()} does not fit in flat of {flat.numel()} elements")
     if tensors:
         _check_float("tensors", tensors[0].dtype)
     if writes_flat:  # overlapping slots would race (and silently lose data)
@@ -299,18 +289,24 @@ def _copy(
     )
     scale_mode = 0 if scale is None else 2 if isinstance(scale, torch.Tensor) else 1
     _FLAT_COPY[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index,
-        _device_offsets(offs, flat.device), flat,
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        _device_offsets(offs, flat.device),
+        flat,
         scale if scale_mode == 2 else table.numels,  # placeholder pointer, unread
         float(scale) if scale_mode == 1 else 1.0,
-        T_DTYPE=torch_to_triton_dtype(ts[0].dtype), TO_FLAT=to_flat, SCALE=scale_mode,
-        ALIGNED=aligned, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+        T_DTYPE=torch_to_triton_dtype(ts[0].dtype),
+        TO_FLAT=to_flat,
+        SCALE=scale_mode,
+        ALIGNED=aligned,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
 
 
-def _scaled_copy_torch(
-    dst: list[torch.Tensor], src: list[torch.Tensor], scale: float | torch.Tensor | None
-) -> None:
+def _scaled_copy_torch(dst: list[torch.Tensor], src: list[torch.Tensor], scale: float | torch.Tensor | None) -> None:
     """Torch fast path: ``dst = cast(scale * src)`` with foreach ops, multiplying at fp32 precision.
 
     Like the kernel, the product is rounded once, to ``dst``'s dtype. The scale is passed as a
@@ -454,11 +450,17 @@ def _aot_configs() -> list[dict]:
         ("flatten_bf16", tl.bfloat16, "*bf16", True, 0, 4),
     ]
     return [
-        dict(kernel=_FLAT_COPY, name=name, pointers={"offsets_ptr": "*i64", "flat_ptr": flat, "scale_ptr": "*fp32"},
-             num_warps=num_warps, constexprs=dict(base, T_DTYPE=t_dtype, TO_FLAT=to_flat, SCALE=scale),
-             elements_per_program=block, bytes_per_element=nbytes)
+        dict(
+            kernel=_FLAT_COPY,
+            name=name,
+            pointers={"offsets_ptr": "*i64", "flat_ptr": flat, "scale_ptr": "*fp32"},
+            num_warps=num_warps,
+            constexprs=dict(base, T_DTYPE=t_dtype, TO_FLAT=to_flat, SCALE=scale),
+            elements_per_program=block,
+            bytes_per_element=nbytes,
+        )
         for name, t_dtype, flat, to_flat, scale, nbytes in configs
-    ]  # fmt: skip
+    ]
 
 
 AOT_CONFIGS = _aot_configs

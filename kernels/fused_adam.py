@@ -69,10 +69,18 @@ class FusedAdam(FusedOptimizer):
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled_default
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-            maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
-            fused=fused, decoupled_weight_decay=decoupled_weight_decay,
-        )  # fmt: skip
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=False,
+            differentiable=False,
+            fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
         super().__init__(params, defaults, master_weights=master_weights, backend=backend)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -101,20 +109,30 @@ class FusedAdam(FusedOptimizer):
                 for p, s in zip(params, states):
                     s.setdefault("max_exp_avg_sq", self._zeros_state(p))
             lists = (
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                [s["max_exp_avg_sq"] for s in states] if amsgrad else [], self._masters(params),
-            )  # fmt: skip
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+                self._masters(params),
+            )
             cache[("lists", amsgrad)] = lists
         self._advance_steps(params)
         beta1, beta2 = (float(b) for b in group["betas"])
         adam_step(
-            params, [p.grad for p in params], *lists,  # adam_step makes grads contiguous if needed
-            step=self.state[params[0]]["step"], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-            eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+            params,
+            [p.grad for p in params],
+            *lists,  # adam_step makes grads contiguous if needed
+            step=self.state[params[0]]["step"],
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
             decoupled=bool(group.get("decoupled_weight_decay", self._decoupled_default)),
-            amsgrad=amsgrad, maximize=bool(group["maximize"]),
-            grad_scale=grad_scale, backend=self.backend,
-        )  # fmt: skip
+            amsgrad=amsgrad,
+            maximize=bool(group["maximize"]),
+            grad_scale=grad_scale,
+            backend=self.backend,
+        )
 
 
 class FusedAdamW(FusedAdam):
@@ -150,7 +168,18 @@ class FusedAdamW(FusedAdam):
         backend: str = "auto",
     ) -> None:
         super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
-            capturable=capturable, differentiable=differentiable, fused=fused,
-            decoupled_weight_decay=True, master_weights=master_weights, backend=backend,
-        )  # fmt: skip
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=True,
+            master_weights=master_weights,
+            backend=backend,
+        )

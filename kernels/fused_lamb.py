@@ -80,10 +80,16 @@ class FusedLAMB(FusedOptimizer):
         backend: str = "auto",
     ) -> None:
         defaults = dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
-            weight_norm_clip=weight_norm_clip, max_trust_ratio=max_trust_ratio,
-            always_adapt=always_adapt, maximize=maximize,
-        )  # fmt: skip
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            weight_norm_clip=weight_norm_clip,
+            max_trust_ratio=max_trust_ratio,
+            always_adapt=always_adapt,
+            maximize=maximize,
+        )
         super().__init__(params, defaults, master_weights=master_weights, backend=backend)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -116,13 +122,22 @@ class FusedLAMB(FusedOptimizer):
         weight_decay = float(group["weight_decay"])
         ratio = group["max_trust_ratio"]
         lamb_step(
-            params, self._grads(params),
-            [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], self._masters(params),
-            step=step, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-            eps=float(group["eps"]), weight_decay=weight_decay,
+            params,
+            self._grads(params),
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            self._masters(params),
+            step=step,
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=float(group["eps"]),
+            weight_decay=weight_decay,
             bias_correction=bool(group["bias_correction"]),
             weight_norm_clip=tuple(float(c) for c in group["weight_norm_clip"]),
             max_trust_ratio=float("inf") if ratio is None else float(ratio),
             adapt=bool(group["always_adapt"]) or weight_decay != 0.0,
-            maximize=bool(group["maximize"]), grad_scale=grad_scale, backend=self.backend,
-        )  # fmt: skip
+            maximize=bool(group["maximize"]),
+            grad_scale=grad_scale,
+            backend=self.backend,
+        )

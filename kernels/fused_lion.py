@@ -70,8 +70,15 @@ class FusedLion(FusedOptimizer):
         states = [self.state[p] for p in params]
         beta1, beta2 = (float(b) for b in group["betas"])
         lion_step(
-            params, self._grads(params), [s["exp_avg"] for s in states], self._masters(params),
-            lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-            weight_decay=float(group["weight_decay"]), maximize=bool(group["maximize"]),
-            grad_scale=grad_scale, backend=self.backend,
-        )  # fmt: skip
+            params,
+            self._grads(params),
+            [s["exp_avg"] for s in states],
+            self._masters(params),
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=float(group["weight_decay"]),
+            maximize=bool(group["maximize"]),
+            grad_scale=grad_scale,
+            backend=self.backend,
+        )

@@ -70,9 +70,16 @@ class FusedSGD(FusedOptimizer):
         if differentiable:
             raise ValueError("differentiable=True is not supported by shardkit's fused optimizers")
         defaults = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-            nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=False, fused=fused,
-        )  # fmt: skip
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=False,
+            fused=fused,
+        )
         super().__init__(params, defaults, master_weights=master_weights, backend=backend)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -104,11 +111,17 @@ class FusedSGD(FusedOptimizer):
                     # buffer as one flat memory order; FIRST_STEP writes every element
                     s["momentum_buffer"] = torch.empty_like(p, dtype=self._state_dtype(p))
         sgd_step(
-            params, self._grads(params),
+            params,
+            self._grads(params),
             [s["momentum_buffer"] for s in states] if momentum != 0.0 else [],
             self._masters(params),
-            lr=float(group["lr"]), momentum=momentum, dampening=float(group["dampening"]),
-            weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
-            maximize=bool(group["maximize"]), first_step=first_step,
-            grad_scale=grad_scale, backend=self.backend,
-        )  # fmt: skip
+            lr=float(group["lr"]),
+            momentum=momentum,
+            dampening=float(group["dampening"]),
+            weight_decay=float(group["weight_decay"]),
+            nesterov=bool(group["nesterov"]),
+            maximize=bool(group["maximize"]),
+            first_step=first_step,
+            grad_scale=grad_scale,
+            backend=self.backend,
+        )

@@ -269,9 +269,7 @@ def unscale_and_norm_(
         return stats
     dst = list(grads) if out is None else list(out)
     if resolve_backend(backend, device) == "torch":
-        _unscale_and_norm_torch(
-            [grads[i] for i in live], [dst[i] for i in live], live, inv_scale, stats, in_place=out is None
-        )
+        _unscale_and_norm_torch([grads[i] for i in live], [dst[i] for i in live], live, inv_scale, stats, in_place=out is None)
         return stats
 
     block, rblock, num_warps = epilogue_launch_config(device, max(grads[i].numel() for i in live))
@@ -280,15 +278,29 @@ def unscale_and_norm_(
     aligned = all(r[i].data_ptr() % 16 == 0 for r in roles for i in live)
     scale_mode = 0 if inv_scale is None else 2 if isinstance(inv_scale, torch.Tensor) else 1
     _UNSCALE_NORM[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, n, len(live),
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        n,
+        len(live),
         inv_scale if scale_mode == 2 else stats.sumsq,  # placeholder pointer, unread
         float(inv_scale) if scale_mode == 1 else 1.0,
-        torch.empty(table.n_chunks, device=device), torch.zeros(n + 1, dtype=torch.int32, device=device),
-        stats.tensor_sumsq, stats.tensor_nonfinite, stats.found_inf, stats.sumsq,
-        G_DTYPE=torch_to_triton_dtype(grads[0].dtype), O_DTYPE=torch_to_triton_dtype(dst[0].dtype),
-        HAS_OUT=out is not None, SCALE=scale_mode, ALIGNED=aligned, BLOCK=block, RBLOCK=rblock,
+        torch.empty(table.n_chunks, device=device),
+        torch.zeros(n + 1, dtype=torch.int32, device=device),
+        stats.tensor_sumsq,
+        stats.tensor_nonfinite,
+        stats.found_inf,
+        stats.sumsq,
+        G_DTYPE=torch_to_triton_dtype(grads[0].dtype),
+        O_DTYPE=torch_to_triton_dtype(dst[0].dtype),
+        HAS_OUT=out is not None,
+        SCALE=scale_mode,
+        ALIGNED=aligned,
+        BLOCK=block,
+        RBLOCK=rblock,
         num_warps=num_warps,
-    )  # fmt: skip
+    )
     return stats
 
 
@@ -378,18 +390,34 @@ def clip_grads_(
     table = multi_tensor_table([live], block)
     coef = torch.empty(1, device=device)
     _CLIP[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, sumsq, coef,
-        float(max_norm), float(eps), G_DTYPE=torch_to_triton_dtype(live[0].dtype),
-        ALIGNED=all(g.data_ptr() % 16 == 0 for g in live), BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        sumsq,
+        coef,
+        float(max_norm),
+        float(eps),
+        G_DTYPE=torch_to_triton_dtype(live[0].dtype),
+        ALIGNED=all(g.data_ptr() % 16 == 0 for g in live),
+        BLOCK=block,
+        num_warps=num_warps,
+    )
     return coef
 
 
 def _aot_configs() -> list[dict]:
     """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
     block, rblock, num_warps = epilogue_launch_config(torch.device("cuda"), 1 << 20)
-    pointers = dict(inv_scale_ptr="*fp32", partials_ptr="*fp32", counters_ptr="*i32", tensor_sumsq_ptr="*fp32",
-                    tensor_nonfinite_ptr="*i64", found_inf_ptr="*fp32", sumsq_ptr="*fp32")  # fmt: skip
+    pointers = dict(
+        inv_scale_ptr="*fp32",
+        partials_ptr="*fp32",
+        counters_ptr="*i32",
+        tensor_sumsq_ptr="*fp32",
+        tensor_nonfinite_ptr="*i64",
+        found_inf_ptr="*fp32",
+        sumsq_ptr="*fp32",
+    )
     base = dict(HAS_OUT=False, SCALE=2, ALIGNED=True, BLOCK=block, RBLOCK=rblock)
     configs = [  # (name, grad dtype, out dtype, has out, bytes moved per element)
         ("unscale_norm_fp32", tl.float32, tl.float32, False, 8),
@@ -397,15 +425,29 @@ def _aot_configs() -> list[dict]:
         ("unscale_norm_fp32_bucket_to_bf16", tl.float32, tl.bfloat16, True, 6),
     ]
     out = [
-        dict(kernel=_UNSCALE_NORM, name=name, pointers=pointers, num_warps=num_warps,
-             constexprs=dict(base, G_DTYPE=g, O_DTYPE=o, HAS_OUT=has_out),
-             elements_per_program=block, bytes_per_element=nbytes)
+        dict(
+            kernel=_UNSCALE_NORM,
+            name=name,
+            pointers=pointers,
+            num_warps=num_warps,
+            constexprs=dict(base, G_DTYPE=g, O_DTYPE=o, HAS_OUT=has_out),
+            elements_per_program=block,
+            bytes_per_element=nbytes,
+        )
         for name, g, o, has_out, nbytes in configs
-    ]  # fmt: skip
+    ]
     for name, g, nbytes in [("clip_fp32", tl.float32, 8), ("clip_bf16", tl.bfloat16, 4)]:
-        out.append(dict(kernel=_CLIP, name=name, pointers=dict(sumsq_ptr="*fp32", coef_ptr="*fp32"),
-                        num_warps=num_warps, constexprs=dict(G_DTYPE=g, ALIGNED=True, BLOCK=block),
-                        elements_per_program=block, bytes_per_element=nbytes))  # fmt: skip
+        out.append(
+            dict(
+                kernel=_CLIP,
+                name=name,
+                pointers=dict(sumsq_ptr="*fp32", coef_ptr="*fp32"),
+                num_warps=num_warps,
+                constexprs=dict(G_DTYPE=g, ALIGNED=True, BLOCK=block),
+                elements_per_program=block,
+                bytes_per_element=nbytes,
+            )
+        )
     return out
 
 

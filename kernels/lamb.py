@@ -256,25 +256,68 @@ def lamb_step(
     lo, hi = (float(x) for x in weight_norm_clip)
     if resolve_backend(backend, device) == "torch":
         _lamb_step_torch(
-            params, grads, exp_avgs, exp_avg_sqs, masters, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, bc1=bc1, bc2_sqrt=bc2_sqrt, lo=lo, hi=hi,
-            max_trust_ratio=max_trust_ratio, adapt=adapt, maximize=maximize, grad_scale=grad_scale,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            masters,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            bc1=bc1,
+            bc2_sqrt=bc2_sqrt,
+            lo=lo,
+            hi=hi,
+            max_trust_ratio=max_trust_ratio,
+            adapt=adapt,
+            maximize=maximize,
+            grad_scale=grad_scale,
+        )
         return
     launched = _launch_moments(
-        params, grads, exp_avgs, exp_avg_sqs, masters, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, bc1=bc1, bc2_sqrt=bc2_sqrt, adapt=adapt, maximize=maximize,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        masters,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        bc1=bc1,
+        bc2_sqrt=bc2_sqrt,
+        adapt=adapt,
+        maximize=maximize,
         grad_scale=grad_scale,
-    )  # fmt: skip
+    )
     if launched is None or not adapt:
         return
     table, block, num_warps, norms = launched
     _LAMB_APPLY[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, norms,
-        lr, eps, weight_decay, bc1, bc2_sqrt, lo, hi, float(max_trust_ratio),
-        P_DTYPE=torch_to_triton_dtype(params[0].dtype), S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype),
-        HAS_MASTER=bool(masters), ALIGNED=table.aligned, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        table.n_tensors,
+        norms,
+        lr,
+        eps,
+        weight_decay,
+        bc1,
+        bc2_sqrt,
+        lo,
+        hi,
+        float(max_trust_ratio),
+        P_DTYPE=torch_to_triton_dtype(params[0].dtype),
+        S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype),
+        HAS_MASTER=bool(masters),
+        ALIGNED=table.aligned,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
 
 
 def lamb_reduce_block(device: torch.device) -> int:
@@ -287,9 +330,23 @@ def lamb_reduce_block(device: torch.device) -> int:
 
 
 def _launch_moments(
-    params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay, bc1,
-    bc2_sqrt, adapt, maximize, grad_scale,
-) -> tuple[MultiTensorTable, int, int, torch.Tensor] | None:  # fmt: skip
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    bc1,
+    bc2_sqrt,
+    adapt,
+    maximize,
+    grad_scale,
+) -> tuple[MultiTensorTable, int, int, torch.Tensor] | None:
     """Phase 1 (see [Note: LAMB launches]): ``(table, BLOCK, num_warps, norms)``, None if empty.
 
     ``norms`` is fp32 ``[2 * n_live_tensors]``: ``sum(w^2)``, ``sum(u^2)`` of each live tensor,
@@ -307,22 +364,58 @@ def _launch_moments(
     n_partials = 2 * table.n_chunks if adapt else 1
     norms = torch.empty(2 * table.n_tensors if adapt else 1, dtype=torch.float32, device=device)
     _LAMB_MOMENTS[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, scale,
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        table.n_tensors,
+        scale,
         torch.empty(n_partials, dtype=torch.float32, device=device),
-        torch.zeros(table.n_tensors if adapt else 1, dtype=torch.int32, device=device), norms,
-        lr, beta1, beta2, eps, weight_decay, bc1, bc2_sqrt,
-        P_DTYPE=torch_to_triton_dtype(params[0].dtype), G_DTYPE=torch_to_triton_dtype(grads[0].dtype),
-        S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype), MAXIMIZE=maximize, HAS_MASTER=bool(masters),
-        HAS_GRAD_SCALE=grad_scale is not None, ADAPT=adapt, ALIGNED=table.aligned, BLOCK=block,
-        RBLOCK=lamb_reduce_block(device), num_warps=num_warps,
-    )  # fmt: skip
+        torch.zeros(table.n_tensors if adapt else 1, dtype=torch.int32, device=device),
+        norms,
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        bc1,
+        bc2_sqrt,
+        P_DTYPE=torch_to_triton_dtype(params[0].dtype),
+        G_DTYPE=torch_to_triton_dtype(grads[0].dtype),
+        S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype),
+        MAXIMIZE=maximize,
+        HAS_MASTER=bool(masters),
+        HAS_GRAD_SCALE=grad_scale is not None,
+        ADAPT=adapt,
+        ALIGNED=table.aligned,
+        BLOCK=block,
+        RBLOCK=lamb_reduce_block(device),
+        num_warps=num_warps,
+    )
     return table, block, num_warps, norms
 
 
 def _lamb_step_torch(
-    params, grads, exp_avgs, exp_avg_sqs, masters, *, lr, beta1, beta2, eps, weight_decay, bc1,
-    bc2_sqrt, lo, hi, max_trust_ratio, adapt, maximize, grad_scale,
-) -> None:  # fmt: skip
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    bc1,
+    bc2_sqrt,
+    lo,
+    hi,
+    max_trust_ratio,
+    adapt,
+    maximize,
+    grad_scale,
+) -> None:
     """CPU/any-device fast path: ``torch._foreach_*`` ops on fp32 (master or upcast) tensors."""
     targets = list(masters) if masters else list(params)
     stored_m, stored_v = list(exp_avgs), list(exp_avg_sqs)
@@ -372,9 +465,12 @@ def _aot_configs() -> list[dict]:
     p1 = dict(base, MAXIMIZE=False, HAS_GRAD_SCALE=False, ADAPT=True, RBLOCK=rblock)
     fp32 = dict(P_DTYPE=tl.float32, S_DTYPE=tl.float32, HAS_MASTER=False)
     bf16 = dict(P_DTYPE=tl.bfloat16, S_DTYPE=tl.float32, HAS_MASTER=True)
-    moments = dict(kernel=_LAMB_MOMENTS, num_warps=num_warps, elements_per_program=block,
-                   pointers={"grad_scale_ptr": "*fp32", "partials_ptr": "*fp32", "counters_ptr": "*i32",
-                             "norms_ptr": "*fp32"})  # fmt: skip
+    moments = dict(
+        kernel=_LAMB_MOMENTS,
+        num_warps=num_warps,
+        elements_per_program=block,
+        pointers={"grad_scale_ptr": "*fp32", "partials_ptr": "*fp32", "counters_ptr": "*i32", "norms_ptr": "*fp32"},
+    )
     apply = dict(kernel=_LAMB_APPLY, num_warps=num_warps, elements_per_program=block, pointers={"norms_ptr": "*fp32"})
     # bytes per element, fp32: phase 1 reads p, g, m, v + writes m, v (24); phase 2 reads p, m, v
     # + writes p (16). bf16 + master: phase 1 reads g(2), m, v, w + writes m, v (22); phase 2
@@ -382,10 +478,9 @@ def _aot_configs() -> list[dict]:
     return [
         dict(moments, name="lamb_moments_fp32", constexprs=dict(p1, G_DTYPE=tl.float32, **fp32), bytes_per_element=24),
         dict(apply, name="lamb_apply_fp32", constexprs=dict(base, **fp32), bytes_per_element=16),
-        dict(moments, name="lamb_moments_bf16_master", constexprs=dict(p1, G_DTYPE=tl.bfloat16, **bf16),
-             bytes_per_element=22),
+        dict(moments, name="lamb_moments_bf16_master", constexprs=dict(p1, G_DTYPE=tl.bfloat16, **bf16), bytes_per_element=22),
         dict(apply, name="lamb_apply_bf16_master", constexprs=dict(base, **bf16), bytes_per_element=18),
-    ]  # fmt: skip
+    ]
 
 
 AOT_CONFIGS = _aot_configs

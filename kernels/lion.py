@@ -140,9 +140,17 @@ def lion_step(
     device = params[0].device
     if resolve_backend(backend, device) == "torch":
         _lion_step_torch(
-            params, grads, exp_avgs, masters, lr=lr, beta1=beta1, beta2=beta2,
-            weight_decay=weight_decay, maximize=maximize, grad_scale=grad_scale,
-        )  # fmt: skip
+            params,
+            grads,
+            exp_avgs,
+            masters,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            grad_scale=grad_scale,
+        )
         return
     roles = [params, grads, exp_avgs]
     if masters:
@@ -153,19 +161,41 @@ def lion_step(
     table, block, num_warps = built
     scale = grad_scale if grad_scale is not None else table.numels  # placeholder pointer, unread
     _LION[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, scale,
-        lr, beta1, beta2, weight_decay,
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        table.n_tensors,
+        scale,
+        lr,
+        beta1,
+        beta2,
+        weight_decay,
         P_DTYPE=torch_to_triton_dtype(params[0].dtype),
         G_DTYPE=torch_to_triton_dtype(grads[0].dtype),
         S_DTYPE=torch_to_triton_dtype(exp_avgs[0].dtype),
-        MAXIMIZE=maximize, HAS_MASTER=bool(masters), HAS_GRAD_SCALE=grad_scale is not None,
-        ALIGNED=table.aligned, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+        MAXIMIZE=maximize,
+        HAS_MASTER=bool(masters),
+        HAS_GRAD_SCALE=grad_scale is not None,
+        ALIGNED=table.aligned,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
 
 
 def _lion_step_torch(
-    params, grads, exp_avgs, masters, *, lr, beta1, beta2, weight_decay, maximize, grad_scale,
-) -> None:  # fmt: skip
+    params,
+    grads,
+    exp_avgs,
+    masters,
+    *,
+    lr,
+    beta1,
+    beta2,
+    weight_decay,
+    maximize,
+    grad_scale,
+) -> None:
     """CPU/any-device fast path: ``torch._foreach_*`` ops on fp32 (master or upcast) tensors."""
     targets = list(masters) if masters else list(params)
     stored = list(exp_avgs)

@@ -85,8 +85,11 @@ __all__ = ["LaunchGroup", "FusedOptimizer", "check_betas", "check_nonneg"]
 
 #: What a saved group tells torch.optim about its implementation (see [Note: implementation flags])
 _IMPLEMENTATION_FLAGS: dict[str, bool | None] = {
-    "fused": True, "foreach": None, "capturable": False, "differentiable": False,
-}  # fmt: skip
+    "fused": True,
+    "foreach": None,
+    "capturable": False,
+    "differentiable": False,
+}
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -188,10 +191,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if p.is_complex():
                 raise TypeError(f"{type(self).__name__} does not support complex params (param {i})")
             if p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(
-                    f"{type(self).__name__}: param {i} has dtype {p.dtype}; "
-                    "supported: float32, float16, bfloat16"
-                )
+                raise TypeError(f"{type(self).__name__}: param {i} has dtype {p.dtype}; supported: float32, float16, bfloat16")
         self._validate_group(group)
 
     def _validate_group(self, group: dict[str, Any]) -> None:
@@ -293,9 +293,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             # dtype only: a sparse or mis-shaped grad changes nothing here, but _plan rejects it the
             # first time, and autograd never turns a param's dense grad sparse between steps
             signature = (
-                id(self.state), tuple(map(id, params)),
+                id(self.state),
+                tuple(map(id, params)),
                 tuple([None if g is None else (g.dtype, g.shape) for g in grads]),
-            )  # fmt: skip
+            )
             plan = self._plans.get(index)
             if plan is None or plan[0] is not params or plan[1] != signature:
                 plan = (params, signature, self._plan(group))
@@ -359,8 +360,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__}: state[{key!r}] of param {index} has {value.numel()} "
                     f"elements but the param has {p.numel()} (was the param resized? reset its state)"
                 )
-            want = torch.float32 if key == "master_param" else (
-                self._state_dtype(p) if key in self._fp32_state_keys else value.dtype)  # fmt: skip
+            want = (
+                torch.float32
+                if key == "master_param"
+                else (self._state_dtype(p) if key in self._fp32_state_keys else value.dtype)
+            )
             if value.dtype != want or value.device != p.device or value.stride() != p.stride():
                 state[key] = torch.empty_like(p, dtype=want).copy_(value.view_as(p) if value.shape != p.shape else value)
 

@@ -94,9 +94,7 @@ __all__ = [
 Backend = Literal["auto", "triton", "torch"]
 _BACKENDS = ("auto", "triton", "torch")
 
-_active_counters: contextvars.ContextVar[tuple[Counter, ...]] = contextvars.ContextVar(
-    "shardkit_launch_counters", default=()
-)
+_active_counters: contextvars.ContextVar[tuple[Counter, ...]] = contextvars.ContextVar("shardkit_launch_counters", default=())
 
 
 @contextlib.contextmanager
@@ -349,9 +347,7 @@ class MultiTensorTable:
 # Bounded: entries are device tensors (~8 bytes per chunk: about 55 MB for a 7B-param launch group
 # at BLOCK=1024), and each distinct size pattern (e.g. params that skip steps) adds one.
 @functools.lru_cache(maxsize=16)
-def _chunk_tables(
-    numels: tuple[int, ...], block: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunk_tables(numels: tuple[int, ...], block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     tensor_ids: list[int] = []
     chunk_ids: list[int] = []
     for t, n in enumerate(numels):

@@ -163,10 +163,19 @@ def sgd_step(
     device = params[0].device
     if resolve_backend(backend, device) == "torch":
         _sgd_step_torch(
-            params, grads, momentum_buffers if has_momentum else [], masters, lr=lr,
-            momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-            maximize=maximize, first_step=first_step, grad_scale=grad_scale,
-        )  # fmt: skip
+            params,
+            grads,
+            momentum_buffers if has_momentum else [],
+            masters,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            first_step=first_step,
+            grad_scale=grad_scale,
+        )
         return
     roles = [params, grads]
     if has_momentum:
@@ -181,21 +190,47 @@ def sgd_step(
     scale = grad_scale if grad_scale is not None else table.numels  # placeholder pointer, unread
     s_dtype = momentum_buffers[0].dtype if has_momentum else params[0].dtype
     _SGD[(table.n_chunks,)](
-        table.ptrs, table.numels, table.chunk_tensor, table.chunk_index, table.n_tensors, scale,
-        lr, momentum, dampening, weight_decay,
+        table.ptrs,
+        table.numels,
+        table.chunk_tensor,
+        table.chunk_index,
+        table.n_tensors,
+        scale,
+        lr,
+        momentum,
+        dampening,
+        weight_decay,
         P_DTYPE=torch_to_triton_dtype(params[0].dtype),
         G_DTYPE=torch_to_triton_dtype(grads[0].dtype),
         S_DTYPE=torch_to_triton_dtype(s_dtype),
-        HAS_MOMENTUM=has_momentum, FIRST_STEP=first_step, NESTEROV=nesterov, MAXIMIZE=maximize,
-        HAS_MASTER=bool(masters), MASTER_ROW=master_row, HAS_GRAD_SCALE=grad_scale is not None,
-        ALIGNED=table.aligned, BLOCK=block, num_warps=num_warps,
-    )  # fmt: skip
+        HAS_MOMENTUM=has_momentum,
+        FIRST_STEP=first_step,
+        NESTEROV=nesterov,
+        MAXIMIZE=maximize,
+        HAS_MASTER=bool(masters),
+        MASTER_ROW=master_row,
+        HAS_GRAD_SCALE=grad_scale is not None,
+        ALIGNED=table.aligned,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
 
 
 def _sgd_step_torch(
-    params, grads, momentum_buffers, masters, *, lr, momentum, dampening, weight_decay, nesterov,
-    maximize, first_step, grad_scale,
-) -> None:  # fmt: skip
+    params,
+    grads,
+    momentum_buffers,
+    masters,
+    *,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    maximize,
+    first_step,
+    grad_scale,
+) -> None:
     """CPU/any-device fast path: ``torch._fused_sgd_`` on fp32 (master or upcast) tensors.
 
     torch 2.13's fused CPU SGD skips the update of every full SIMD vector of an fp16/bf16 tensor
@@ -209,9 +244,18 @@ def _sgd_step_torch(
     b = bufs if not bufs or bufs[0].dtype == torch.float32 else [t.float() for t in bufs]
     gs = [g.float() for g in grads]
     torch._fused_sgd_(
-        w, gs, b, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-        nesterov=nesterov, maximize=maximize, is_first_step=first_step, grad_scale=grad_scale,
-    )  # fmt: skip
+        w,
+        gs,
+        b,
+        weight_decay=weight_decay,
+        momentum=momentum,
+        lr=lr,
+        dampening=dampening,
+        nesterov=nesterov,
+        maximize=maximize,
+        is_first_step=first_step,
+        grad_scale=grad_scale,
+    )
     if b is not bufs:
         torch._foreach_copy_(bufs, b)
     if w is not targets:
@@ -223,8 +267,9 @@ def _sgd_step_torch(
 def _aot_configs() -> list[dict]:
     """Default launch configs to compile ahead of time (see :mod:`shardkit.kernels.aot`)."""
     block, num_warps = sgd_launch_config(torch.device("cuda"), 1 << 20)
-    base = dict(HAS_MOMENTUM=True, FIRST_STEP=False, NESTEROV=False, MAXIMIZE=False, HAS_GRAD_SCALE=False,
-                ALIGNED=True, BLOCK=block)
+    base = dict(
+        HAS_MOMENTUM=True, FIRST_STEP=False, NESTEROV=False, MAXIMIZE=False, HAS_GRAD_SCALE=False, ALIGNED=True, BLOCK=block
+    )
     fp32 = dict(base, P_DTYPE=tl.float32, G_DTYPE=tl.float32, S_DTYPE=tl.float32, HAS_MASTER=False, MASTER_ROW=3)
     bf16 = dict(base, P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, S_DTYPE=tl.float32, HAS_MASTER=True, MASTER_ROW=3)
     common = dict(kernel=_SGD, pointers={"grad_scale_ptr": "*fp32"}, num_warps=num_warps, elements_per_program=block)

@@ -97,8 +97,7 @@ def phase_times(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     ctx = ParallelContext.from_env(backend=args.backend)
     # gloo on CUDA tensors is allowed: the context then says CPU, so place the model ourselves
@@ -155,10 +154,18 @@ def summarize(samples: list[float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                   help="cpu: gloo on CPU; cuda: one GPU per rank (default: cuda if available)")
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="process-group backend (default: nccl on cuda, gloo on cpu)")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="cpu: gloo on CPU; cuda: one GPU per rank (default: cuda if available)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="process-group backend (default: nccl on cuda, gloo on cpu)",
+    )
     p.add_argument("--profile", action="store_true", help="also time forward/backward/step separately")
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=8)
@@ -195,10 +202,13 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "ddp_step",
         "device": args.device,
         "backend": args.backend,
-        "nproc": args.nproc, "params": n_params, "grad_bytes": 4 * n_params,
+        "nproc": args.nproc,
+        "params": n_params,
+        "grad_bytes": 4 * n_params,
         "model": f"MLP width={args.width} depth={args.depth} batch/rank={args.batch}",
         "bucket_mb": args.bucket_mb,
-        "shardkit": main_sk, "torch_ddp": main_td,
+        "shardkit": main_sk,
+        "torch_ddp": main_td,
         "ratio_median": main_sk["median_ms"] / main_td["median_ms"],
         "ratio_min": main_sk["min_ms"] / main_td["min_ms"],
         "gradient_as_bucket_view": {
@@ -206,12 +216,15 @@ def main(argv: list[str] | None = None) -> dict:
             "torch_ddp": summarize(raw["main"]["torch_ddp_view"]),
             "ratio_median": statistics.median(raw["main"]["shardkit_view"]) / statistics.median(raw["main"]["torch_ddp_view"]),
         },
-        "sweep": {mb: {"shardkit": summarize(v["shardkit"]), "torch_ddp": summarize(v["torch_ddp"])}
-                  for mb, v in raw["sweep"].items()},
+        "sweep": {
+            mb: {"shardkit": summarize(v["shardkit"]), "torch_ddp": summarize(v["torch_ddp"])} for mb, v in raw["sweep"].items()
+        },
         "phases_median_ms": raw.get("phases"),
-        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-    }  # fmt: skip
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "ddp_" + report["device"] + ("_quick" if args.quick else "")
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -220,13 +233,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  torch DDP              min {main_td['min_ms']:8.1f} ms  median {main_td['median_ms']:8.1f} ms")
     print(f"  ratio shardkit/torch   median {report['ratio_median']:.3f}  min {report['ratio_min']:.3f}")
     v = report["gradient_as_bucket_view"]
-    print(f"  gradient_as_bucket_view: shardkit {v['shardkit']['median_ms']:.1f} ms, torch {v['torch_ddp']['median_ms']:.1f} ms, "
-          f"ratio {v['ratio_median']:.3f}")  # fmt: skip
+    print(
+        f"  gradient_as_bucket_view: shardkit {v['shardkit']['median_ms']:.1f} ms, torch {v['torch_ddp']['median_ms']:.1f} ms, "
+        f"ratio {v['ratio_median']:.3f}"
+    )
     for k, ph in (report["phases_median_ms"] or {}).items():
         print(f"  phases {k:<15} " + "  ".join(f"{name} {ms:6.1f} ms" for name, ms in ph.items()))
     for mb, v in report["sweep"].items():
-        print(f"  bucket {mb:>6} MiB: shardkit {v['shardkit']['median_ms']:8.1f} ms, "
-              f"torch {v['torch_ddp']['median_ms']:8.1f} ms")  # fmt: skip
+        print(f"  bucket {mb:>6} MiB: shardkit {v['shardkit']['median_ms']:8.1f} ms, torch {v['torch_ddp']['median_ms']:8.1f} ms")
     _plot(report, args.out / f"{stem}.png")
     return report
 

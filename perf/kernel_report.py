@@ -29,9 +29,7 @@ from typing import Any
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_report.json"
 
 
-def gpt2_param_shapes(
-    n_layer: int = 12, d_model: int = 768, vocab: int = 50257, n_ctx: int = 1024
-) -> list[tuple[int, ...]]:
+def gpt2_param_shapes(n_layer: int = 12, d_model: int = 768, vocab: int = 50257, n_ctx: int = 1024) -> list[tuple[int, ...]]:
     """GPT-2 small's parameter shapes (``model.parameters()`` order, tied embeddings), plus an
     untied output bias of the vocabulary size and a scalar: the odd sizes real models add.
 
@@ -40,11 +38,19 @@ def gpt2_param_shapes(
         (150, [(50257,), ()])
     """
     block = [
-        (d_model,), (d_model,),  # ln_1
-        (d_model, 3 * d_model), (3 * d_model,), (d_model, d_model), (d_model,),  # attn c_attn, c_proj
-        (d_model,), (d_model,),  # ln_2
-        (d_model, 4 * d_model), (4 * d_model,), (4 * d_model, d_model), (d_model,),  # mlp c_fc, c_proj
-    ]  # fmt: skip
+        (d_model,),
+        (d_model,),  # ln_1
+        (d_model, 3 * d_model),
+        (3 * d_model,),
+        (d_model, d_model),
+        (d_model,),  # attn c_attn, c_proj
+        (d_model,),
+        (d_model,),  # ln_2
+        (d_model, 4 * d_model),
+        (4 * d_model,),
+        (4 * d_model, d_model),
+        (d_model,),  # mlp c_fc, c_proj
+    ]
     return [(vocab, d_model), (n_ctx, d_model), *block * n_layer, (d_model,), (d_model,), (vocab,), ()]
 
 
@@ -75,8 +81,13 @@ def param_list_config() -> dict[str, Any]:
         "full_chunk_fraction": sum(n // block * block for n in numels) / sum(numels),
     }
     constexprs = dict(base["constexprs"], ALIGNED=table.aligned)
-    return {**base, "name": "adamw_fp32_gpt2_params", "constexprs": constexprs, "param_list": info,
-            "module": "shardkit.kernels.adam"}  # fmt: skip
+    return {
+        **base,
+        "name": "adamw_fp32_gpt2_params",
+        "constexprs": constexprs,
+        "param_list": info,
+        "module": "shardkit.kernels.adam",
+    }
 
 
 def param_list_row(cc: int) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Render README's performance table from ``perf/results/*.json`` (never typed by hand).
 
-    python perf/report.py            # rewrite the block between the PERF markers in README.md
-    python perf/report.py --check    # exit 1 if README is stale (used by the test suite)
+python perf/report.py            # rewrite the block between the PERF markers in README.md
+python perf/report.py --check    # exit 1 if README is stale (used by the test suite)
 """
 
 from __future__ import annotations

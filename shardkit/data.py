@@ -35,29 +35,83 @@ Split = Literal["train", "val"]
 # ---- grammar ----------------------------------------------------------------------------------
 # (singular, plural) nouns; verbs as (3rd-person singular, base form).
 _NOUNS = [
-    ("fox", "foxes"), ("dog", "dogs"), ("cat", "cats"), ("bird", "birds"), ("child", "children"),
-    ("farmer", "farmers"), ("teacher", "teachers"), ("horse", "horses"), ("wolf", "wolves"),
-    ("sailor", "sailors"), ("king", "kings"), ("queen", "queens"), ("baker", "bakers"),
-    ("mouse", "mice"), ("owl", "owls"), ("girl", "girls"), ("boy", "boys"), ("friend", "friends"),
-]  # fmt: skip
+    ("fox", "foxes"),
+    ("dog", "dogs"),
+    ("cat", "cats"),
+    ("bird", "birds"),
+    ("child", "children"),
+    ("farmer", "farmers"),
+    ("teacher", "teachers"),
+    ("horse", "horses"),
+    ("wolf", "wolves"),
+    ("sailor", "sailors"),
+    ("king", "kings"),
+    ("queen", "queens"),
+    ("baker", "bakers"),
+    ("mouse", "mice"),
+    ("owl", "owls"),
+    ("girl", "girls"),
+    ("boy", "boys"),
+    ("friend", "friends"),
+]
 _OBJECTS = [
-    "the river", "the old bridge", "a small boat", "the garden", "the bread", "a red apple",
-    "the letter", "the lantern", "the forest", "a green hill", "the market", "the door",
-    "the village", "a quiet song", "the map", "the winter", "the tower", "a warm fire",
-]  # fmt: skip
+    "the river",
+    "the old bridge",
+    "a small boat",
+    "the garden",
+    "the bread",
+    "a red apple",
+    "the letter",
+    "the lantern",
+    "the forest",
+    "a green hill",
+    "the market",
+    "the door",
+    "the village",
+    "a quiet song",
+    "the map",
+    "the winter",
+    "the tower",
+    "a warm fire",
+]
 _TRANSITIVE = [
-    ("sees", "see"), ("finds", "find"), ("watches", "watch"), ("likes", "like"),
-    ("carries", "carry"), ("follows", "follow"), ("remembers", "remember"), ("paints", "paint"),
-    ("visits", "visit"), ("wants", "want"), ("opens", "open"), ("reaches", "reach"),
-]  # fmt: skip
+    ("sees", "see"),
+    ("finds", "find"),
+    ("watches", "watch"),
+    ("likes", "like"),
+    ("carries", "carry"),
+    ("follows", "follow"),
+    ("remembers", "remember"),
+    ("paints", "paint"),
+    ("visits", "visit"),
+    ("wants", "want"),
+    ("opens", "open"),
+    ("reaches", "reach"),
+]
 _INTRANSITIVE = [
-    ("sleeps", "sleep"), ("sings", "sing"), ("waits", "wait"), ("runs", "run"),
-    ("laughs", "laugh"), ("listens", "listen"), ("rests", "rest"), ("wanders", "wander"),
-]  # fmt: skip
+    ("sleeps", "sleep"),
+    ("sings", "sing"),
+    ("waits", "wait"),
+    ("runs", "run"),
+    ("laughs", "laugh"),
+    ("listens", "listen"),
+    ("rests", "rest"),
+    ("wanders", "wander"),
+]
 _ADJECTIVES = [
-    "small", "old", "quick", "brave", "quiet", "tired", "clever", "young", "gentle", "hungry",
-    "proud", "lonely",
-]  # fmt: skip
+    "small",
+    "old",
+    "quick",
+    "brave",
+    "quiet",
+    "tired",
+    "clever",
+    "young",
+    "gentle",
+    "hungry",
+    "proud",
+    "lonely",
+]
 _ADVERBS = ["slowly", "often", "never", "always", "quietly", "happily", "sometimes", "rarely"]
 _PREPOSITIONS = ["near", "behind", "across", "under", "beside", "inside", "beyond", "along"]
 _NAMES = ["Anna", "Tom", "Lena", "Max", "Iris", "Omar", "Nora", "Paul"]

@@ -69,9 +69,7 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         # (B, T, 3, H, Dh) -> three (B, H, T, Dh)
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 

@@ -27,9 +27,7 @@ from shardkit.kernels.tl_helpers import round_to
 TARGETS = (80, 90)
 CONFIGS = all_configs()
 CASES = [
-    pytest.param(cfg, cc, id=f"{cfg['module'].rsplit('.', 1)[-1]}.{cfg['name']}-sm{cc}")
-    for cfg in CONFIGS
-    for cc in TARGETS
+    pytest.param(cfg, cc, id=f"{cfg['module'].rsplit('.', 1)[-1]}.{cfg['name']}-sm{cc}") for cfg in CONFIGS for cc in TARGETS
 ]
 
 _RESOURCES: dict[tuple[str, str, int], dict] = {}
@@ -137,8 +135,15 @@ def test_rne_rounding_costs_few_instructions() -> None:
     """round_to's bit-level fp32 -> bf16 rounding vs the native cvt.rn: a few integer ops each."""
     counts = {}
     for fn in (_round_kernel, _cast_kernel):
-        cfg = dict(kernel=triton_kernel(fn), name=fn.__name__, constexprs={"BLOCK": 1024}, num_warps=4,
-                   pointers={"x_ptr": "*fp32", "y_ptr": "*bf16"}, elements_per_program=1024, bytes_per_element=6)
+        cfg = dict(
+            kernel=triton_kernel(fn),
+            name=fn.__name__,
+            constexprs={"BLOCK": 1024},
+            num_warps=4,
+            pointers={"x_ptr": "*fp32", "y_ptr": "*bf16"},
+            elements_per_program=1024,
+            bytes_per_element=6,
+        )
         res = kernel_resources(compile_config(cfg, 90), cfg)
         assert res["global_loads"] == {"ld.global.v4.b32": 2} and res["global_stores"] == {"st.global.v4.b32": 1}
         counts[fn.__name__] = res["ptx_instructions"]
@@ -190,6 +195,7 @@ def test_discovery_covers_new_modules_and_validates(tmp_path, monkeypatch) -> No
 
 def test_signature_is_derived_from_the_kernel() -> None:
     """Scalars by annotation, *_ptr by the config's pointers or the launch tables, constexprs."""
+
     def _k(ptrs_ptr, out_ptr, n: tl.int32, alpha: tl.float32, BLOCK: tl.constexpr):
         pass
 

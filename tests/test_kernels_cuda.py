@@ -40,9 +40,25 @@ def _adam(backend: str, params, grads, masters=(), *, grad_scale=None, maximize=
     ms = [torch.zeros_like(m if masters else p) for p, m in zip(params, masters or params)]
     vs = [torch.zeros_like(m) for m in ms]
     for s in range(1, step + 1):
-        adam_step(params, grads, ms, vs, [], list(masters), step=s, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                  weight_decay=0.01, decoupled=True, amsgrad=False, maximize=maximize, grad_scale=grad_scale,
-                  backend=backend)  # fmt: skip
+        adam_step(
+            params,
+            grads,
+            ms,
+            vs,
+            [],
+            list(masters),
+            step=s,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            decoupled=True,
+            amsgrad=False,
+            maximize=maximize,
+            grad_scale=grad_scale,
+            backend=backend,
+        )
     return ms, vs
 
 
@@ -94,8 +110,20 @@ def test_sgd_matches_torch(maximize: bool, nesterov: bool) -> None:
     for backend in ("triton", "torch"):
         ps, bufs = [p.clone() for p in params], [torch.empty_like(p) for p in params]
         for first in (True, False):
-            sgd_step(ps, grads, bufs, [], lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-4,
-                     nesterov=nesterov, maximize=maximize, first_step=first, backend=backend)  # fmt: skip
+            sgd_step(
+                ps,
+                grads,
+                bufs,
+                [],
+                lr=0.1,
+                momentum=0.9,
+                dampening=0.0,
+                weight_decay=1e-4,
+                nesterov=nesterov,
+                maximize=maximize,
+                first_step=first,
+                backend=backend,
+            )
         out[backend] = ps + bufs
     for a, b in zip(out["triton"], out["torch"]):
         torch.testing.assert_close(a, b, **FP32)
@@ -108,8 +136,7 @@ def test_lion_bf16_master_matches_torch(maximize: bool) -> None:
     for backend in ("triton", "torch"):
         masters = [p.clone() for p in params32]
         ps, ms = [m.to(torch.bfloat16) for m in masters], [torch.zeros_like(m) for m in masters]
-        lion_step(ps, grads, ms, masters, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=maximize,
-                  backend=backend)  # fmt: skip
+        lion_step(ps, grads, ms, masters, lr=1e-3, beta1=0.9, beta2=0.99, weight_decay=0.1, maximize=maximize, backend=backend)
         out[backend] = (ps, masters, ms)
         for p, m in zip(ps, masters):
             assert_rounded_from(p, m)
@@ -121,8 +148,22 @@ def test_lion_bf16_master_matches_torch(maximize: bool) -> None:
 def _lamb(backend: str, params, grads, masters=(), grad_scale=None):
     ms, vs = [torch.zeros_like(p) for p in (masters or params)], [torch.zeros_like(p) for p in (masters or params)]
     for s in (1, 2):
-        lamb_step(params, grads, ms, vs, list(masters), step=s, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6,
-                  weight_decay=0.01, weight_norm_clip=(0.0, 10.0), grad_scale=grad_scale, backend=backend)  # fmt: skip
+        lamb_step(
+            params,
+            grads,
+            ms,
+            vs,
+            list(masters),
+            step=s,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            weight_norm_clip=(0.0, 10.0),
+            grad_scale=grad_scale,
+            backend=backend,
+        )
     return ms, vs
 
 
@@ -151,8 +192,20 @@ def test_lamb_lowp_without_master_matches_torch(dtype: torch.dtype) -> None:
     out = {}
     for backend in ("triton", "torch"):
         ps = [p.clone() for p in params]
-        lamb_step(ps, grads, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], [], step=1,
-                  lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, backend=backend)  # fmt: skip
+        lamb_step(
+            ps,
+            grads,
+            [torch.zeros_like(p) for p in ps],
+            [torch.zeros_like(p) for p in ps],
+            [],
+            step=1,
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            backend=backend,
+        )
         out[backend] = ps
     for a, b, before in zip(out["triton"], out["torch"], params):
         assert_lowp_step_close(a, b, before, update_rtol=LAMB_LOWP_UPDATE_RTOL[dtype])

@@ -108,11 +108,15 @@ def test_imports_of_resolves_relative_lazy_and_type_checking_imports() -> None:
         "def f():\n    import triton\n"
     )
     got = imports_of("shardkit.parallel.loss_scaler", src)
-    assert {"torch.distributed", "shardkit.parallel.grad_utils", "shardkit.parallel.buckets", "shardkit.comm",
-            "shardkit.train", "triton"} <= got  # fmt: skip
-    assert imports_of("shardkit.parallel", "from .data_parallel import DataParallel\n") == {
-        "shardkit.parallel.data_parallel"
-    }
+    assert {
+        "torch.distributed",
+        "shardkit.parallel.grad_utils",
+        "shardkit.parallel.buckets",
+        "shardkit.comm",
+        "shardkit.train",
+        "triton",
+    } <= got
+    assert imports_of("shardkit.parallel", "from .data_parallel import DataParallel\n") == {"shardkit.parallel.data_parallel"}
 
 
 def test_find_cycle_on_known_graphs() -> None:

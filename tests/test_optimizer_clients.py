@@ -194,13 +194,20 @@ def _hf_model(kind: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "gpt2":  # tied input/output embeddings: one param in two places
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        cfg = transformers.GPT2Config(
+            n_layer=2, n_embd=64, n_head=2, vocab_size=256, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     else:
-        cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                       max_position_embeddings=32)  # fmt: skip
+        cfg = transformers.LlamaConfig(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=32,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     return model.to(dtype).train()
 

@@ -38,9 +38,8 @@ def _run(opt_cls, params, steps=PATTERN, **kw):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize(
     ("ours", "theirs", "kw"),
-    [(FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
-     (FusedSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9))],
-)  # fmt: skip
+    [(FusedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)), (FusedSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9))],
+)
 def test_changing_grad_presence_matches_torch(backend, ours, theirs, kw) -> None:
     a, b = _params(), _params()
     opt_a = _run(ours, a, backend=backend, **kw)
@@ -95,8 +94,10 @@ def test_dense_non_contiguous_params_match_torch(backend, ours) -> None:
     base = [torch.randn(2, 3, 4, 5, generator=g), torch.randn(6, 7, generator=g)]
 
     def make():
-        return [torch.nn.Parameter(base[0].clone().to(memory_format=torch.channels_last)),
-                torch.nn.Parameter(base[1].clone().t().contiguous().t())]  # fmt: skip
+        return [
+            torch.nn.Parameter(base[0].clone().to(memory_format=torch.channels_last)),
+            torch.nn.Parameter(base[1].clone().t().contiguous().t()),
+        ]
 
     a, b = make(), make()
     opt_a, opt_b = ours(a, backend=backend, **kw), theirs(b, **kw)
@@ -143,13 +144,16 @@ def test_load_state_dict_with_non_sequential_ids_keeps_fp32_master(offset: int) 
         p.grad = torch.randn(33).to(torch.bfloat16)
     opt.step()
     sd = opt.state_dict()
-    sd = {"state": {k + offset: v for k, v in sd["state"].items()},
-          "param_groups": [dict(g, params=[i + offset for i in g["params"]]) for g in sd["param_groups"]]}  # fmt: skip
+    sd = {
+        "state": {k + offset: v for k, v in sd["state"].items()},
+        "param_groups": [dict(g, params=[i + offset for i in g["params"]]) for g in sd["param_groups"]],
+    }
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     opt2 = FusedAdamW(b, lr=1e-2, master_weights=True)
     opt2.load_state_dict(sd)
     assert {k: v.dtype for k, v in opt2.state[b[0]].items() if k != "step"} == dict.fromkeys(
-        ("exp_avg", "exp_avg_sq", "master_param"), torch.float32)  # fmt: skip
+        ("exp_avg", "exp_avg_sq", "master_param"), torch.float32
+    )
     for params, o in ((a, opt), (b, opt2)):
         for p in params:
             p.grad = torch.ones(33, dtype=torch.bfloat16)

@@ -58,28 +58,48 @@ LAUNCH_CONFIG = {
 _DYADIC_BETAS = st.sampled_from([0.0, 0.5, 0.75, 0.875, 0.9375])
 
 HYPER: dict[str, st.SearchStrategy[dict[str, Any]]] = {
-    "adam": st.fixed_dictionaries({
-        "lr": st.floats(1e-4, 0.1), "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.5, 0.999)),
-        "eps": st.sampled_from([1e-8, 1e-6, 1e-3]), "weight_decay": st.sampled_from([0.0, 0.01, 0.3]),
-        "amsgrad": st.booleans(), "maximize": st.booleans(),
-    }),
-    "sgd": st.fixed_dictionaries({
-        "lr": st.floats(1e-4, 0.5), "momentum": st.sampled_from([0.0, 0.5, 0.9]),
-        "dampening": st.sampled_from([0.0, 0.3]), "nesterov": st.booleans(),
-        "weight_decay": st.sampled_from([0.0, 0.01, 0.3]), "maximize": st.booleans(),
-    }).map(lambda kw: kw if not kw["nesterov"] else dict(kw, momentum=kw["momentum"] or 0.9, dampening=0.0)),
-    "lion": st.fixed_dictionaries({
-        "lr": st.floats(1e-4, 1e-2), "betas": st.tuples(_DYADIC_BETAS, _DYADIC_BETAS),
-        "weight_decay": st.sampled_from([0.0, 0.1, 1.0]), "maximize": st.booleans(),
-    }),
-    "lamb": st.fixed_dictionaries({
-        "lr": st.floats(1e-4, 0.05), "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.5, 0.999)),
-        "eps": st.sampled_from([1e-6, 1e-3]), "weight_decay": st.sampled_from([0.0, 0.01, 0.3]),
-        "bias_correction": st.booleans(), "always_adapt": st.booleans(),
-        "weight_norm_clip": st.sampled_from([(0.0, 10.0), (0.0, float("inf")), (0.5, 2.0)]),
-        "max_trust_ratio": st.sampled_from([None, 1.0, 5.0]), "maximize": st.booleans(),
-    }),
-}  # fmt: skip
+    "adam": st.fixed_dictionaries(
+        {
+            "lr": st.floats(1e-4, 0.1),
+            "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.5, 0.999)),
+            "eps": st.sampled_from([1e-8, 1e-6, 1e-3]),
+            "weight_decay": st.sampled_from([0.0, 0.01, 0.3]),
+            "amsgrad": st.booleans(),
+            "maximize": st.booleans(),
+        }
+    ),
+    "sgd": st.fixed_dictionaries(
+        {
+            "lr": st.floats(1e-4, 0.5),
+            "momentum": st.sampled_from([0.0, 0.5, 0.9]),
+            "dampening": st.sampled_from([0.0, 0.3]),
+            "nesterov": st.booleans(),
+            "weight_decay": st.sampled_from([0.0, 0.01, 0.3]),
+            "maximize": st.booleans(),
+        }
+    ).map(lambda kw: kw if not kw["nesterov"] else dict(kw, momentum=kw["momentum"] or 0.9, dampening=0.0)),
+    "lion": st.fixed_dictionaries(
+        {
+            "lr": st.floats(1e-4, 1e-2),
+            "betas": st.tuples(_DYADIC_BETAS, _DYADIC_BETAS),
+            "weight_decay": st.sampled_from([0.0, 0.1, 1.0]),
+            "maximize": st.booleans(),
+        }
+    ),
+    "lamb": st.fixed_dictionaries(
+        {
+            "lr": st.floats(1e-4, 0.05),
+            "betas": st.tuples(st.floats(0.0, 0.99), st.floats(0.5, 0.999)),
+            "eps": st.sampled_from([1e-6, 1e-3]),
+            "weight_decay": st.sampled_from([0.0, 0.01, 0.3]),
+            "bias_correction": st.booleans(),
+            "always_adapt": st.booleans(),
+            "weight_norm_clip": st.sampled_from([(0.0, 10.0), (0.0, float("inf")), (0.5, 2.0)]),
+            "max_trust_ratio": st.sampled_from([None, 1.0, 5.0]),
+            "maximize": st.booleans(),
+        }
+    ),
+}
 HYPER["adamw"] = HYPER["adam"]
 
 #: 0-d, 0/1/odd-element 1-d, and small 2-d shapes (incl. empty ones)
@@ -103,9 +123,7 @@ def block_size(name: str, block: int | None) -> Iterator[None]:
         yield
 
 
-def make_grads(
-    name: str, shapes: list[tuple[int, ...]], steps: int, seed: int, dtype: torch.dtype
-) -> list[list[torch.Tensor]]:
+def make_grads(name: str, shapes: list[tuple[int, ...]], steps: int, seed: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     if name == "lion":  # k / 16, |k| <= 64: exact in bf16/fp16 (see _DYADIC_BETAS)
         draw = lambda s: torch.randint(-64, 65, s, generator=gen).float() / 16  # noqa: E731

@@ -33,8 +33,9 @@ BACKENDS = ("triton", "torch")
 class ReferenceLion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023, Algorithm 2), one tensor at a time, in the param's dtype (fp32)."""
 
-    def __init__(self, params: Any, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0,
-                 maximize: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, params: Any, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0, maximize: bool = False
+    ) -> None:
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize))
 
     @torch.no_grad()
@@ -57,13 +58,31 @@ class ReferenceLion(torch.optim.Optimizer):
 class ReferenceLAMB(torch.optim.Optimizer):
     """LAMB (You et al. 2019, Algorithm 2), one tensor at a time, in the param's dtype (fp32)."""
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, *, bias_correction: bool = True,
-                 weight_norm_clip=(0.0, 10.0), max_trust_ratio: float | None = None,
-                 always_adapt: bool = False, maximize: bool = False) -> None:  # fmt: skip
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        bias_correction=bias_correction, weight_norm_clip=weight_norm_clip,
-                        max_trust_ratio=max_trust_ratio, always_adapt=always_adapt, maximize=maximize)  # fmt: skip
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        *,
+        bias_correction: bool = True,
+        weight_norm_clip=(0.0, 10.0),
+        max_trust_ratio: float | None = None,
+        always_adapt: bool = False,
+        maximize: bool = False,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            bias_correction=bias_correction,
+            weight_norm_clip=weight_norm_clip,
+            max_trust_ratio=max_trust_ratio,
+            always_adapt=always_adapt,
+            maximize=maximize,
+        )
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -551,32 +570,34 @@ def test_cuda_compiled_kernels_match_torch_path(name: str, dtype: torch.dtype) -
 
 
 # ---- validation ------------------------------------------------------------------------------
-BAD_ARGS = [
-    (FusedSGD, dict(lr=-0.1), ValueError, "lr"),
-    (FusedSGD, dict(lr=torch.tensor([0.1, 0.2])), ValueError, "lr"),
-    (FusedSGD, dict(momentum=-0.5), ValueError, "momentum"),
-    (FusedSGD, dict(weight_decay=-1.0), ValueError, "weight_decay"),
-    (FusedSGD, dict(nesterov=True), ValueError, "nesterov"),
-    (FusedSGD, dict(momentum=0.9, dampening=0.1, nesterov=True), ValueError, "nesterov"),
-    (FusedSGD, dict(differentiable=True), ValueError, "differentiable"),
-    (FusedAdam, dict(lr=-1e-3), ValueError, "lr"),
-    (FusedAdam, dict(betas=(1.0, 0.999)), ValueError, r"betas\[0\]"),
-    (FusedAdam, dict(betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
-    (FusedAdam, dict(eps=-1e-8), ValueError, "eps"),
-    (FusedAdamW, dict(weight_decay=-0.1), ValueError, "weight_decay"),
-    (FusedAdamW, dict(lr=float("nan")), ValueError, "lr"),
-    (FusedLion, dict(lr=-1e-4), ValueError, "lr"),
-    (FusedLion, dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\]"),
-    (FusedLion, dict(weight_decay=-1.0), ValueError, "weight_decay"),
-    (FusedLAMB, dict(eps=-1.0), ValueError, "eps"),
-    (FusedLAMB, dict(betas=(-0.1, 0.9)), ValueError, r"betas\[0\]"),
-    (FusedLAMB, dict(weight_norm_clip=(1.0, 0.5)), ValueError, "weight_norm_clip"),
-    (FusedLAMB, dict(weight_norm_clip=(-1.0, 1.0)), ValueError, "weight_norm_clip"),
-    (FusedLAMB, dict(weight_norm_clip=1.0), ValueError, "weight_norm_clip"),
-    (FusedLAMB, dict(max_trust_ratio=0.0), ValueError, "max_trust_ratio"),
-] + [(cls, dict(backend="cuda"), ValueError, "backend") for cls, _ in PAIRS.values()] + [
-    (cls, dict(master_weights="yes"), TypeError, "master_weights") for cls, _ in PAIRS.values()
-]  # fmt: skip
+BAD_ARGS = (
+    [
+        (FusedSGD, dict(lr=-0.1), ValueError, "lr"),
+        (FusedSGD, dict(lr=torch.tensor([0.1, 0.2])), ValueError, "lr"),
+        (FusedSGD, dict(momentum=-0.5), ValueError, "momentum"),
+        (FusedSGD, dict(weight_decay=-1.0), ValueError, "weight_decay"),
+        (FusedSGD, dict(nesterov=True), ValueError, "nesterov"),
+        (FusedSGD, dict(momentum=0.9, dampening=0.1, nesterov=True), ValueError, "nesterov"),
+        (FusedSGD, dict(differentiable=True), ValueError, "differentiable"),
+        (FusedAdam, dict(lr=-1e-3), ValueError, "lr"),
+        (FusedAdam, dict(betas=(1.0, 0.999)), ValueError, r"betas\[0\]"),
+        (FusedAdam, dict(betas=(0.9, -0.1)), ValueError, r"betas\[1\]"),
+        (FusedAdam, dict(eps=-1e-8), ValueError, "eps"),
+        (FusedAdamW, dict(weight_decay=-0.1), ValueError, "weight_decay"),
+        (FusedAdamW, dict(lr=float("nan")), ValueError, "lr"),
+        (FusedLion, dict(lr=-1e-4), ValueError, "lr"),
+        (FusedLion, dict(betas=(0.9, 1.0)), ValueError, r"betas\[1\]"),
+        (FusedLion, dict(weight_decay=-1.0), ValueError, "weight_decay"),
+        (FusedLAMB, dict(eps=-1.0), ValueError, "eps"),
+        (FusedLAMB, dict(betas=(-0.1, 0.9)), ValueError, r"betas\[0\]"),
+        (FusedLAMB, dict(weight_norm_clip=(1.0, 0.5)), ValueError, "weight_norm_clip"),
+        (FusedLAMB, dict(weight_norm_clip=(-1.0, 1.0)), ValueError, "weight_norm_clip"),
+        (FusedLAMB, dict(weight_norm_clip=1.0), ValueError, "weight_norm_clip"),
+        (FusedLAMB, dict(max_trust_ratio=0.0), ValueError, "max_trust_ratio"),
+    ]
+    + [(cls, dict(backend="cuda"), ValueError, "backend") for cls, _ in PAIRS.values()]
+    + [(cls, dict(master_weights="yes"), TypeError, "master_weights") for cls, _ in PAIRS.values()]
+)
 
 
 @pytest.mark.parametrize("cls, kw, exc, match", BAD_ARGS, ids=[f"{c.__name__}-{list(k)[0]}" for c, k, _, _ in BAD_ARGS])

@@ -15,8 +15,12 @@ def test_readme_perf_table_is_generated_from_results() -> None:
 
 
 def test_ddp_benchmark_smoke(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "perf" / "ddp.py"), "--quick", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "perf" / "ddp.py"), "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     import json
 

@@ -101,18 +101,59 @@ def _step(name: str, param: torch.Tensor, master: torch.Tensor) -> None:
     grad = torch.ones_like(param)
     state = [torch.zeros_like(master)]
     if name == "adam":
-        adam_step([param], [grad], state, [torch.zeros_like(master)], [], [master], step=1, lr=0.0,
-                  beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, amsgrad=False,
-                  maximize=False, backend="triton")  # fmt: skip
+        adam_step(
+            [param],
+            [grad],
+            state,
+            [torch.zeros_like(master)],
+            [],
+            [master],
+            step=1,
+            lr=0.0,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            decoupled=True,
+            amsgrad=False,
+            maximize=False,
+            backend="triton",
+        )
     elif name == "sgd":
-        sgd_step([param], [grad], state, [master], lr=0.0, momentum=0.9, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, maximize=False, first_step=True, backend="triton")  # fmt: skip
+        sgd_step(
+            [param],
+            [grad],
+            state,
+            [master],
+            lr=0.0,
+            momentum=0.9,
+            dampening=0.0,
+            weight_decay=0.0,
+            nesterov=False,
+            maximize=False,
+            first_step=True,
+            backend="triton",
+        )
     elif name == "lion":
-        lion_step([param], [grad], state, [master], lr=0.0, beta1=0.9, beta2=0.99, weight_decay=0.0,
-                  maximize=False, backend="triton")  # fmt: skip
+        lion_step(
+            [param], [grad], state, [master], lr=0.0, beta1=0.9, beta2=0.99, weight_decay=0.0, maximize=False, backend="triton"
+        )
     else:
-        lamb_step([param], [grad], state, [torch.zeros_like(master)], [master], step=1, lr=0.0, beta1=0.9,
-                  beta2=0.999, eps=1e-6, weight_decay=0.0, adapt=name == "lamb", backend="triton")  # fmt: skip
+        lamb_step(
+            [param],
+            [grad],
+            state,
+            [torch.zeros_like(master)],
+            [master],
+            step=1,
+            lr=0.0,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.0,
+            adapt=name == "lamb",
+            backend="triton",
+        )
 
 
 @pytest.mark.parametrize("dtype", LOWP)
@@ -142,7 +183,22 @@ def test_adam_lowp_state_rounds_to_nearest_even(dtype: torch.dtype) -> None:
     # torch and the kernel) and the store; sums of few-bit values hit many exact ties.
     expected = 0.75 * m32 + 0.25 * g32.to(dtype).float()
     param, m = torch.zeros(5000, dtype=dtype), m32.to(dtype)
-    adam_step([param], [g32.to(dtype)], [m], [torch.zeros_like(m)], [], [], step=1, lr=0.0, beta1=0.75,
-              beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, amsgrad=False, maximize=False,
-              backend="triton")  # fmt: skip
+    adam_step(
+        [param],
+        [g32.to(dtype)],
+        [m],
+        [torch.zeros_like(m)],
+        [],
+        [],
+        step=1,
+        lr=0.0,
+        beta1=0.75,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled=True,
+        amsgrad=False,
+        maximize=False,
+        backend="triton",
+    )
     assert_bitwise_rounded(m, expected)

@@ -53,8 +53,15 @@ def test_interpreted_kernel_calls_helpers_and_tl_sum() -> None:
 
 
 def test_compiled_kernel_inlines_helpers() -> None:
-    cfg = dict(kernel=_HELPER, name="helper", constexprs={"BLOCK": 1024}, num_warps=4, elements_per_program=1024,
-               pointers={"x_ptr": "*fp32", "y_ptr": "*fp32", "total_ptr": "*fp32"}, bytes_per_element=8)  # fmt: skip
+    cfg = dict(
+        kernel=_HELPER,
+        name="helper",
+        constexprs={"BLOCK": 1024},
+        num_warps=4,
+        elements_per_program=1024,
+        pointers={"x_ptr": "*fp32", "y_ptr": "*fp32", "total_ptr": "*fp32"},
+        bytes_per_element=8,
+    )
     res = kernel_resources(compile_config(cfg, 90), cfg)
     assert res["global_stores"]  # compiled, with both helpers and tl.sum resolved to JITFunctions
     bound = _HELPER.jit.fn.__globals__
@@ -117,8 +124,24 @@ def test_adam_on_second_gpu_matches_torch_backend() -> None:
         ps = [p.clone() for p in params]
         ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
         with torch.cuda.device(0):  # the current device is NOT the tensors' device
-            adam_step(ps, grads, ms, vs, [], [], step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                      weight_decay=0.01, decoupled=True, amsgrad=False, maximize=False, backend=backend)  # fmt: skip
+            adam_step(
+                ps,
+                grads,
+                ms,
+                vs,
+                [],
+                [],
+                step=1,
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.01,
+                decoupled=True,
+                amsgrad=False,
+                maximize=False,
+                backend=backend,
+            )
         torch.cuda.synchronize(device)
         out[backend] = ps
     for a, b in zip(out["triton"], out["torch"]):
@@ -160,10 +183,22 @@ def test_lamb_norms_are_reduced_in_fixed_order() -> None:
     for _ in range(2):
         ps = [p.clone() for p in params]
         _, _, _, norms = _launch_moments(
-            ps, grads, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], [], lr=1e-3,
-            beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, bc1=0.1, bc2_sqrt=0.001 ** 0.5, adapt=True,
-            maximize=False, grad_scale=None,
-        )  # fmt: skip
+            ps,
+            grads,
+            [torch.zeros_like(p) for p in ps],
+            [torch.zeros_like(p) for p in ps],
+            [],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            bc1=0.1,
+            bc2_sqrt=0.001**0.5,
+            adapt=True,
+            maximize=False,
+            grad_scale=None,
+        )
         results.append(norms)
     w_sq = results[0][0::2].numpy()
     expected = _fixed_order_norms([p.numpy() for p in params], block, rblock)

@@ -104,8 +104,7 @@ def test_get_batch_is_deterministic_and_shifted() -> None:
 def test_rank_shards_are_disjoint_rows_of_one_global_batch(world_size: int) -> None:
     batch, seq = 5, 24
     shards = [
-        get_batch("train", batch, seq, torch.Generator().manual_seed(7), rank=r, world_size=world_size)
-        for r in range(world_size)
+        get_batch("train", batch, seq, torch.Generator().manual_seed(7), rank=r, world_size=world_size) for r in range(world_size)
     ]
     xs = torch.cat([x for x, _ in shards])
     full_x, full_y = get_batch("train", batch * world_size, seq, torch.Generator().manual_seed(7))
@@ -123,9 +122,7 @@ def test_train_and_val_splits_do_not_overlap() -> None:
 
 
 # ---- schedule, config, hooks ----------------------------------------------------------------------
-@given(
-    warmup=st.integers(0, 50), total=st.integers(1, 300), min_ratio=st.floats(0.0, 1.0), lr=st.floats(1e-5, 1.0)
-)
+@given(warmup=st.integers(0, 50), total=st.integers(1, 300), min_ratio=st.floats(0.0, 1.0), lr=st.floats(1e-5, 1.0))
 def test_lr_schedule_warms_up_then_decays_within_bounds(warmup: int, total: int, min_ratio: float, lr: float) -> None:
     lrs = [lr_at(s, lr=lr, warmup=warmup, total=total, min_ratio=min_ratio) for s in range(total)]
     assert all(0 <= v <= lr * (1 + 1e-12) for v in lrs)
@@ -151,9 +148,7 @@ def test_cli_choices_are_the_registries() -> None:
     # --strategy offers exactly the registered strategies; `shardkit bench` exactly the registered benchmarks
     assert STRATEGIES == available_strategies()
     assert build_parser().parse_args(["train", "--strategy", "ddp"]).strategy == "ddp"
-    bench_parser = next(
-        a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "bench"
-    )  # fmt: skip
+    bench_parser = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "bench")
     assert set(bench_parser.choices) == set(BENCHMARKS)
     assert TrainConfig(strategy="ddp", bucket_mb=4).strategy_options() == {"bucket_mb": 4, "grad_buckets": "copy"}
     assert TrainConfig().strategy_options() == {}
@@ -299,9 +294,17 @@ def test_progress_bar_redraws_one_line_on_a_tty() -> None:
 # ---- training ---------------------------------------------------------------------------------------
 def test_short_single_process_run_learns() -> None:
     cfg = TrainConfig(
-        steps=20, batch_size=8, seq_len=32, d_model=32, n_layers=1, n_heads=2, warmup=2,
-        eval_every=10, eval_iters=2, device="cpu",
-    )  # fmt: skip
+        steps=20,
+        batch_size=8,
+        seq_len=32,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        warmup=2,
+        eval_every=10,
+        eval_iters=2,
+        device="cpu",
+    )
     res = train(cfg)
     assert len(res.train_losses) == 20 and [s for s, _ in res.evals] == [10, 20]
     first, last = res.train_losses[0], sum(res.train_losses[-5:]) / 5
@@ -318,9 +321,13 @@ def test_short_single_process_run_learns() -> None:
 def _run_cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *args], capture_output=True, text=True, timeout=timeout,
-        env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [sys.executable, "-m", "shardkit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tmp_path,
+    )
 
 
 def test_cli_train_single_process(tmp_path: Path) -> None:

@@ -162,8 +162,9 @@ def cuda_source_to_ptx(source: str, arch: int = 80, compiler: str = "auto") -> t
             with tempfile.TemporaryDirectory() as tmp:
                 src, out = Path(tmp, "adamw.cu"), Path(tmp, "adamw.ptx")
                 src.write_text(source)
-                proc = subprocess.run([nvcc, "-ptx", f"-arch=compute_{arch}", str(src), "-o", str(out)],
-                                      capture_output=True, text=True)  # fmt: skip
+                proc = subprocess.run(
+                    [nvcc, "-ptx", f"-arch=compute_{arch}", str(src), "-o", str(out)], capture_output=True, text=True
+                )
                 if proc.returncode != 0:
                     raise RuntimeError(f"nvcc failed:\n{proc.stderr}")
                 return out.read_text(), "nvcc"
@@ -206,8 +207,9 @@ def _cuda_c_peer(init: list[torch.Tensor], grads: list[torch.Tensor], cuda_src: 
     return Peer(name, step, [p])
 
 
-def build_peers(names: list[str], shapes: list[tuple[int, ...]], device: torch.device, seed: int = 0,
-                cuda_src: Path = CUDA_SRC) -> list[Peer]:  # fmt: skip
+def build_peers(
+    names: list[str], shapes: list[tuple[int, ...]], device: torch.device, seed: int = 0, cuda_src: Path = CUDA_SRC
+) -> list[Peer]:
     """Create each named peer on identical fresh params; all share one set of grads.
 
     Example:
@@ -292,8 +294,9 @@ def _norm(params: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float(torch.linalg.vector_norm(p.detach(), dtype=torch.float64)) ** 2 for p in params))
 
 
-def bench_size(total: int, names: list[str], device: torch.device, warmup: int, repeats: int,
-               cuda_src: Path = CUDA_SRC) -> dict[str, Any]:  # fmt: skip
+def bench_size(
+    total: int, names: list[str], device: torch.device, warmup: int, repeats: int, cuda_src: Path = CUDA_SRC
+) -> dict[str, Any]:
     """Benchmark every peer at ``total`` parameters; returns the JSON-ready result for this size.
 
     Example:
@@ -307,8 +310,11 @@ def bench_size(total: int, names: list[str], device: torch.device, warmup: int, 
     _, peak = _peak_bytes_per_s(device)
     steps_done = warmup + repeats
     result: dict[str, Any] = {
-        "params": total, "n_tensors": len(shapes), "bytes_per_step": BYTES_PER_PARAM * total, "peers": {},
-    }  # fmt: skip
+        "params": total,
+        "n_tensors": len(shapes),
+        "bytes_per_step": BYTES_PER_PARAM * total,
+        "peers": {},
+    }
     for peer in peers:
         if peer.step is None:
             result["peers"][peer.name] = {"available": False, "reason": peer.reason}
@@ -316,14 +322,21 @@ def bench_size(total: int, names: list[str], device: torch.device, warmup: int, 
         wall, dev = times[peer.name]["wall_ms"], times[peer.name]["device_ms"]
         basis = dev or wall  # bandwidth from device time on CUDA, wall time on CPU
         entry: dict[str, Any] = {
-            "available": True, "min_ms": min(wall), "median_ms": statistics.median(wall),
-            "spread": (statistics.median(wall) - min(wall)) / min(wall), "wall_ms": [round(t, 4) for t in wall],
+            "available": True,
+            "min_ms": min(wall),
+            "median_ms": statistics.median(wall),
+            "spread": (statistics.median(wall) - min(wall)) / min(wall),
+            "wall_ms": [round(t, 4) for t in wall],
             "gbps": BYTES_PER_PARAM * total / (statistics.median(basis) * 1e-3) / 1e9,
-            "param_norm": _norm(peer.params), "steps": steps_done,
-        }  # fmt: skip
+            "param_norm": _norm(peer.params),
+            "steps": steps_done,
+        }
         if dev:
-            entry |= {"device_min_ms": min(dev), "device_median_ms": statistics.median(dev),
-                      "device_ms": [round(t, 4) for t in dev]}  # fmt: skip
+            entry |= {
+                "device_min_ms": min(dev),
+                "device_median_ms": statistics.median(dev),
+                "device_ms": [round(t, 4) for t in dev],
+            }
         if peak:
             entry["pct_of_peak"] = 100 * entry["gbps"] * 1e9 / peak
         result["peers"][peer.name] = entry
@@ -364,8 +377,14 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         module = sys.modules.get(mod)
         versions[mod] = getattr(module, "__version__", None) if module else None
     name, peak = _peak_bytes_per_s(device)
-    info = {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "device": str(device), "versions": versions}  # fmt: skip
+    info = {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "device": str(device),
+        "versions": versions,
+    }
     if device.type == "cuda":
         info |= {"gpu": name, "peak_bytes_per_s": peak, "capability": list(torch.cuda.get_device_capability(device))}
     if hasattr(os, "getloadavg"):
@@ -373,8 +392,9 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-def run_benchmark(sizes: list[int], device: torch.device, peers: list[str], warmup: int, repeats: int,
-                  cuda_src: Path = CUDA_SRC) -> dict[str, Any]:  # fmt: skip
+def run_benchmark(
+    sizes: list[int], device: torch.device, peers: list[str], warmup: int, repeats: int, cuda_src: Path = CUDA_SRC
+) -> dict[str, Any]:
     """Run every size and return the full JSON-ready report (machine info, settings, results).
 
     Example:
@@ -390,12 +410,22 @@ def run_benchmark(sizes: list[int], device: torch.device, peers: list[str], warm
     results = [bench_size(n, peers, device, warmup, repeats, cuda_src) for n in sizes]
     info = machine_info(device) | {"loadavg_start": load_start}  # a busy machine makes noisy numbers
     return {
-        "benchmark": "optim", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]], "machine": info,
-        "settings": {"sizes": sizes, "warmup": warmup, "repeats": repeats, "dtype": "float32", "hyper": HYPER,
-                     "bytes_per_param": BYTES_PER_PARAM, "interleaved": True},
-        "results": results, "elapsed_s": round(time.perf_counter() - t0, 2),
-    }  # fmt: skip
+        "benchmark": "optim",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "machine": info,
+        "settings": {
+            "sizes": sizes,
+            "warmup": warmup,
+            "repeats": repeats,
+            "dtype": "float32",
+            "hyper": HYPER,
+            "bytes_per_param": BYTES_PER_PARAM,
+            "interleaved": True,
+        },
+        "results": results,
+        "elapsed_s": round(time.perf_counter() - t0, 2),
+    }
 
 
 def write_plot(report: dict[str, Any], path: Path) -> None:
@@ -450,9 +480,11 @@ def format_table(report: dict[str, Any]) -> str:
                 lines.append(f"{_fmt_params(res['params']):>8} {name:<28} unavailable: {v['reason']}")
                 continue
             pct = f"{v['pct_of_peak']:.1f}" if "pct_of_peak" in v else "-"
-            lines.append(f"{_fmt_params(res['params']):>8} {name:<28} {v.get('device_min_ms', v['min_ms']):>9.3f} "
-                         f"{v.get('device_median_ms', v['median_ms']):>10.3f} {v['gbps']:>7.1f} {pct:>7} "
-                         f"{v.get('ratio_vs_fastest_peer', float('nan')):>6.2f}")  # fmt: skip
+            lines.append(
+                f"{_fmt_params(res['params']):>8} {name:<28} {v.get('device_min_ms', v['min_ms']):>9.3f} "
+                f"{v.get('device_median_ms', v['median_ms']):>10.3f} {v['gbps']:>7.1f} {pct:>7} "
+                f"{v.get('ratio_vs_fastest_peer', float('nan')):>6.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -472,12 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", nargs="+", choices=PEERS, metavar="PEER", help=f"default: all of {', '.join(PEERS)}")
     parser.add_argument("--cuda-src", type=Path, default=CUDA_SRC, help="CUDA C AdamW source (perf/cuda/adamw.cu)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; --quick 1)")
-    parser.add_argument("--out", default=None,
-                        help="JSON file or directory/ (default perf/results/optim_<device>.json); plot beside it")  # fmt: skip
+    parser.add_argument(
+        "--out", default=None, help="JSON file or directory/ (default perf/results/optim_<device>.json); plot beside it"
+    )
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))  # fmt: skip
+    device = torch.device(
+        "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
     sizes = args.sizes or ([1 << 14, 1 << 16] if args.quick else [10_000_000, 100_000_000])

@@ -47,9 +47,14 @@ class ProgressBar:
     """
 
     def __init__(
-        self, total: int, *, stream: TextIO | None = None, enabled: bool = True,
-        min_interval: float = 0.1, every: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        total: int,
+        *,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        min_interval: float = 0.1,
+        every: int | None = None,
+    ) -> None:
         self.total, self.enabled, self.min_interval = total, enabled, min_interval
         self.stream = stream or sys.stdout
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
