@@ -271,7 +271,9 @@ def test_unscale_divides_by_the_scale_and_names_params() -> None:
     assert s.unscale_([p for _, p in named], report_nonfinite=True).nonfinite == ["param[1]"]  # bare params
 
 
-def test_unscale_options_are_keyword_only() -> None:
+def test_constructor_and_unscale_options_are_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        DynamicLossScaler(0.0)  # type: ignore[misc]
     with pytest.raises(TypeError):
         DynamicLossScaler().unscale_(_named_grads(1.0), None)  # type: ignore[misc]
 
