@@ -1,4 +1,4 @@
-"""The ``shardkit`` command line: ``shardkit train ...`` and ``shardkit bench optim ...``.
+"""The ``shardkit`` command line: ``shardkit train ...``, ``shardkit bench optim ...``, ``shardkit plan ...``.
 
 ``shardkit train --nproc N`` (N > 1) re-runs ``python -m shardkit.cli train <same flags>`` under
 ``torch.distributed.run`` (torchrun) with N workers; each worker trains in process, as one rank.
@@ -7,6 +7,7 @@ Example:
     $ shardkit train --steps 300                      # one process
     $ shardkit train --nproc 2 --strategy ddp --bf16  # two processes, data parallel
     $ shardkit bench optim --help
+    $ shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32   # ZeRO memory plan
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 import shardkit
 from shardkit.bench import BENCHMARKS
 from shardkit.bench import run as run_benchmark
 from shardkit.train.config import TrainConfig, add_arguments, from_args, to_argv
 
-__all__ = ["build_parser", "launch", "main"]
+__all__ = ["build_parser", "launch", "main", "run_plan"]
 
 _EXAMPLES = """\
 examples:
@@ -30,6 +32,8 @@ examples:
   shardkit train --nproc 2 --strategy ddp --bf16     2 processes, data parallel, bf16 autocast
   shardkit train --steps 50 --log-json run.json      write loss curves and per-rank summaries
   shardkit bench optim                               fused AdamW vs torch.optim
+  shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32
+                                                     per-rank memory of DDP and ZeRO-1/2/3
 
 `shardkit COMMAND --help` lists a command's flags.
 """
@@ -39,6 +43,95 @@ Train TinyGPT (char-level, ~0.8M params by default) on a deterministic generated
 --nproc N > 1 re-launches with torchrun (needs --strategy ddp); rank 0 shows progress and
 prints every rank's summary: losses, tokens/s, wall time, bytes of params/grads/optimizer
 state per rank, and communication volume. bf16/fp16 are emulated (slow) on most CPUs."""
+
+
+_PLAN_DESCRIPTION = """\
+Predict per-rank device memory (params, grads, optimizer state, transient buffers), host/NVMe
+memory with offload, and communication per step for DDP (stage 0) and ZeRO-1/2/3, without
+allocating anything (formulas: docs/planner.md). Sizes in GB = 1e9 bytes, the ZeRO paper's unit.
+Activations are not included: leave room for them."""
+
+_SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_PLAN_MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "seq_len")
+
+
+def _count(text: str) -> int:
+    """A parameter count: ``7500000000``, ``7.5e9``, ``7.5B``, ``350M``, ``1T``."""
+    t = text.strip().replace("_", "").replace(",", "")
+    scale = _SUFFIX.get(t[-1:].lower(), 1)
+    try:
+        value = float(t[:-1] if scale != 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7.5e9, 7.5B, 350M)") from None
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"a parameter count must be a whole number >= 0, got {text!r}")
+    return int(value)
+
+
+def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="predict per-rank memory and communication of DDP and ZeRO-1/2/3 (nothing is allocated)",
+        description=_PLAN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_count, metavar="N", help="parameter count Ψ: 7.5e9, 7.5B, 350M")
+    what.add_argument("--model", choices=["tinygpt"], help="count the demo's TinyGPT (built on the meta device)")
+    plan.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel ranks (default %(default)s)")
+    plan.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="also print this stage's breakdown")
+    plan.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="bf16/fp16: 2-byte params "
+                      "and grads + fp32 master and moments (default %(default)s)")  # fmt: skip
+    plan.add_argument("--optimizer", default="adamw", metavar="NAME|K",
+                      help="adamw, adam, lamb, lion, sgd_momentum, sgd, adagrad, or K bytes/param (default %(default)s)")  # fmt: skip
+    plan.add_argument("--offload", choices=["cpu", "nvme"], help="optimizer state off the device (stages 1-3)")
+    plan.add_argument("--offload-params", action="store_true", help="stage 3: parameter shard off the device too")
+    plan.add_argument("--device-gb", type=float, metavar="GB", help="device memory (1e9 bytes) to check fits against")
+    plan.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB", help="gradient bucket MiB (default %(default)s)")
+    plan.add_argument("--unit-params", type=_count, metavar="N",
+                      help="largest ZeRO-3 unit (default: the whole model; --model tinygpt: its largest block)")  # fmt: skip
+    model = plan.add_argument_group("--model tinygpt (the demo's flags and defaults)")
+    for f in fields(TrainConfig):
+        if f.name in _PLAN_MODEL_FLAGS:
+            model.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=int, default=f.default,
+                               metavar=f.metadata["metavar"], help=f"{f.metadata['help']} (default %(default)s)")  # fmt: skip
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``shardkit plan``: print the stage table (and one stage's breakdown with ``--stage``).
+
+    Raises:
+        ValueError: an invalid combination (e.g. ``--offload-params`` without ``--offload``).
+    """
+    from shardkit.parallel.zero.planner import plan_memory, plan_table, unit_sizes  # imports torch
+
+    what: object = args.params
+    unit = args.unit_params
+    if args.model == "tinygpt":
+        import torch
+
+        from shardkit.data import ALPHABET
+        from shardkit.models import Block, TinyGPT
+
+        with torch.device("meta"):  # counted from shapes only: any size plans without memory
+            what = TinyGPT(len(ALPHABET), args.d_model, args.n_layers, args.n_heads, args.seq_len)
+        unit = unit if unit is not None else max(unit_sizes(what, {Block}))
+    optimizer: str | int = int(args.optimizer) if args.optimizer.isdigit() else args.optimizer
+    kw = dict(
+        dp=args.dp, precision=args.precision, optimizer=optimizer, offload=args.offload,
+        offload_params=args.offload_params, bucket_mb=args.bucket_mb, largest_unit_params=unit,
+        device_bytes=None if args.device_gb is None else int(args.device_gb * 1e9),
+    )  # fmt: skip
+    if args.stage is not None and args.stage != 3 and args.offload_params:
+        raise ValueError("--offload-params needs --stage 3 (or no --stage)")
+    table = plan_table(what, **kw)  # type: ignore[arg-type]
+    print(table.render())
+    if args.stage is not None:
+        if args.stage == 0:
+            kw.pop("offload"), kw.pop("offload_params")
+        print()
+        print(plan_memory(what, stage=args.stage, **kw).table())  # type: ignore[arg-type]
+    return 0
 
 
 def _cpu_count() -> int:
@@ -78,7 +171,7 @@ def launch(cfg: TrainConfig) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``shardkit`` argument parser (sub-commands ``train`` and ``bench``).
+    """The ``shardkit`` argument parser (sub-commands ``train``, ``bench`` and ``plan``).
 
     Example:
         >>> ns = build_parser().parse_args(["train", "--steps", "10"])
@@ -100,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(train)
+    _add_plan_parser(commands)
     bench = commands.add_parser("bench", help="run a benchmark (`shardkit bench --help` lists them)")
     benches = bench.add_subparsers(dest="bench", metavar="NAME", title="benchmarks", required=True)
     for name, entry in BENCHMARKS.items():
@@ -124,6 +218,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_benchmark(args.bench, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "plan":
+        try:
+            return run_plan(args)
+        except ValueError as e:  # bad combinations name the argument: a usage error
+            parser.error(str(e))
     cfg = from_args(args)
     from shardkit.train import resolve_device  # imports torch: only for `train`
 
