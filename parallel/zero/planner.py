@@ -359,7 +359,11 @@ def plan_memory(
         raise ValueError("offload needs a ZeRO stage (1, 2 or 3), got stage=0")
     if offload_params and (stage != 3 or offload is None):
         raise ValueError("offload_params needs stage=3 and an offload target")
-    for name, value in (("bucket_mb", bucket_mb), ("buckets_in_flight", buckets_in_flight), ("nvme_subgroup_params", nvme_subgroup_params)):
+    for name, value in (
+        ("bucket_mb", bucket_mb),
+        ("buckets_in_flight", buckets_in_flight),
+        ("nvme_subgroup_params", nvme_subgroup_params),
+    ):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     if prefetch < 0:
