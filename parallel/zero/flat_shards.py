@@ -1,0 +1,376 @@
+"""Flat padded per-rank shards of parameters, master weights and gradients (ZeRO-1/2 data path).
+
+Layout (shared with DataParallel, see [Note: bucket layout] in :mod:`shardkit.kernels.flatten`):
+a bucket's params are packed by ``bucket_layout(numels, align=ALIGN_ELEMENTS,
+pad_to_multiple_of=N * ALIGN_ELEMENTS)`` into ``total`` elements; rank ``r`` of the ``N``
+data-parallel ranks owns elements ``[r * total/N, (r + 1) * total/N)``, which
+:func:`~shardkit.kernels.flatten.shard_segments` maps back to at most one 1-D segment per param.
+Every shard starts on a 16-element boundary, so the kernels keep 128-bit accesses.
+
+What a rank holds per bucket (bytes per rank, Ψ elements per bucket, b = param bytes, g = grad
+bytes, fp32 master only when b < 4), docs/reference.md "ZeRO memory and communication":
+
+=====================  ============================  ==========================================
+tensor                 stage 1                       stage 2
+=====================  ============================  ==========================================
+``flat_param``         bΨ (params are views of it)   bΨ
+gradients              ``grad_full``: gΨ              ``grad_shard``: gΨ/N
+master (b < 4)         4Ψ/N                          4Ψ/N
+optimizer state        on the master shard: e.g. Adam 8Ψ/N
+transient (peak)       shard gΨ/N (reduce-scatter     two buckets in flight, each gΨ + gΨ/N;
+                       output), bΨ/N (all-gather in)  bΨ/N (all-gather input)
+=====================  ============================  ==========================================
+
+Communication per step: one reduce-scatter of every bucket (payload gΨ) during backward and one
+all-gather of the updated params (payload bΨ) after the step: 2Ψ elements, the same as DDP's one
+all-reduce, which CommStats records as Ψ and the ZeRO paper counts as 2Ψ (see
+:func:`paper_comm_bytes`).
+
+[Note: the reduced shard is final only after the step epilogue]
+The reduce-scatter *sums*; the 1/N average (and 1/S for fp16 loss scaling) is applied once per
+optimizer step by :meth:`FlatShards.epilogue`, in the same pass that flags inf/nan and sums g²
+of this rank's shard. Backwards between two steps therefore add raw sums (stage 2: every
+backward reduce-scatters and accumulates into the shard; stage 1: earlier micro-batches run
+under ``no_sync`` and accumulate locally in the full gradient), and the epilogue runs once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.comm import CommStats, all_gather, reduce_scatter
+from shardkit.kernels.flatten import ALIGN_ELEMENTS, Segment, bucket_layout, flatten_into, shard_segments
+from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
+
+from ..reducer import GradBucket
+
+__all__ = ["FlatShards", "ShardedBucket", "paper_comm_bytes"]
+
+#: buckets whose reduce-scatter may be in flight at once in stage 2 (each holds a full-size
+#: transient gradient buffer): two overlap communication with the next bucket's backward
+MAX_IN_FLIGHT = 2
+
+
+def paper_comm_bytes(summary: dict[str, dict]) -> int:
+    """Communication in the ZeRO paper's units from a ``CommStats.summary()``.
+
+    CommStats records payload bytes (an all-reduce of Ψ as Ψ, a reduce-scatter as its input Ψ,
+    an all-gather as its output Ψ). The paper counts an all-reduce as 2Ψ (reduce-scatter +
+    all-gather), so this is the sum of payloads with all-reduces counted twice: DDP, ZeRO-1
+    and ZeRO-2 then all give 2Ψ per step and compare like for like.
+
+    Example:
+        >>> paper_comm_bytes({"all_reduce": {"calls": 1, "bytes": 400}})
+        800
+    """
+    return sum(v["bytes"] * (2 if op == "all_reduce" else 1) for op, v in summary.items())
+
+
+@dataclass(eq=False)
+class ShardedBucket:
+    """One bucket's flat parameter buffer and this rank's shard of it.
+
+    Attributes:
+        grad_bucket: what the reducer sees (params, offsets; ``buffer`` is the full gradient in
+            stage 1, a placeholder in stage 2).
+        total, shard, start: bucket length, shard length and this rank's first element.
+        segments: this rank's pieces of the params (:func:`shard_segments`), in param order.
+        flat_param: ``[total]`` in the params' dtype; every param is a view of it.
+        master: ``[shard]`` fp32 master weights, or None when the params are fp32 (the shard of
+            ``flat_param`` is then the master).
+        grad_full: stage 1: ``[total]`` persistent gradient; each ``p.grad`` is a view of it.
+        grad_shard: stage 2: ``[shard]`` persistent reduced gradient.
+        opt_grad: ``[shard]`` fp32 gradient the optimizer reads: a view of the reduced shard when
+            the grads are fp32, else a transient cast made by the epilogue.
+    """
+
+    grad_bucket: GradBucket
+    total: int
+    shard: int
+    start: int
+    segments: list[Segment]
+    flat_param: torch.Tensor
+    master: torch.Tensor | None
+    grad_full: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    opt_grad: torch.Tensor | None = None
+    #: the shard holds no reduced gradient yet (since the last zero_grad)
+    fresh: bool = True
+    #: stage 1: this bucket was reduced in a backward since the last zero_grad
+    reduced: bool = False
+    shard_params: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def reduced_shard(self) -> torch.Tensor:
+        """This rank's reduced gradient (``[shard]``, grad dtype)."""
+        return self.grad_shard if self.grad_full is None else self.grad_full.narrow(0, self.start, self.shard)
+
+    def master_shard(self) -> torch.Tensor:
+        """The fp32 weights the optimizer updates (``[shard]``)."""
+        return self.flat_param.narrow(0, self.start, self.shard) if self.master is None else self.master
+
+
+class FlatShards:
+    """The stage-1/2 runtime: builds the shards, and is the reducer's launch/finish pair.
+
+    Args:
+        buckets: parameters per bucket, bucket 0 first (one dtype and device per bucket).
+        group: the dp process group; ``rank``/``size`` its rank and size.
+        stage: 1 (full gradient kept) or 2 (only this rank's gradient shard kept).
+        grad_dtype: dtype of the gradient reduction and storage.
+        stats: CommStats for the collectives.
+        backend: kernel backend for the flatten copies and the epilogue.
+
+    Example:
+        >>> shards = FlatShards([[w, b]], group=dp, rank=0, size=2, stage=2,
+        ...                     grad_dtype=torch.float32, stats=CommStats())
+        >>> reducer = GradReducer([s.grad_bucket for s in shards.buckets],
+        ...                       launch=shards.launch, finish=shards.finish)
+    """
+
+    def __init__(
+        self,
+        buckets: list[list[nn.Parameter]],
+        *,
+        group: Any,
+        rank: int,
+        size: int,
+        stage: int,
+        grad_dtype: torch.dtype,
+        stats: CommStats,
+        backend: str = "auto",
+    ) -> None:
+        self.group, self.rank, self.size, self.stage = group, rank, size, stage
+        self.grad_dtype = grad_dtype
+        self.stats = stats
+        self.backend = backend
+        self.buckets = [self._build(i, params) for i, params in enumerate(buckets)]
+        self._in_flight: deque[tuple[ShardedBucket, Any, torch.Tensor | None, torch.Tensor]] = deque()
+        self._transient = 0
+        self.peak_transient_bytes = 0
+        self.finalized = False  # the epilogue ran since the last zero_grad
+
+    # ---- construction ------------------------------------------------------------------------
+    @torch.no_grad()
+    def _build(self, index: int, params: list[nn.Parameter]) -> ShardedBucket:
+        numels = [p.numel() for p in params]
+        offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=self.size * ALIGN_ELEMENTS)
+        shard = total // self.size
+        start = self.rank * shard
+        dtype, device = params[0].dtype, params[0].device
+        flat = torch.zeros(total, dtype=dtype, device=device)  # gaps and padding stay zero
+        flatten_into([p.detach().contiguous() for p in params], flat, offsets, backend=self.backend)
+        for p, o in zip(params, offsets):
+            p.data = flat.narrow(0, o, p.numel()).view(p.shape)  # the param now lives in the bucket
+        master = None if dtype == torch.float32 else flat.narrow(0, start, shard).float()
+        gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
+        sb = ShardedBucket(gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard),
+                           flat, master)  # fmt: skip
+        if self.stage == 1:
+            sb.grad_full = gb.buffer = torch.zeros(total, dtype=self.grad_dtype, device=device)
+            gb.views = [sb.grad_full.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets)]
+            if self.grad_dtype != dtype:  # autograd then accumulates straight into the views
+                for p in params:
+                    p.grad_dtype = self.grad_dtype
+        else:
+            sb.grad_shard = torch.zeros(shard, dtype=self.grad_dtype, device=device)
+        if self.grad_dtype == torch.float32:
+            sb.opt_grad = sb.reduced_shard
+        weights = sb.master_shard()
+        for seg in sb.segments:
+            sp = nn.Parameter(weights.narrow(0, seg.flat_offset - start, seg.numel))  # a view: steps write the shard
+            if sb.opt_grad is not None:
+                sp.grad = sb.opt_grad.narrow(0, seg.flat_offset - start, seg.numel)
+            sb.shard_params.append(sp)
+        return sb
+
+    def shard_param_of(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Original param -> its 1-D shard param on this rank (params with no element here are absent)."""
+        return {sb.grad_bucket.params[seg.index]: sp for sb in self.buckets for seg, sp in zip(sb.segments, sb.shard_params)}
+
+    # ---- transient accounting -----------------------------------------------------------------
+    def _hold(self, nbytes: int) -> None:
+        self._transient += nbytes
+        self.peak_transient_bytes = max(self.peak_transient_bytes, self._transient)
+
+    def _release(self, nbytes: int) -> None:
+        self._transient -= nbytes
+
+    # ---- the reducer's callbacks (post_backward launches, finalize finishes) -----------------
+    def launch(self, gb: GradBucket) -> Any:
+        """Pack the bucket's grads and start its reduce-scatter (see the module's Note)."""
+        sb = self.buckets[gb.index]
+        if self.finalized:
+            raise RuntimeError(
+                "ShardedDataParallel: backward after the optimizer step without zero_grad(); call "
+                "opt.zero_grad() after each step (the reduced shard was already averaged and consumed)"
+            )
+        while len(self._in_flight) >= MAX_IN_FLIGHT:  # bound transient memory; oldest first
+            self._complete_oldest()
+        if self.stage == 1:
+            if sb.reduced:
+                raise RuntimeError(
+                    "ShardedDataParallel(stage=1) reduces once per optimizer step: run the earlier "
+                    "micro-batches under sdp.no_sync() (stage 1 accumulates them locally), or use stage=2"
+                )
+            full = sb.grad_full
+            self._pack(gb, full, into_views=True)
+            sb.reduced = True
+        else:
+            full = torch.zeros(sb.total, dtype=self.grad_dtype, device=sb.flat_param.device)
+            self._hold(full.numel() * full.element_size())
+            self._pack(gb, full, into_views=False)
+        out = sb.grad_shard if (self.stage == 2 and sb.fresh) else torch.empty_like(full[: sb.shard])
+        if out is not sb.grad_shard:
+            self._hold(out.numel() * out.element_size())
+        work = reduce_scatter(out, full, group=self.group, op="sum", async_op=True, stats=self.stats)
+        self._in_flight.append((sb, work, full if self.stage == 2 else None, out))
+        return work
+
+    def _pack(self, gb: GradBucket, full: torch.Tensor, *, into_views: bool) -> None:
+        packed, offsets = [], []
+        for j, p in enumerate(gb.params):
+            g = p.grad
+            if g is None:  # unused on this rank: contributes zeros
+                if into_views:
+                    gb.views[j].zero_()
+                    p.grad = gb.views[j]
+                continue
+            if into_views and g.data_ptr() == gb.views[j].data_ptr():
+                continue  # autograd accumulated straight into its slot
+            packed.append(g.contiguous())
+            offsets.append(gb.offsets[j])
+        if packed:
+            flatten_into(packed, full, offsets, backend=self.backend)
+        for j, p in enumerate(gb.params):
+            # stage 1: the grad is its slot from now on; stage 2: autograd's grads are freed now
+            p.grad = gb.views[j] if into_views else None
+
+    def _complete_oldest(self) -> None:
+        sb, work, full, out = self._in_flight.popleft()
+        work.wait()
+        if self.stage == 1:
+            sb.grad_full.narrow(0, sb.start, sb.shard).copy_(out)
+        elif out is not sb.grad_shard:
+            sb.grad_shard.add_(out)
+        if out is not sb.grad_shard:
+            self._release(out.numel() * out.element_size())
+        if full is not None:
+            self._release(full.numel() * full.element_size())
+        sb.fresh = False
+
+    def finish(self, gb: GradBucket, work: Any) -> None:
+        """Wait for every bucket launched up to ``gb`` (in launch order) and accumulate its shard."""
+        while any(sb.grad_bucket is gb for sb, *_ in self._in_flight):
+            self._complete_oldest()
+
+    def abandon(self) -> None:
+        """Forget a backward that raised ([Note: a backward that raised]): never wait, and give
+        every buffer a collective may still write a fresh replacement."""
+        for sb, work, _, out in self._in_flight:
+            if not work.is_completed() and out is sb.grad_shard:
+                sb.grad_shard = torch.zeros_like(out)
+        self._in_flight.clear()
+        self._transient = 0
+        self.zero_grad(set_to_none=True)
+
+    # ---- step --------------------------------------------------------------------------------
+    def zero_grad(self, *, set_to_none: bool = True) -> None:
+        """Forget the gradients of this step (the persistent buffers are kept, zeroed)."""
+        for sb in self.buckets:
+            for p in sb.grad_bucket.params:
+                p.grad = None
+            if sb.grad_full is not None and not set_to_none:  # p.grad stays a zeroed view
+                sb.grad_full.zero_()
+                for p, v in zip(sb.grad_bucket.params, sb.grad_bucket.views):
+                    p.grad = v
+            if sb.grad_shard is not None:
+                sb.grad_shard.zero_()
+            if sb.grad_full is not None:
+                sb.grad_full.narrow(0, sb.start, sb.shard).zero_()
+            sb.fresh, sb.reduced = True, False
+            if self.grad_dtype != torch.float32:
+                sb.opt_grad = None
+        self.finalized = False
+
+    @torch.no_grad()
+    def epilogue(self, inv_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Average (and unscale) this rank's reduced shards once per step; flag inf/nan, sum g².
+
+        Returns:
+            ``(found_inf, sumsq)``: fp32 ``[1]`` each, of this rank's shards only (the caller
+            agrees them over dp: the global norm is the sum of every rank's ``sumsq``).
+        """
+        if self.finalized:
+            raise RuntimeError("the gradient epilogue already ran for this step (call zero_grad() after step)")
+        device = self.buckets[0].flat_param.device if self.buckets else torch.device("cpu")
+        found_inf, sumsq = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        for sb in self.buckets:
+            g = sb.reduced_shard
+            if self.grad_dtype == torch.float32:
+                unscale_and_norm_([g], inv_scale=inv_scale, found_inf=found_inf, sumsq=sumsq, backend=self.backend)
+                continue
+            sb.opt_grad = torch.empty(sb.shard, dtype=torch.float32, device=device)  # transient fp32 copy
+            self._hold(sb.shard * 4)
+            unscale_and_norm_([g], inv_scale=inv_scale, out=[sb.opt_grad], found_inf=found_inf, sumsq=sumsq,
+                              backend=self.backend)  # fmt: skip
+            for seg, sp in zip(sb.segments, sb.shard_params):
+                sp.grad = sb.opt_grad.narrow(0, seg.flat_offset - sb.start, seg.numel)
+        self.finalized = True
+        return found_inf, sumsq
+
+    @torch.no_grad()
+    def clip_(self, sumsq: torch.Tensor, max_norm: float) -> None:
+        """Scale every shard gradient by ``min(1, max_norm / (sqrt(sumsq) + eps))`` (global sumsq)."""
+        grads = [sb.opt_grad for sb in self.buckets if sb.opt_grad is not None and sb.shard]
+        if grads:
+            clip_grads_(grads, sumsq, max_norm=max_norm, backend=self.backend)
+
+    def release_step_buffers(self) -> None:
+        """Drop the transient fp32 gradient copies after the optimizer step."""
+        if self.grad_dtype == torch.float32:
+            return
+        for sb in self.buckets:
+            if sb.opt_grad is not None:
+                self._release(sb.shard * 4)
+                sb.opt_grad = None
+                for sp in sb.shard_params:
+                    sp.grad = None
+
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """Every rank's updated shard back into every rank's full params (one all-gather per bucket)."""
+        works = []
+        for sb in self.buckets:
+            # a separate input: all-gather into the buffer its input lives in is not portable
+            src = sb.master_shard().to(sb.flat_param.dtype, copy=True)
+            self._hold(src.numel() * src.element_size())
+            works.append((all_gather(sb.flat_param, src, group=self.group, async_op=True, stats=self.stats), src))
+        for work, src in works:
+            work.wait()
+            self._release(src.numel() * src.element_size())
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """Re-read the fp32 master shards from the params (after loading params)."""
+        for sb in self.buckets:
+            if sb.master is not None:
+                sb.master.copy_(sb.flat_param.narrow(0, sb.start, sb.shard))
+
+    # ---- memory ------------------------------------------------------------------------------
+    def persistent_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds per category (params, grads, master params), padding included."""
+
+        def nb(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "params": sum(nb(sb.flat_param) for sb in self.buckets),
+            "grads": sum(nb(sb.grad_full) + nb(sb.grad_shard) for sb in self.buckets),
+            "master_params": sum(nb(sb.master) for sb in self.buckets),
+        }

@@ -1,0 +1,216 @@
+"""``ZeroOptimizer``: any elementwise optimizer, stepping on this rank's flat shard only.
+
+The wrapped optimizer (shardkit's fused ones or a ``torch.optim`` class) is built over 1-D
+*shard parameters*: views of this rank's fp32 master shard, one per original parameter that has
+elements in the shard (:func:`~shardkit.kernels.flatten.shard_segments`), each with a view of
+the reduced gradient shard as ``.grad``. Parameter groups are given with the ORIGINAL parameters
+(or their names), so per-parameter settings survive the flattening — no weight decay for biases
+and norms, a different lr per block — and a fused optimizer still takes one launch per group
+(its multi-tensor table covers every view of the group). Its state (Adam's m and v) is allocated
+for the shard only: 8Ψ/N bytes per rank instead of 8Ψ.
+
+Optimizers whose update of an element depends on more than that element (LAMB's per-tensor
+trust ratio, Adafactor's row/column factors, LBFGS's global history) would compute it over a
+fragment and silently differ; they are refused with a ValueError naming ``optimizer_class``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from .sharded import ShardedDataParallel
+
+__all__ = ["ZeroOptimizer"]
+
+
+def _not_elementwise() -> tuple[type, ...]:
+    """Optimizer classes whose per-element update needs the whole tensor (or all of them)."""
+    from shardkit.kernels import FusedLAMB
+
+    names = ("LBFGS", "Adafactor", "SparseAdam", "Muon")
+    return (FusedLAMB, *(getattr(torch.optim, n) for n in names if hasattr(torch.optim, n)))
+
+
+class ZeroOptimizer:
+    """Step ``optimizer_class`` on this rank's shard of ``sdp``'s parameters, then all-gather.
+
+    Args:
+        sdp: the :class:`ShardedDataParallel` whose parameters to optimize.
+        optimizer_class: an elementwise ``torch.optim.Optimizer`` subclass (FusedAdamW,
+            FusedAdam, FusedSGD, FusedLion, torch.optim.AdamW, SGD, ...).
+        params: None (every trainable parameter, one group), an iterable of parameters or
+            names, or of group dicts whose ``"params"`` are original parameters or names.
+        **optimizer_kwargs: passed to ``optimizer_class`` (lr, betas, weight_decay, ...).
+
+    Attributes:
+        optimizer: the wrapped optimizer (over shard parameters).
+        skipped_steps: steps skipped because an fp16 gradient overflowed on some rank.
+
+    Raises:
+        ValueError: a parameter not in ``sdp.module`` (or frozen, or in two groups), an unknown
+            name, or a non-elementwise ``optimizer_class`` — all before any communication.
+
+    Example:
+        >>> decay = [p for n, p in sdp.module.named_parameters() if p.dim() >= 2]
+        >>> no_decay = [p for n, p in sdp.module.named_parameters() if p.dim() < 2]
+        >>> opt = ZeroOptimizer(sdp, FusedAdamW, [{"params": decay, "weight_decay": 0.1},
+        ...                                       {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
+        >>> loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        sdp: ShardedDataParallel,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not isinstance(sdp, ShardedDataParallel):
+            raise TypeError(f"sdp must be a ShardedDataParallel, got {type(sdp).__name__}")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if issubclass(optimizer_class, _not_elementwise()):
+            raise ValueError(
+                f"optimizer_class {optimizer_class.__name__} updates each element from whole-tensor "
+                "statistics (trust ratio / factored moments / global history); on a ZeRO shard it would "
+                "see fragments of tensors. Use an elementwise optimizer (AdamW, SGD, Lion) or DataParallel"
+            )
+        groups = self._resolve_groups(sdp, params)
+        shard_of = sdp._shards.shard_param_of()
+        inner = [{**g, "params": [shard_of[p] for p in g["params"] if p in shard_of]} for g in groups]
+        self.sdp = sdp
+        self.optimizer = optimizer_class(inner, **optimizer_kwargs)
+        self.skipped_steps = 0
+        self.last_step_skipped = False
+        sdp._attach(self)
+
+    @staticmethod
+    def _resolve_groups(sdp: ShardedDataParallel, params: Iterable[Any] | None) -> list[dict[str, Any]]:
+        by_name = dict(sdp.module.named_parameters(remove_duplicate=False))
+        names = {p: n for n, p in reversed(list(by_name.items()))}
+        if params is None:
+            params = [p for p in sdp.module.parameters() if p.requires_grad]
+        items = list(params)
+        if not items:
+            raise ValueError("params: empty parameter list")
+        groups = [dict(g) for g in items] if isinstance(items[0], Mapping) else [{"params": items}]
+        seen: set[nn.Parameter] = set()
+        for i, g in enumerate(groups):
+            if "params" not in g:
+                raise ValueError(f"params: group {i} has no 'params' key")
+            ps = [g["params"]] if isinstance(g["params"], (torch.Tensor, str)) else list(g["params"])
+            resolved = []
+            for p in ps:
+                if isinstance(p, str):
+                    if p not in by_name:
+                        raise ValueError(f"params: group {i} names {p!r}, which is not a parameter of sdp.module")
+                    p = by_name[p]
+                if not isinstance(p, torch.Tensor) or p not in names:
+                    what = f"shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+                    raise ValueError(f"params: group {i} holds a tensor ({what}) that is not a parameter of sdp.module")
+                if not p.requires_grad:
+                    raise ValueError(
+                        f"params: {names[p]!r} is frozen (requires_grad=False); frozen params get no optimizer state"
+                    )
+                if p in seen:
+                    raise ValueError(f"params: {names[p]!r} appears in more than one group (or twice)")
+                seen.add(p)
+                resolved.append(p)
+            g["params"] = resolved
+        return groups
+
+    # ---- torch.optim-like surface ----------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's groups (shard parameters); set ``lr`` etc. here, as usual."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state, keyed by shard parameter."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients (module params and the reduced shards)."""
+        self.sdp.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Finalize the gradients (if :meth:`ShardedDataParallel.clip_grad_norm_` did not), step
+        this rank's shard unless a gradient overflowed on any rank, all-gather the updated
+        params, and update the fp16 loss scale.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        overflow, _ = self.sdp.finalize_gradients()
+        shards = self.sdp._shards
+        if not overflow:
+            with record_function("shardkit::step"):
+                self.optimizer.step()
+            shards.release_step_buffers()
+            with record_function("shardkit::all_gather"):
+                shards.all_gather_params()
+        else:
+            shards.release_step_buffers()
+            self.skipped_steps += 1
+        self.last_step_skipped = overflow
+        if self.sdp.loss_scaler is not None:
+            self.sdp.loss_scaler.update(overflow)
+        return loss
+
+    def state_bytes(self) -> int:
+        """Bytes of the wrapped optimizer's state tensors (distinct storages) on this rank."""
+        seen: dict[int, int] = {}
+        for s in self.optimizer.state.values():
+            for v in s.values():
+                if isinstance(v, torch.Tensor):
+                    seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    def _layout(self) -> dict[str, Any]:
+        sdp = self.sdp
+        return {
+            "stage": sdp.stage,
+            "dp_size": sdp.ctx.size("dp"),
+            "dp_rank": sdp.ctx.rank("dp"),
+            "buckets": [(sb.total, sb.shard, len(sb.segments)) for sb in sdp.sharded_buckets],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer: the wrapped optimizer's state_dict, the fp32 master
+        shards of low-precision params, and the layout they belong to (reload on the same dp
+        size and rank; resharding to another size is the checkpoint work, docs/zero.md)."""
+        masters = [None if sb.master is None else sb.master.clone() for sb in self.sdp.sharded_buckets]
+        return {"zero": self._layout(), "optimizer": self.optimizer.state_dict(), "master": masters}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (load the model's params first: the masters then win)."""
+        for key in ("zero", "optimizer", "master"):
+            if key not in state:
+                raise ValueError(f"state: missing key {key!r} (not a ZeroOptimizer state_dict)")
+        mine = self._layout()
+
+        def norm(v: Any) -> Any:
+            return [tuple(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+        for key, value in mine.items():
+            if norm(state["zero"].get(key)) != norm(value):
+                raise ValueError(f"state['zero'][{key!r}] is {state['zero'].get(key)!r} but this run has {value!r}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for sb, m in zip(self.sdp.sharded_buckets, state["master"]):
+                if sb.master is not None and m is not None:
+                    sb.master.copy_(m)

@@ -1,0 +1,359 @@
+"""``ShardedDataParallel``: ZeRO stages 1 and 2 on the gradient reducer and flat shards.
+
+ZeRO (Rajbhandari et al., docs/reference.md "ZeRO memory and communication") removes the
+replication of model state across N data-parallel ranks. Bytes per rank for Ψ parameters, fp32
+params, grads and Adam (m, v):
+
+* DataParallel: 4Ψ + 4Ψ + 8Ψ = 16Ψ
+* stage 1 (optimizer state sharded): 4Ψ + 4Ψ + 8Ψ/N
+* stage 2 (+ gradients sharded): 4Ψ + (4 + 8)Ψ/N
+
+and with bf16 params (fp32 master, m, v: K = 12 bytes), ``grad_dtype=torch.bfloat16``:
+2Ψ + 2Ψ + 12Ψ/N (stage 1), 2Ψ + 14Ψ/N (stage 2). The default fp32 gradient reduction makes the
+gradient term 4Ψ (stage 1) or 4Ψ/N (stage 2). Communication per step is 2Ψ, as DDP (see
+:func:`~shardkit.parallel.zero.flat_shards.paper_comm_bytes` for the units).
+
+One step, top-down: ``forward`` (the reducer's pre_forward/post_forward) → backward: as each
+bucket's grads are ready, post_backward packs them (one flatten launch) and launches a
+reduce-scatter of the bucket into this rank's shard, overlapped with the rest of backward →
+finalize_backward waits in launch order and accumulates the shard → (optional)
+:meth:`ShardedDataParallel.clip_grad_norm_`: one pass averages by 1/(N·S), flags inf/nan and
+sums g² of the shard, then one 8-byte all-reduce agrees the overflow flag and the GLOBAL Σg² →
+:class:`~shardkit.parallel.zero.ZeroOptimizer` steps the wrapped optimizer on this rank's 1-D
+shard views (one launch per group for the fused optimizers) → one all-gather per bucket puts the
+updated shards back into every rank's full params.
+
+Stage 3 (parameters sharded, gathered per unit), CPU/NVMe offload and resharding checkpoints
+are the next steps (docs/zero.md): their arguments exist and raise ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
+
+from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
+from ..loss_scaler import DynamicLossScaler
+from ..reducer import GradReducer
+from .flat_shards import FlatShards, ShardedBucket
+
+__all__ = ["ShardedDataParallel"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class ShardedDataParallel(nn.Module):
+    """Wrap a module for ZeRO-1/2 training over ``ctx``'s dp axis (dp must be the whole world).
+
+    Each rank keeps full parameters (views of flat padded buckets) and runs forward/backward
+    on its slice of the batch; gradients are reduce-scattered bucket by bucket during backward;
+    the optimizer (:class:`~shardkit.parallel.zero.ZeroOptimizer`) keeps fp32 master weights and
+    its state for this rank's shard only, and the updated shards are all-gathered after the step.
+
+    Contract (differences from DataParallel):
+
+    * ``p.grad`` is not the averaged gradient: stage 2 frees it as each bucket launches; stage 1
+      keeps it as a view of the full gradient buffer, reduced only in this rank's shard. Read
+      gradients through :meth:`clip_grad_norm_` (global norm) or the optimizer.
+    * Call ``opt.zero_grad()`` after every ``opt.step()``; a backward between them raises.
+    * ``no_sync()``: stage 1 accumulates locally in the full gradient (no communication) and
+      reduces once, in the first backward outside the block — stage 1 reduces once per step, a
+      second reducing backward raises. Stage 2 has no full gradient to accumulate into, so
+      ``no_sync`` does NOT skip communication: every backward reduce-scatters and accumulates
+      into the shard (same result, the communication of each micro-batch).
+    * Parameters become views of the flat buffers (``p.data`` is replaced; the Parameter
+      objects, names and ``state_dict`` keys are unchanged). Tied parameters (one Parameter
+      used twice) are held once and get the sum of both uses' gradients, as in one process.
+    * Frozen parameters (``requires_grad=False``) are broadcast from rank 0 and get no
+      gradient or optimizer memory. Buffers are broadcast at wrap time only.
+
+    Args:
+        module: the model, on its device, the same on every rank.
+        ctx: the parallel context; its ``dp`` axis must span the world.
+        stage: 1 or 2 (3 is declared and raises NotImplementedError: next step).
+        bucket_mb: bucket capacity in MiB (first bucket capped at 1 MiB, as DataParallel).
+        wrap: stage-3 units (stage 3 only).
+        reshard_after_forward: stage 3 only; must stay True for stages 1-2.
+        offload: None (``"cpu"``/``"nvme"``: next step, NotImplementedError).
+        nvme_dir: directory for ``offload="nvme"``.
+        grad_dtype: dtype of gradient reduction and storage; None: fp32 (also for bf16/fp16
+            params: peers that reduce in bf16 lose convergence), ``torch.bfloat16`` halves the
+            gradient bytes and traffic.
+        loss_scaler: fp16 DynamicLossScaler; its 1/S is fused into the gradient epilogue, the
+            overflow is agreed over dp, and ``ZeroOptimizer.step`` updates the scale.
+        stats: CommStats to record into (default a new one, ``.comm_stats``).
+        backend: kernel backend (``"triton"`` runs the interpreter on CPU).
+
+    Raises:
+        ValueError / TypeError: a bad argument (named), before any collective.
+        NotImplementedError: stage 3, offload (documented next steps).
+
+    Example:
+        >>> sdp = ShardedDataParallel(model, ctx, stage=2)
+        >>> opt = ZeroOptimizer(sdp, FusedAdamW, lr=3e-4, weight_decay=0.1)
+        >>> loss = lm_loss(sdp(x), y); loss.backward()
+        >>> sdp.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        ctx: ParallelContext,
+        stage: int = 1,
+        *,
+        bucket_mb: float = 25.0,
+        wrap: Any = None,
+        reshard_after_forward: bool = True,
+        offload: str | None = None,
+        nvme_dir: str | None = None,
+        grad_dtype: torch.dtype | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        stats: CommStats | None = None,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        params = _validate(module, ctx, stage, bucket_mb, wrap, reshard_after_forward, offload, nvme_dir,
+                           grad_dtype, loss_scaler)  # fmt: skip
+        self.module = module
+        self.ctx = ctx
+        self.stage = stage
+        self.loss_scaler = loss_scaler
+        self.backend = backend
+        self.comm_stats = stats if stats is not None else CommStats()
+        self.grad_dtype = grad_dtype or torch.float32
+        self._group = ctx.group("dp")
+        self._dp = ctx.size("dp")
+        self._optimizer: Any = None  # weakref to the ZeroOptimizer, set by it
+        self._step_state: tuple[bool, torch.Tensor | None] | None = None
+        _check_same_model(module, self._group, ctx.device, self.comm_stats)
+        _broadcast_state(module, self._group, self.comm_stats)
+        trainable = [p for p in params if p.requires_grad and p.numel() > 0]
+        cap = int(bucket_mb * 2**20)
+        plan = plan_buckets(
+            [p.numel() * self.grad_dtype.itemsize for p in trainable],
+            [(p.device, p.dtype) for p in trainable],
+            cap_bytes=cap, first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
+        )  # fmt: skip
+        self._shards = FlatShards(
+            [[trainable[i] for i in idx] for idx in plan], group=self._group, rank=ctx.rank("dp"), size=self._dp,
+            stage=stage, grad_dtype=self.grad_dtype, stats=self.comm_stats, backend=backend,
+        )  # fmt: skip
+        self._reducer = GradReducer(
+            [sb.grad_bucket for sb in self._shards.buckets], launch=self._shards.launch, finish=self._shards.finish
+        )
+
+    # ---- the step ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (after discarding the reduction of a backward that raised)."""
+        if self._reducer.pre_forward():
+            self._shards.abandon()
+            self._step_state = None
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._reducer.post_forward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: stage 1 skips communication inside the block; stage 2 still
+        reduce-scatters every backward into the shard (it never holds a full gradient)."""
+        if self.stage == 1:
+            with self._reducer.disabled():
+                yield
+        else:
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget this step's gradients (the optimizer's ``zero_grad`` calls this)."""
+        self._shards.zero_grad(set_to_none=set_to_none)
+        for p in self.module.parameters():
+            if not p.requires_grad:
+                p.grad = None
+        self._step_state = None
+
+    def finalize_gradients(self, max_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
+        """Average/unscale this rank's gradient shards, agree the overflow and global norm, clip.
+
+        Runs once per step (the second call returns the first's result). The all-reduce
+        (8 bytes: the inf/nan flag and Σg² summed over dp) is issued only when it is needed:
+        with a loss scaler or a ``max_norm``.
+
+        Returns:
+            ``(overflow, norm)``: whether any rank's gradients held inf/nan, and the GLOBAL L2
+            norm before clipping (0-d fp32; ``inf`` on overflow; None when not agreed).
+        """
+        if self._step_state is not None:
+            return self._step_state
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        found_inf, sumsq = self._shards.epilogue(1.0 / (self._dp * scale))
+        overflow, norm = False, None
+        if self.loss_scaler is not None or max_norm is not None:
+            both = torch.cat([found_inf, sumsq])
+            all_reduce(both, group=self._group, op="sum", stats=self.comm_stats)
+            overflow = bool(both[0].item() > 0)
+            sumsq = both[1:2]
+            norm = torch.tensor(float("inf")) if overflow else sumsq.sqrt().reshape(())
+            if max_norm is not None and not overflow:
+                self._shards.clip_(sumsq, max_norm)
+        self._step_state = (overflow, norm)
+        return self._step_state
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the GLOBAL gradient norm (sum of squares over every rank's shard).
+
+        Returns:
+            The pre-clip global norm (0-d fp32; ``inf`` if a gradient overflowed).
+        """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        _, norm = self.finalize_gradients(max_norm)
+        if norm is None:
+            raise RuntimeError("clip_grad_norm_: the gradients were already finalized without a norm this step")
+        return norm
+
+    # ---- state ---------------------------------------------------------------------------------
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unwrapped module's ``state_dict`` with full tensors (copies), on every rank or rank 0.
+
+        Stages 1-2 hold full parameters, so no communication is needed.
+
+        Example:
+            >>> torch.save(sdp.full_state_dict(rank0_only=True), "model.pt")  # on rank 0
+        """
+        if rank0_only and self.ctx.rank("dp") != 0:
+            return {}
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full tensors into the module (params are written in place in their buckets) and
+        re-read the fp32 master shards from them."""
+        self.module.load_state_dict(state)
+        self._shards.refresh_master()
+
+    def memory_report(self) -> dict[str, Any]:
+        """This rank's memory, in bytes (``"unit": "bytes"``).
+
+        Persistent model state: ``params`` (flat buffers, padding included, plus frozen params),
+        ``grads`` (stage 1 the full gradient, stage 2 the shard), ``master_params`` (fp32 master
+        shards of low-precision params), ``optimizer_state`` (the optimizer's state tensors on the
+        shard), and their sum ``model_state``. Transient: ``peak_transient`` (the largest total
+        of buckets, reduce-scatter outputs, fp32 gradient copies and all-gather inputs alive at
+        once so far).
+        """
+        mem = self._shards.persistent_bytes()
+        flat = {sb.flat_param.untyped_storage().data_ptr() for sb in self._shards.buckets}
+        mem["params"] += sum(
+            p.numel() * p.element_size() for p in self.module.parameters() if p.untyped_storage().data_ptr() not in flat
+        )
+        opt = self._optimizer() if self._optimizer is not None else None
+        mem["optimizer_state"] = opt.state_bytes() if opt is not None else 0
+        mem["model_state"] = sum(mem.values())
+        mem["peak_transient"] = self._shards.peak_transient_bytes
+        return {"unit": "bytes", **mem}
+
+    @property
+    def sharded_buckets(self) -> list[ShardedBucket]:
+        """The flat buckets, bucket 0 first (layout, this rank's shard and its segments)."""
+        return self._shards.buckets
+
+    def _attach(self, optimizer: Any) -> None:
+        if self._optimizer is not None and self._optimizer() is not None:
+            raise ValueError("this ShardedDataParallel already has a ZeroOptimizer")
+        self._optimizer = weakref.ref(optimizer)
+
+
+def _validate(module: Any, ctx: Any, stage: Any, bucket_mb: Any, wrap: Any, reshard_after_forward: Any, offload: Any,
+              nvme_dir: Any, grad_dtype: Any, loss_scaler: Any) -> list[nn.Parameter]:  # fmt: skip
+    """Every argument check, before any collective (ValueError/TypeError naming the argument)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ShardedDataParallel) or type(module).__name__ == "DataParallel":
+        raise TypeError(f"module is already wrapped ({type(module).__name__}); pass the unwrapped model")
+    if not isinstance(ctx, ParallelContext):
+        raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+    if offload not in (None, "cpu", "nvme"):
+        raise ValueError(f"offload must be None, 'cpu' or 'nvme', got {offload!r}")
+    if offload == "nvme" and not nvme_dir:
+        raise ValueError("nvme_dir is required with offload='nvme' (the directory for the optimizer state files)")
+    if offload != "nvme" and nvme_dir is not None:
+        raise ValueError(f"nvme_dir is only used with offload='nvme', got offload={offload!r}")
+    if stage != 3 and wrap is not None:
+        raise ValueError(f"wrap chooses stage-3 units; it has no meaning for stage={stage}")
+    if stage != 3 and reshard_after_forward is not True:
+        raise ValueError(f"reshard_after_forward applies to stage 3; stage {stage} never reshards parameters")
+    if not (isinstance(bucket_mb, (int, float)) and bucket_mb > 0):
+        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+    if grad_dtype is not None and grad_dtype not in _FLOATS:
+        raise ValueError(f"grad_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {grad_dtype!r}")
+    if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+        raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}")
+    if ctx.size("dp") != ctx.world_size:
+        raise ValueError(
+            f"ctx: ShardedDataParallel shards over the whole world for now, but the dp axis has "
+            f"{ctx.size('dp')} of {ctx.world_size} ranks (tp/pp composition is not built yet)"
+        )
+    params = list(module.parameters())
+    for name, p in module.named_parameters():
+        if p.dtype not in _FLOATS:
+            raise TypeError(f"module: parameter {name!r} is {p.dtype}; ZeRO shards fp32/bf16/fp16 parameters")
+        if p.requires_grad and not p.is_contiguous():
+            raise ValueError(f"module: parameter {name!r} is not contiguous (channels_last is not supported by ZeRO)")
+    if len({p.device for p in params}) > 1:
+        raise ValueError(f"module: parameters on several devices {sorted({str(p.device) for p in params})}")
+    if stage == 3:
+        raise NotImplementedError(
+            "stage=3 (parameters sharded and gathered per `wrap` unit, prefetch, reshard_after_forward) "
+            "is not built yet; use stage=1 or 2 (see docs/zero.md, 'What is next')"
+        )
+    if offload is not None:
+        raise NotImplementedError(
+            f"offload={offload!r} (optimizer state and step on the CPU / in NVMe files) is not built yet; "
+            "see docs/zero.md, 'What is next'"
+        )
+    return params
+
+
+@torch.no_grad()
+def _check_same_model(module: nn.Module, group: Any, device: torch.device, stats: CommStats) -> None:
+    """Raise on every rank if the ranks built different models (one 48-byte all-reduce, max of
+    ``[n, numel, hash]`` and of their negatives gives every rank both the max and the min)."""
+    params = list(module.parameters())
+    tensors = params + list(module.buffers())
+    layout = ";".join(f"{tuple(t.shape)}{t.dtype}{getattr(t, 'requires_grad', '')}" for t in tensors)
+    mine = [len(params), sum(t.numel() for t in tensors), zlib.crc32(layout.encode())]
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    all_reduce(both, group=group, op="max", stats=stats)
+    hi, lo = both[:3].tolist(), [-v for v in both[3:].tolist()]
+    if hi != lo:
+        raise ValueError(
+            "ShardedDataParallel: the ranks of the dp group built different models (number, shapes, dtypes "
+            "or requires_grad of parameters/buffers differ); every rank must build the same model"
+        )
+
+
+@torch.no_grad()
+def _broadcast_state(module: nn.Module, group: Any, stats: CommStats) -> None:
+    """Rank 0's parameters and buffers to every rank: one broadcast per (device, dtype)."""
+    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.numel() > 0:
+            by_key.setdefault((t.device, t.dtype), []).append(t)
+    for group_tensors in by_key.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        broadcast(flat, src=0, group=group, stats=stats)
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
