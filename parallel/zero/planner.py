@@ -498,6 +498,9 @@ def plan_table(num_params: int | nn.Module, *, stages: Iterable[int] = (0, 1, 2,
         >>> [format_gb(p.model_state_bytes) for p in t.plans]
         ['120', '31.4', '16.6', '1.88']
     """
+    stages = tuple(stages)
+    if not stages:
+        raise ValueError("stages must name at least one stage")
     plans = []
     for s in stages:
         kw = dict(kwargs)
