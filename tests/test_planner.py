@@ -150,6 +150,14 @@ def test_offload() -> None:
     assert "DDP cannot offload" in t.render()
 
 
+def test_memory_report_keys_split_the_master_copy() -> None:
+    psi, n = 8000, 4
+    r = plan_memory(psi, dp=n, stage=2, precision="bf16").memory_report()
+    assert r == {"unit": "bytes", "params": 2 * psi, "grads": 2 * psi // n, "master_params": 4 * psi // n,
+                 "optimizer_state": 8 * psi // n, "model_state": 2 * psi + 14 * psi // n, "peak_transient": 2 * psi}  # fmt: skip
+    assert plan_memory(psi, dp=n, stage=2, precision="fp32").memory_report()["master_params"] == 0
+
+
 def test_fits() -> None:
     p = plan_memory(7_500_000_000, dp=64, stage=2, precision="fp16", device_bytes=32 * 10**9)
     assert p.fits is True and p.device_total == p.model_state_bytes + p.transient

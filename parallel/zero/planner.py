@@ -215,6 +215,26 @@ class MemoryPlan:
         """Device bytes by category, keyed as ``memory_report()`` / ``StrategyReport.memory``."""
         return {"params": self.params, "grads": self.grads, "optimizer_state": self.optimizer_state, "transient": self.transient}
 
+    def memory_report(self) -> dict[str, int | str]:
+        """The same figures keyed as ``ShardedDataParallel.memory_report()``, for a like-for-like check.
+
+        There the fp32 master shard is its own key (``master_params``); here it is part of K, so
+        ``optimizer_state`` is split: master = 4 bytes per sharded trainable parameter when mixed
+        precision keeps one on the device.
+        """
+        master = 0
+        if self.precision != "fp32" and self.offload is None and self.stage >= 1 and self.optimizer_bytes_per_param >= 4:
+            master = 4 * _shard(self.trainable_params, self.dp)
+        return {
+            "unit": "bytes",
+            "params": self.params,
+            "grads": self.grads,
+            "master_params": master,
+            "optimizer_state": self.optimizer_state - master,
+            "model_state": self.model_state_bytes,
+            "peak_transient": self.transient,
+        }
+
     @property
     def comm_payload_bytes(self) -> dict[str, int]:
         """Bytes per op as :class:`~shardkit.comm.CommStats` records them (an all-reduce of Ψ = Ψ)."""
