@@ -1,0 +1,270 @@
+"""ZeRO-1/2 cases users hit: bad arguments, fp16 overflow, global-norm clipping, accumulation,
+optimizer state round trip. Each body compares against a single-process reference or a
+written-out expectation."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.comm import ParallelContext
+from shardkit.kernels import FusedAdamW, FusedLAMB
+from shardkit.parallel import DynamicLossScaler
+from shardkit.parallel.zero import ShardedDataParallel, ZeroOptimizer
+from tolerances import FP32
+
+D = 32
+GLOBAL_BATCH = 8
+
+
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D)).to(dtype)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(GLOBAL_BATCH, D, generator=g), torch.randn(GLOBAL_BATCH, D, generator=g)
+
+
+def _rows(ctx: ParallelContext, parts: int = 1, part: int = 0) -> slice:
+    per = GLOBAL_BATCH // ctx.size("dp")
+    lo = ctx.rank("dp") * per + part * per // parts
+    return slice(lo, lo + per // parts)
+
+
+_COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single", "barrier", "all_gather_object")
+
+
+def _no_collective():
+    """Patch torch.distributed so that any collective fails the body."""
+    stack = mock.patch.multiple(dist, **{n: mock.DEFAULT for n in _COLLECTIVES})
+    mocks = stack.start()
+    for m in mocks.values():
+        m.side_effect = AssertionError("a collective ran before the argument check")
+    return stack
+
+
+def _bad_arguments() -> None:
+    ctx = ParallelContext.from_world()
+    cases = [
+        (dict(stage=4), ValueError, "stage"),
+        (dict(stage=0), ValueError, "stage"),
+        (dict(stage=True), ValueError, "stage"),
+        (dict(stage=2, offload="gpu"), ValueError, "offload"),
+        (dict(stage=2, offload="nvme"), ValueError, "nvme_dir"),
+        (dict(stage=2, nvme_dir="/tmp/x"), ValueError, "nvme_dir"),
+        (dict(stage=2, wrap={nn.Linear}), ValueError, "wrap"),
+        (dict(stage=1, reshard_after_forward=False), ValueError, "reshard_after_forward"),
+        (dict(stage=2, bucket_mb=0), ValueError, "bucket_mb"),
+        (dict(stage=2, grad_dtype=torch.int32), ValueError, "grad_dtype"),
+        (dict(stage=3), NotImplementedError, "stage=3"),
+        (dict(stage=2, offload="cpu"), NotImplementedError, "offload"),
+    ]
+    patch = _no_collective()
+    try:
+        for kwargs, exc, word in cases:
+            with pytest.raises(exc, match=word):
+                ShardedDataParallel(_model(), ctx, **kwargs)
+        with pytest.raises(TypeError, match="module"):
+            ShardedDataParallel("not a module", ctx, 2)
+    finally:
+        patch.stop()
+    sub = ParallelContext.from_world(dp=1, tp=ctx.world_size)  # dp is not the world
+    patch = _no_collective()
+    try:
+        with pytest.raises(ValueError, match="ctx"):
+            ShardedDataParallel(_model(), sub, 2)
+    finally:
+        patch.stop()
+    sdp = ShardedDataParallel(_model(), ctx, 2)  # collectives here are fine
+    patch = _no_collective()
+    try:
+        with pytest.raises(ValueError, match="not a parameter"):
+            ZeroOptimizer(sdp, FusedAdamW, [nn.Parameter(torch.zeros(3))], lr=1e-3)
+        with pytest.raises(ValueError, match="names 'nope'"):
+            ZeroOptimizer(sdp, FusedAdamW, [{"params": ["0.weight", "nope"]}], lr=1e-3)
+        with pytest.raises(ValueError, match="more than one group"):
+            ZeroOptimizer(sdp, FusedAdamW, [{"params": ["0.weight"]}, {"params": ["0.weight"]}], lr=1e-3)
+        with pytest.raises(ValueError, match="optimizer_class FusedLAMB"):
+            ZeroOptimizer(sdp, FusedLAMB, lr=1e-3)
+        with pytest.raises(TypeError, match="optimizer_class"):
+            ZeroOptimizer(sdp, "adam", lr=1e-3)
+        ZeroOptimizer(sdp, FusedAdamW, [{"params": ["0.weight", "0.bias"]}, {"params": ["2.weight"]}], lr=1e-3)
+    finally:
+        patch.stop()
+    sub.destroy()
+    ctx.destroy()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero_bad_arguments_raise_before_any_collective(dist_pool, world_size: int) -> None:
+    dist_pool.run(_bad_arguments, world_size=world_size, timeout=60)
+
+
+def _fp16_overflow_on_one_rank(stage: int) -> tuple[bool, float]:
+    ctx = ParallelContext.from_world()
+    scaler = DynamicLossScaler(initial_scale_power=8, hysteresis=1)
+    sdp = ShardedDataParallel(_model(torch.float16), ctx, stage, loss_scaler=scaler)
+    opt = ZeroOptimizer(sdp, FusedAdamW, lr=1e-2)
+    before = [p.detach().clone() for p in sdp.module.parameters()]
+    x, y = _batch(0)
+    opt.zero_grad()
+    bias = sdp.module[0].bias
+    if ctx.rank("dp") == ctx.size("dp") - 1:
+        # one element of this rank's gradient overflows: after the reduce-scatter only the rank
+        # that owns that element sees it in its shard, so the others skip only if they agree
+        hook = bias.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+    loss = nn.functional.mse_loss(sdp(x[_rows(ctx)].half()).float(), y[_rows(ctx)])
+    scaler.scale_loss(loss).backward()
+    if ctx.rank("dp") == ctx.size("dp") - 1:
+        hook.remove()
+    norm = sdp.clip_grad_norm_(1.0)
+    opt.step()
+    assert opt.last_step_skipped and opt.skipped_steps == 1  # on EVERY rank
+    assert torch.isinf(norm)
+    for p, q in zip(sdp.module.parameters(), before):
+        assert torch.equal(p, q)  # nothing stepped
+    assert scaler.scale == 2.0**7  # halved once, everywhere
+    opt.zero_grad()  # the next clean step steps on every rank
+    scaler.scale_loss(nn.functional.mse_loss(sdp(x[_rows(ctx)].half()).float(), y[_rows(ctx)])).backward()
+    opt.step()
+    assert not opt.last_step_skipped
+    assert any(not torch.equal(p, q) for p, q in zip(sdp.module.parameters(), before))
+    ctx.destroy()
+    return opt.last_step_skipped, scaler.scale
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_fp16_overflow_on_one_rank_skips_the_step_everywhere(dist_pool, stage: int) -> None:
+    results = dist_pool.run(_fp16_overflow_on_one_rank, stage, world_size=2, timeout=60)
+    assert len(set(results)) == 1
+
+
+def _clip_by_global_norm(stage: int) -> float:
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, stage, bucket_mb=0.002)
+    ref = _model()
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(4):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(sdp(x[_rows(ctx)]), y[_rows(ctx)]).backward()
+        norm = sdp.clip_grad_norm_(0.05)  # small: every step clips
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_opt.step()
+        # the GLOBAL norm: this rank's shard alone has a smaller one
+        torch.testing.assert_close(norm, ref_norm, **FP32)
+        for p, q in zip(sdp.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **FP32)
+    ctx.destroy()
+    return float(norm)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_clip_uses_the_global_norm(dist_pool, world_size: int, stage: int) -> None:
+    norms = dist_pool.run(_clip_by_global_norm, stage, world_size=world_size, timeout=60)
+    assert len(set(norms)) == 1
+
+
+def _accumulation(stage: int) -> tuple[int, int]:
+    """Two micro-batches per step (the first under no_sync) equal one step on the whole batch."""
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, stage, bucket_mb=0.002)
+    ref = _model()
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    calls = []
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        sdp.comm_stats.reset()
+        with sdp.no_sync():
+            nn.functional.mse_loss(sdp(x[_rows(ctx, 2, 0)]), y[_rows(ctx, 2, 0)]).div(2).backward()
+        calls.append(sdp.comm_stats.calls("reduce_scatter"))
+        nn.functional.mse_loss(sdp(x[_rows(ctx, 2, 1)]), y[_rows(ctx, 2, 1)]).div(2).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        for p, q in zip(sdp.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **FP32)
+    ctx.destroy()
+    return calls[-1], len(sdp.sharded_buckets)
+
+
+def test_zero_no_sync_accumulation(dist_pool) -> None:
+    """Stage 1 communicates nothing inside no_sync; stage 2 still reduce-scatters (documented)."""
+    calls, buckets = dist_pool.run(_accumulation, 1, world_size=2, timeout=60)[0]
+    assert calls == 0
+    calls, buckets = dist_pool.run(_accumulation, 2, world_size=2, timeout=60)[0]
+    assert calls == buckets
+
+
+def _stage1_second_reducing_backward_raises() -> None:
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, 1)
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.1)
+    x, y = _batch(0)
+    sdp(x).sum().backward()
+    with pytest.raises(RuntimeError, match="no_sync"):
+        sdp(x).sum().backward()
+    opt.zero_grad()
+    sdp(x).sum().backward()  # forward discarded the failed reduction; this one works
+    opt.step()
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        sdp(x).sum().backward()  # backward after step without zero_grad
+    ctx.destroy()
+
+
+def test_zero_stage1_reduces_once_per_step(dist_pool) -> None:
+    dist_pool.run(_stage1_second_reducing_backward_raises, world_size=2, timeout=60)
+
+
+def _round_trip(stage: int, dtype: torch.dtype) -> None:
+    ctx = ParallelContext.from_world()
+
+    def build() -> tuple[ShardedDataParallel, ZeroOptimizer]:
+        sdp = ShardedDataParallel(_model(dtype), ctx, stage, bucket_mb=0.002)
+        return sdp, ZeroOptimizer(sdp, FusedAdamW, lr=1e-2, weight_decay=0.1)
+
+    def train(sdp: ShardedDataParallel, opt: ZeroOptimizer, steps: range) -> None:
+        for step in steps:
+            x, y = _batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(sdp(x[_rows(ctx)].to(dtype)).float(), y[_rows(ctx)]).backward()
+            opt.step()
+
+    sdp, opt = build()
+    train(sdp, opt, range(3))
+    model_state = sdp.full_state_dict()
+    opt_state = copy.deepcopy(opt.state_dict())
+    assert set(model_state) == set(_model().state_dict())  # the unwrapped module's keys
+    train(sdp, opt, range(3, 7))
+    sdp2, opt2 = build()
+    sdp2.load_full_state_dict(model_state)
+    opt2.load_state_dict(opt_state)
+    train(sdp2, opt2, range(3, 7))
+    for p, q in zip(sdp.module.parameters(), sdp2.module.parameters()):
+        assert torch.equal(p, q)  # continues identically
+    bad = copy.deepcopy(opt_state)
+    bad["zero"]["dp_size"] = 99
+    with pytest.raises(ValueError, match="dp_size"):
+        opt2.load_state_dict(bad)
+    ctx.destroy()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_optimizer_state_dict_round_trip_continues_identically(dist_pool, stage: int, dtype) -> None:
+    dist_pool.run(_round_trip, stage, dtype, world_size=2, timeout=60)
