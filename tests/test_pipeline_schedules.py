@@ -1,0 +1,177 @@
+"""Pipeline schedules as data (no processes): structure, matching, no deadlock, in-flight bound,
+and the simulated bubble against the formulas of docs/reference.md ("Pipeline bubbles"), which
+are written out here as the independent reference."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardkit.parallel.pipeline.schedules import (
+    Action,
+    DeadlockError,
+    Kind,
+    Schedule,
+    build_schedule,
+    in_flight,
+    simulate,
+)
+
+P = st.integers(1, 8)
+M = st.integers(1, 32)
+
+
+@st.composite
+def configs(draw):
+    name = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "zb-h1"]))
+    p = draw(P)
+    if name == "interleaved":
+        v = draw(st.integers(1, 4))
+        m = p * draw(st.integers(1, 32 // p))
+    else:
+        v, m = 1, draw(M)
+    return name, p, m, v
+
+
+def _check_structure(s: Schedule) -> None:
+    p, v, m, S = s.num_ranks, s.virtual_stages, s.microbatches, s.num_stages
+    split = s.name == "zb-h1"
+    for r, acts in enumerate(s.actions):
+        pos = {(a.kind, a.stage, a.mb): n for n, a in enumerate(acts)}
+        assert len(pos) == len(acts), f"rank {r} repeats an action"
+        for st_ in range(r, S, p):
+            for i in range(m):
+                f = pos[(Kind.F, st_, i)]
+                if split:
+                    bi, bw = pos[(Kind.BI, st_, i)], pos[(Kind.BW, st_, i)]
+                    assert f < bi < bw, f"rank {r} stage {st_} mb {i}: F, BI, BW out of order"
+                else:
+                    assert f < pos[(Kind.B, st_, i)], f"rank {r} stage {st_} mb {i}: B before F"
+        n_compute = sum(a.kind in (Kind.F, Kind.B, Kind.BI, Kind.BW) for a in acts)
+        assert n_compute == v * m * (3 if split else 2)
+        assert all(a.stage % p == r for a in acts)
+
+
+def _check_matching(s: Schedule) -> None:
+    # every send is matched by exactly one receive on the peer's rank, and vice versa
+    p = s.num_ranks
+    sends, recvs = Counter(), Counter()
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            if a.kind is Kind.SEND_F:
+                sends[(r, (a.stage + 1) % p, "F", a.stage + 1, a.mb)] += 1
+            elif a.kind is Kind.RECV_F:
+                recvs[((a.stage - 1) % p, r, "F", a.stage, a.mb)] += 1
+            elif a.kind is Kind.SEND_B:
+                sends[(r, (a.stage - 1) % p, "B", a.stage - 1, a.mb)] += 1
+            elif a.kind is Kind.RECV_B:
+                recvs[((a.stage + 1) % p, r, "B", a.stage, a.mb)] += 1
+    assert sends == recvs
+    assert all(c == 1 for c in sends.values())
+    # every stage boundary that crosses ranks carries one activation and one gradient per mb
+    crossing = sum(1 for st_ in range(s.num_stages - 1) if st_ % p != (st_ + 1) % p)
+    assert sum(sends.values()) == 2 * crossing * s.microbatches
+
+
+@settings(max_examples=300, deadline=None)
+@given(configs())
+def test_schedule_structure_matching_and_no_deadlock(cfg):
+    name, p, m, v = cfg
+    s = build_schedule(name, num_ranks=p, microbatches=m, virtual_stages=v)
+    _check_structure(s)
+    _check_matching(s)
+    res = simulate(s)  # raises DeadlockError if stuck
+    assert res.makespan > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(P, M)
+def test_one_f_one_b_keeps_at_most_p_in_flight(p, m):
+    for name in ("1f1b", "zb-h1"):
+        s = build_schedule(name, num_ranks=p, microbatches=m)
+        for r, acts in enumerate(s.actions):
+            assert in_flight(acts) <= min(p, m), (name, r)
+    # GPipe, for contrast, holds all m: the bound is not vacuous
+    assert in_flight(build_schedule("gpipe", num_ranks=p, microbatches=m).actions[0]) == m
+
+
+@settings(max_examples=200, deadline=None)
+@given(P, M, st.sampled_from([(1, 1), (1, 2), (2, 1), (3, 2)]))
+def test_bubble_gpipe_and_1f1b(p, m, times):
+    t_f, t_b = times
+    for name in ("gpipe", "1f1b"):
+        res = simulate(build_schedule(name, num_ranks=p, microbatches=m), t_f=t_f, t_b=t_b, t_w=0.0)
+        assert res.bubble_fraction == pytest.approx((p - 1) / m)
+
+
+@settings(max_examples=200, deadline=None)
+@given(P, st.integers(1, 32), st.integers(1, 4))
+def test_bubble_interleaved(p, k, v):
+    m = p * k
+    res = simulate(build_schedule("interleaved", num_ranks=p, microbatches=m, virtual_stages=v))
+    assert res.bubble_fraction == pytest.approx((p - 1) / (v * m))
+
+
+@settings(max_examples=200, deadline=None)
+@given(P, M, st.sampled_from([(1, 1, 1), (2, 1, 1), (1, 2, 1), (3, 2, 1), (1, 2, 0.5)]))
+def test_bubble_zb_h1(p, m, times):
+    t_f, t_b, t_w = times
+    res = simulate(build_schedule("zb-h1", num_ranks=p, microbatches=m), t_f=t_f, t_b=t_b, t_w=t_w)
+    idle = res.bubble_fraction * m * (t_f + t_b + t_w)
+    if m >= p:
+        # docs/reference.md: (p - 1)(T_F + T_B - T_W), for T_W <= T_F, T_B (W fits the gaps)
+        assert idle == pytest.approx((p - 1) * (t_f + t_b - t_w))
+    else:
+        # fewer micro-batches than stages: only m - 1 deferred W's exist to fill the cool-down
+        assert idle == pytest.approx((p - 1) * (t_f + t_b) - (m - 1) * t_w)
+    one_f_one_b = simulate(build_schedule("1f1b", num_ranks=p, microbatches=m), t_f=t_f, t_b=t_b, t_w=t_w)
+    assert res.makespan <= one_f_one_b.makespan
+
+
+def test_unit_bubble_examples():
+    # the docstring numbers, worked by hand: GPipe p=4, m=8: makespan (m + p - 1) * 3 = 33
+    res = simulate(build_schedule("gpipe", num_ranks=4, microbatches=8), t_f=1, t_b=1, t_w=1)
+    assert res.makespan == 33 and res.busy == [24.0] * 4
+    zb = simulate(build_schedule("zb-h1", num_ranks=4, microbatches=8))
+    assert zb.makespan == 24 + 3  # one third of 1F1B's 9 idle units
+
+
+def test_deadlock_is_detected():
+    # rank 0 waits for a gradient before sending the activation rank 1 needs
+    a = Action
+    bad = Schedule(
+        "bad",
+        2,
+        1,
+        1,
+        (
+            (a(Kind.F, 0, 0), a(Kind.RECV_B, 0, 0), a(Kind.SEND_F, 0, 0), a(Kind.B, 0, 0)),
+            (a(Kind.RECV_F, 1, 0), a(Kind.F, 1, 0), a(Kind.B, 1, 0), a(Kind.SEND_B, 1, 0)),
+        ),
+    )
+    with pytest.raises(DeadlockError, match="rank 0: RECV_B0.0"):
+        simulate(bad)
+
+
+def test_recorded_wait_is_separate_from_compute():
+    res = simulate(build_schedule("gpipe", num_ranks=2, microbatches=1))
+    recv = [ta for ta in res.timeline[1] if ta.action.kind is Kind.RECV_F][0]
+    assert recv.wait == 1.0 and recv.end == recv.start  # waited one F, took no time itself
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="pipedream", num_ranks=2, microbatches=2), "schedule must be one of"),
+        (dict(name="1f1b", num_ranks=0, microbatches=2), "num_ranks"),
+        (dict(name="1f1b", num_ranks=2, microbatches=0), "microbatches"),
+        (dict(name="1f1b", num_ranks=2, microbatches=2, virtual_stages=2), "virtual_stages=2 needs"),
+        (dict(name="interleaved", num_ranks=4, microbatches=6, virtual_stages=2), "multiple of the pp size 4"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_schedule(**kwargs)
