@@ -1,0 +1,34 @@
+"""Tensor (Megatron-style) and sequence parallelism over the ``tp`` axis of a ParallelContext.
+
+Example:
+    >>> from shardkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear, vocab_parallel_cross_entropy
+    >>> up, down = ColumnParallelLinear(512, 2048, ctx=ctx), RowParallelLinear(2048, 512, ctx=ctx)
+    >>> y = down(torch.nn.functional.gelu(up(x)))        # 1 all-reduce forward, 1 backward
+"""
+
+from .cross_entropy import vocab_parallel_cross_entropy, vocab_shard_range
+from .functions import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "copy_to_tp_region",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_sequence_region",
+    "scatter_to_tp_region",
+    "vocab_parallel_cross_entropy",
+    "vocab_shard_range",
+]

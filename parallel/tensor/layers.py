@@ -1,0 +1,420 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Rank ``r`` of the tp axis holds the ``r``-th contiguous slice (Megatron's and DTensor
+``Shard(dim)``'s convention): a column-parallel linear keeps rows ``[r o/tp, (r+1) o/tp)`` of the
+dense ``weight [out, in]`` (and of ``bias``), a row-parallel linear keeps columns
+``[r i/tp, (r+1) i/tp)`` (its bias is replicated and added after the reduction), a
+vocab-parallel embedding keeps rows ``[r Vs, (r+1) Vs)`` of ``weight [V, D]``, padded with zero
+rows to ``tp * Vs`` when ``V`` is not divisible by tp.
+
+[Note: TP initialization equals the dense layer]
+Each layer initializes the *full* dense weight on CPU exactly as ``nn.Linear`` / ``nn.Embedding``
+do (same calls, same order, the global CPU generator), then keeps its slice. Seeding every rank
+alike (``torch.manual_seed(s)``) and building the layers in the dense model's order therefore
+gives the dense model's weights, split. ``from_dense`` slices an existing dense module instead.
+(Megatron's ``use_cpu_initialization`` does the same; the transient full weight costs one dense
+layer of CPU memory at build time.)
+
+[Note: overlapping the input-gradient all-reduce]
+A column-parallel linear's input gradient ``dX = dY W_r`` is a partial sum over the tp ranks'
+output columns and must be all-reduced (reduce-scattered under sequence parallelism) before it
+flows on. As in Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``, backward issues
+that collective asynchronously, computes ``dW = dYᵀ X`` and ``db`` while it is in flight, then
+waits: the weight-gradient matmul hides the communication.
+
+Communication per Column → Row pair on activations of ``T`` tokens of width ``h`` (element size
+``e``), CommStats' payload unit (see ``docs/reference.md``, "Tensor parallel"): forward one
+all-reduce of ``T h e`` bytes (Row), backward one of ``T h e`` (Column). With sequence
+parallelism: forward all-gather + reduce-scatter, backward reduce-scatter + all-gather, each
+``T h e``; plus, in backward, one all-reduce of the Row bias gradient (``h e``), which each rank
+otherwise only holds for its own sequence chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.comm import CommStats, ParallelContext, all_reduce, reduce_scatter
+
+from .functions import (
+    copy_to_tp_region,
+    gather_along,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tp_region,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+
+
+def _divide(name: str, value: int, tp: int) -> int:
+    if value % tp:
+        raise ValueError(f"{name}={value} is not divisible by the tp size {tp}")
+    return value // tp
+
+
+def _dense_linear_init(
+    out_features: int, in_features: int, bias: bool, init_method: Callable[[torch.Tensor], Any] | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The full fp32 weight and bias, drawn as ``nn.Linear.reset_parameters`` draws them on CPU."""
+    weight = torch.empty(out_features, in_features)
+    b = torch.empty(out_features) if bias else None
+    if init_method is not None:
+        init_method(weight)
+        if b is not None:
+            b.zero_()
+        return weight, b
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if b is not None:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+        nn.init.uniform_(b, -bound, bound)
+    return weight, b
+
+
+def _param(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Parameter:
+    return nn.Parameter(t.to(dtype=dtype or torch.float32, device=device).contiguous())
+
+
+def _check_last_dim(layer: str, x: torch.Tensor, expected: int, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != expected:
+        raise ValueError(
+            f"{layer}: input must have last dimension {expected} ({what}), got shape {tuple(getattr(x, 'shape', ()))}"
+        )
+
+
+def _check_seq(layer: str, x: torch.Tensor, tp: int) -> None:
+    if x.dim() < 2:
+        raise ValueError(f"{layer}: sequence_parallel needs an input [..., seq, features], got shape {tuple(x.shape)}")
+    if x.shape[-2] % tp:
+        raise ValueError(f"{layer}: sequence length {x.shape[-2]} (dim -2) is not divisible by the tp size {tp}")
+
+
+class _ColumnLinear(torch.autograd.Function):
+    """``Y = X_full Wᵀ + b`` with ``f`` (or the sequence all-gather) fused in; see
+    [Note: overlapping the input-gradient all-reduce]."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: dist.ProcessGroup,
+        sequence_parallel: bool,
+        stats: CommStats | None,
+    ) -> torch.Tensor:
+        total = gather_along(x, x.dim() - 2, group, stats) if sequence_parallel else x
+        ctx.save_for_backward(total, weight)
+        ctx.group, ctx.sp, ctx.stats, ctx.has_bias = group, sequence_parallel, stats, bias is not None
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        total, weight = ctx.saved_tensors
+        group, n = ctx.group, ctx.group.size()
+        grad_input = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_input = (grad @ weight).contiguous()
+            if ctx.sp:
+                dim = grad_input.dim() - 2
+                stacked = torch.stack(grad_input.chunk(n, dim), 0).contiguous()
+                grad_input = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+                handle = reduce_scatter(grad_input, stacked, group=group, async_op=True, stats=ctx.stats)
+            else:
+                handle = all_reduce(grad_input, group=group, async_op=True, stats=ctx.stats)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_weight = g2.t() @ total.reshape(-1, total.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if handle is not None:
+            handle.wait()  # after the weight-gradient matmul: it ran while the collective flew
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X Aᵀ + b`` with ``A [out, in]`` split by rows (output features) over tp.
+
+    Args:
+        in_features: input width (every rank sees the full input).
+        out_features: dense output width; divisible by the tp size. Each rank holds
+            ``out_features / tp`` rows of the weight and of the bias.
+        ctx: the parallel context (tp group = ``ctx.group("tp")``).
+        bias: whether to add a (split) bias.
+        gather_output: all-gather the output to ``[..., out]`` (default: return this rank's
+            ``[..., out/tp]``, ready for a :class:`RowParallelLinear`).
+        sequence_parallel: the input is this rank's sequence chunk ``[..., s/tp, in]``; it is
+            all-gathered along the sequence (dim -2) first, and the input gradient
+            reduce-scattered back.
+        dtype, device: of the parameters (initialized on CPU in fp32, then converted; see
+            [Note: TP initialization equals the dense layer]).
+        init_method: optional in-place initializer of the full weight (bias then zero); default
+            ``nn.Linear``'s.
+        stats: optional CommStats recording this layer's collectives.
+
+    Raises:
+        ValueError: ``out_features`` not divisible by tp; in ``forward``, an input whose last
+            dimension is not ``in_features`` (or, with sequence parallelism, whose sequence
+            length is not divisible by tp), before any collective.
+
+    Example:
+        >>> torch.manual_seed(0)
+        >>> up = ColumnParallelLinear(512, 2048, ctx=ctx)          # rank r: weight [2048/tp, 512]
+        >>> down = RowParallelLinear(2048, 512, ctx=ctx)
+        >>> y = down(F.gelu(up(x)))                                 # = the dense MLP's output
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        ctx: ParallelContext,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = ctx.group("tp")
+        self.tp, self.tp_rank = self.group.size(), self.group.rank()
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = _divide("out_features", out_features, self.tp)
+        self.gather_output, self.sequence_parallel, self.stats = gather_output, sequence_parallel, stats
+        weight, b = _dense_linear_init(out_features, in_features, bias, init_method)
+        self._set_shards(weight, b, dtype, device)
+
+    def _set_shards(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None, device: Any) -> None:
+        rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
+        self.weight = _param(weight[rows], dtype, device)
+        self.bias = _param(bias[rows], dtype, device) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> ColumnParallelLinear:
+        """This rank's slice of an existing dense ``nn.Linear`` (same dtype and device).
+
+        Example:
+            >>> col = ColumnParallelLinear.from_dense(model.mlp.fc, ctx=ctx)
+        """
+        layer = cls(
+            linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None, init_method=nn.init.zeros_, **kwargs
+        )
+        with torch.no_grad():
+            w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+            layer._set_shards(w, b, w.dtype, w.device)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in]`` (``[..., s/tp, in]`` with sequence parallelism) -> ``[..., out/tp]``
+        (``[..., out]`` with ``gather_output``)."""
+        _check_last_dim(type(self).__name__, x, self.in_features, "in_features")
+        if self.sequence_parallel:
+            _check_seq(type(self).__name__, x, 1)
+        if self.tp == 1:
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel, self.stats)
+        return gather_from_tp_region(y, group=self.group, stats=self.stats) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} ({self.out_per_rank}/rank), tp={self.tp}, sequence_parallel={self.sequence_parallel}"
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X Aᵀ + b`` with ``A [out, in]`` split by columns (input features) over tp.
+
+    Each rank multiplies its input slice ``[..., in/tp]`` by its weight columns; the partial
+    outputs are all-reduced (``g``) — or reduce-scattered along the sequence with sequence
+    parallelism — and the replicated bias is added after.
+
+    Args:
+        in_features: dense input width; divisible by the tp size.
+        out_features: output width.
+        ctx, dtype, device, init_method, stats: as for :class:`ColumnParallelLinear`.
+        bias: whether to add a (replicated) bias.
+        input_is_parallel: the input is already this rank's ``[..., in/tp]`` (the output of a
+            :class:`ColumnParallelLinear`); if False, the full input is split here.
+        sequence_parallel: return this rank's sequence chunk ``[..., s/tp, out]``.
+
+    Raises:
+        ValueError: ``in_features`` not divisible by tp; wrong input width, or a sequence length
+            not divisible by tp, before any collective.
+
+    Example:
+        >>> down = RowParallelLinear(2048, 512, ctx=ctx)      # rank r: weight [512, 2048/tp]
+        >>> y = down(h_shard)                                 # [..., 512], summed over tp
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        ctx: ParallelContext,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = ctx.group("tp")
+        self.tp, self.tp_rank = self.group.size(), self.group.rank()
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = _divide("in_features", in_features, self.tp)
+        self.input_is_parallel, self.sequence_parallel, self.stats = input_is_parallel, sequence_parallel, stats
+        weight, b = _dense_linear_init(out_features, in_features, bias, init_method)
+        self._set_shards(weight, b, dtype, device)
+
+    def _set_shards(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None, device: Any) -> None:
+        cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
+        self.weight = _param(weight[:, cols], dtype, device)
+        self.bias = _param(bias, dtype, device) if bias is not None else None
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> RowParallelLinear:
+        """This rank's slice of an existing dense ``nn.Linear`` (same dtype and device).
+
+        Example:
+            >>> row = RowParallelLinear.from_dense(model.mlp.proj, ctx=ctx)
+        """
+        layer = cls(
+            linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None, init_method=nn.init.zeros_, **kwargs
+        )
+        with torch.no_grad():
+            w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+            layer._set_shards(w, b, w.dtype, w.device)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in/tp]`` (``[..., in]`` unless ``input_is_parallel``) -> ``[..., out]``
+        (``[..., s/tp, out]`` with sequence parallelism)."""
+        name = type(self).__name__
+        if self.input_is_parallel:
+            _check_last_dim(name, x, self.in_per_rank, f"in_features / tp = {self.in_features} / {self.tp}")
+        else:
+            _check_last_dim(name, x, self.in_features, "in_features")
+        if self.sequence_parallel:
+            _check_seq(name, x, self.tp)
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, group=self.group, stats=self.stats)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(partial, group=self.group, stats=self.stats)
+            # Each rank's bias gradient covers only its sequence chunk: sum them (f on the bias).
+            bias = None if self.bias is None else copy_to_tp_region(self.bias, group=self.group, stats=self.stats)
+        else:
+            y = reduce_from_tp_region(partial, group=self.group, stats=self.stats)
+            bias = self.bias
+        return y if bias is None else y + bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features} ({self.in_per_rank}/rank), out_features={self.out_features}, tp={self.tp}, sequence_parallel={self.sequence_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` with the vocabulary (rows of ``weight [V, D]``) split over tp.
+
+    Rank ``r`` holds rows ``[r Vs, (r+1) Vs)``, ``Vs = ceil(V / tp)``, zero-padded past ``V``.
+    Each rank looks up the ids in its range (others give 0) and the results are all-reduced
+    (reduce-scattered along the sequence with ``sequence_parallel``). The same weight can serve
+    as a tied column-parallel LM head: ``logits_shard = copy_to_tp_region(h) @ emb.weight.t()``.
+
+    Args:
+        num_embeddings: the real vocabulary size ``V`` (any size; padded per rank).
+        embedding_dim: ``D``.
+        ctx: the parallel context.
+        padding_idx: as ``nn.Embedding``: that row starts at zero and gets no gradient.
+        sequence_parallel: return this rank's sequence chunk ``[..., s/tp, D]``.
+        dtype, device, stats: as for :class:`ColumnParallelLinear`.
+
+    Raises:
+        ValueError: bad ``padding_idx``; non-integer ids or a sequence length not divisible by tp
+            (with ``sequence_parallel``), before any collective.
+
+    Example:
+        >>> torch.manual_seed(0)
+        >>> emb = VocabParallelEmbedding(50257, 768, ctx=ctx)    # rank r: weight [12565, 768] at tp=4
+        >>> h = emb(idx)                                        # [b, s, 768], = nn.Embedding's
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        ctx: ParallelContext,
+        padding_idx: int | None = None,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        stats: CommStats | None = None,
+    ) -> None:
+        super().__init__()
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx={padding_idx} must be within num_embeddings={num_embeddings}")
+            padding_idx %= num_embeddings
+        self.group = ctx.group("tp")
+        self.tp, self.tp_rank = self.group.size(), self.group.rank()
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.sequence_parallel, self.stats = sequence_parallel, stats
+        self.per_rank = -(-num_embeddings // self.tp)
+        self.vocab_start = self.tp_rank * self.per_rank
+        weight = torch.empty(num_embeddings, embedding_dim)
+        nn.init.normal_(weight)  # nn.Embedding.reset_parameters
+        if padding_idx is not None:
+            weight[padding_idx].zero_()
+        self._set_shard(weight, dtype, device)
+
+    def _set_shard(self, weight: torch.Tensor, dtype: torch.dtype | None, device: Any) -> None:
+        shard = weight.new_zeros(self.per_rank, self.embedding_dim)
+        rows = weight[self.vocab_start : self.vocab_start + self.per_rank]
+        shard[: rows.shape[0]] = rows
+        self.weight = _param(shard, dtype, device)
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, *, ctx: ParallelContext, **kwargs: Any) -> VocabParallelEmbedding:
+        """This rank's rows of an existing dense ``nn.Embedding`` (same dtype and device)."""
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, ctx=ctx, padding_idx=embedding.padding_idx, **kwargs)
+        with torch.no_grad():
+            w = embedding.weight.detach()
+            layer._set_shard(w, w.dtype, w.device)
+        return layer
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """int ``[...]`` ids -> ``[..., D]`` (``[..., s/tp, D]`` with sequence parallelism)."""
+        name = type(self).__name__
+        if not isinstance(idx, torch.Tensor) or idx.is_floating_point() or idx.is_complex():
+            raise ValueError(f"{name}: input must be an integer tensor of ids, got {getattr(idx, 'dtype', type(idx))}")
+        if self.sequence_parallel:
+            if idx.dim() < 1 or idx.shape[-1] % self.tp:
+                raise ValueError(
+                    f"{name}: sequence length {tuple(idx.shape)[-1:]} (last dim of the ids) is not divisible by the tp size {self.tp}"
+                )
+        local_pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.per_rank:
+            local_pad = self.padding_idx - self.vocab_start
+        if self.tp == 1:
+            return F.embedding(idx, self.weight, padding_idx=local_pad)
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=local_pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, group=self.group, stats=self.stats)
+        return reduce_from_tp_region(out, group=self.group, stats=self.stats)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim} ({self.per_rank} rows/rank), tp={self.tp}"
