@@ -61,12 +61,18 @@ def test_unscale_multiplies_by_inv_scale_and_measures_the_norm(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_unscale_with_inv_scale_one_leaves_grads_unchanged(backend):
+def test_unscale_with_inv_scale_one_only_reads_the_grads(backend):
     named = _params()
     before = [p.grad.clone() for _, p in named]
+    versions = [p.grad._version for _, p in named]
     report = unscale_grads_(named, backend=backend)
     assert all(torch.equal(p.grad, b) for (_, p), b in zip(named, before))
+    # a norm-only pass: no write (torch's in-place multiply would bump the version counter)
+    assert [p.grad._version for _, p in named] == versions
     assert report.grad_norm == pytest.approx(_norm(before), rel=1e-6)
+    # any other factor is applied, 2.0 (a static loss scale of 0.5) included
+    unscale_grads_(named, inv_scale=2.0, backend=backend)
+    torch.testing.assert_close([p.grad for _, p in named], [b * 2.0 for b in before], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
@@ -113,6 +119,13 @@ def test_bad_max_norm_params_without_grad_and_sparse():
     assert (report.overflow, report.grad_norm, report.nonfinite) == (False, 0.0, [])
     with_one = [*no_grad, named[1]]
     assert unscale_grads_(with_one).grad_norm == pytest.approx(_norm([named[1][1].grad]), rel=1e-6)
+    # another device and dtype (so no single kernel launch would see both): refused up front
+    on_meta = torch.nn.Parameter(torch.ones(2, device="meta", dtype=torch.bfloat16))
+    on_meta.grad = torch.ones(2, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"must be on one device per rank, found \['cpu', 'meta'\]"):
+        unscale_grads_([named[0], ("m", on_meta)])
+    with pytest.raises(ValueError, match=r"must be on one device per rank, found \['cpu', 'meta'\]"):
+        clip_grad_norm_([named[0][1], on_meta], 1.0)
     sparse = torch.nn.Parameter(torch.ones(4))
     sparse.grad = torch.ones(4).to_sparse()
     with pytest.raises(TypeError, match="sparse.*sp"):
@@ -174,6 +187,8 @@ def test_unscaled_record_grads_are_not_touched_again():
     named[1][1].grad[3] = float("nan")
     report = unscale_grads_(named, unscaled=_record(named, found_inf=1.0), report_nonfinite=True)
     assert report.overflow and report.nonfinite == [named[1][0]]
+    report = unscale_grads_(named, unscaled=_record(named, found_inf=1.0))
+    assert report.overflow and report.nonfinite == []  # names only when asked
 
 
 def test_unscaled_record_subset_and_foreign_params():
@@ -187,6 +202,12 @@ def test_unscaled_record_subset_and_foreign_params():
     want = [before[0], before[1], before[3] * 0.5]
     assert report.grad_norm == pytest.approx(_norm(want), rel=1e-6)  # not the record's 1e6
     torch.testing.assert_close([named[i][1].grad for i in (0, 1, 3)], want, rtol=0, atol=0)
+    # uncovered params before and after a covered one, one dtype: each is still unscaled
+    named = _params(seed=1)
+    before = [p.grad.clone() for _, p in named]
+    unscale_grads_(named, inv_scale=0.5, unscaled=_record(named[1:2]))
+    want = [before[0] * 0.5, before[1], *(b * 0.5 for b in before[2:])]
+    torch.testing.assert_close([p.grad for _, p in named], want, rtol=0, atol=0)
     other = torch.nn.Parameter(torch.zeros(3))
     other.grad = torch.full((3,), 2.0)
     stale = UnscaledGrads(8.0, {id(other): (named[0][1], named[0][1].grad, 0)}, torch.zeros(1), torch.zeros(1))
@@ -230,6 +251,13 @@ def test_clip_grad_norm_two_dtypes_and_norm_group(backend):
     assert fake.calls == [("N", "sum")]
     assert total.item() == pytest.approx((local**2 + 16.0) ** 0.5, rel=1e-6)
     assert _norm([p.grad for _, p in named]) == pytest.approx(local / total.item(), rel=1e-5)
+
+
+def test_clip_grad_norm_options_are_keyword_only():
+    """torch's third positional argument is ``norm_type``: here it must not become norm_group."""
+    named = _params()
+    with pytest.raises(TypeError, match="positional argument"):
+        clip_grad_norm_([p for _, p in named], 1.0, 2.0)  # type: ignore[misc]
 
 
 def test_clip_grad_norm_without_grads_and_bad_max_norm():
