@@ -19,8 +19,8 @@ __all__ = ["STRATEGIES", "TrainConfig", "add_arguments", "from_args", "to_argv"]
 
 #: strategy names ``--strategy`` accepts: those registered in :mod:`shardkit.parallel.strategy`
 #: (a test keeps the two equal; the registry is not imported here to keep the CLI light)
-STRATEGIES = ("none", "ddp")
-Strategy = Literal["none", "ddp"]
+STRATEGIES = ("none", "ddp", "zero1", "zero2")
+Strategy = Literal["none", "ddp", "zero1", "zero2"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
 _LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model (TinyGPT)", "optimization (FusedAdamW)", "evaluation and logging"
@@ -46,7 +46,9 @@ class TrainConfig:
 
     nproc: int = _opt(1, "worker processes; > 1 re-launches with torchrun", _LAUNCH, metavar="N")
     strategy: Strategy = _opt("none", "parallel strategy", _LAUNCH)
-    bucket_mb: float = _opt(25.0, "ddp: gradient bucket size in MiB", _LAUNCH, metavar="MB", strategies=("ddp",))
+    bucket_mb: float = _opt(
+        25.0, "ddp/zero1/zero2: gradient bucket size in MiB", _LAUNCH, metavar="MB", strategies=("ddp", "zero1", "zero2")
+    )
     grad_buckets: Literal["copy", "view"] = _opt(
         "copy", "ddp: 'view' makes each grad a view of its bucket (gradients held once, no copy back); "
         "'copy' keeps separate grads", _LAUNCH, strategies=("ddp",),
@@ -103,9 +105,7 @@ class TrainConfig:
             >>> TrainConfig(strategy="ddp", bucket_mb=4).strategy_options()
             {'bucket_mb': 4, 'grad_buckets': 'copy'}
         """
-        return {
-            f.name: getattr(self, f.name) for f in fields(self) if self.strategy in f.metadata.get("strategies", ())
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self) if self.strategy in f.metadata.get("strategies", ())}
 
 
 def _hints() -> dict[str, Any]:

@@ -191,7 +191,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     decay = [p for p in model.parameters() if p.dim() >= 2]  # no decay on biases / LayerNorm
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = FusedAdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    optimizer = strategy.make_optimizer(FusedAdamW, groups, lr=cfg.lr, betas=(0.9, 0.95))  # ZeRO: on the shard
 
     data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank: see data.py
     # Every rank evaluates the same fixed validation batches of global-batch size: eval losses
@@ -295,5 +295,3 @@ def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int)
     if len(ranks) > 1:
         print(f"total  | {sum(s['tokens_per_s'] for s in ranks) / 1e3:.1f}k tok/s over {len(ranks)} ranks")
     sys.stdout.flush()
-
-
