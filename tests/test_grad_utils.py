@@ -253,11 +253,13 @@ def test_clip_grad_norm_two_dtypes_and_norm_group(backend):
     assert _norm([p.grad for _, p in named]) == pytest.approx(local / total.item(), rel=1e-5)
 
 
-def test_clip_grad_norm_options_are_keyword_only():
+def test_options_are_keyword_only():
     """torch's third positional argument is ``norm_type``: here it must not become norm_group."""
     named = _params()
     with pytest.raises(TypeError, match="positional argument"):
         clip_grad_norm_([p for _, p in named], 1.0, 2.0)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="positional argument"):
+        unscale_grads_(named, 0.5)  # type: ignore[misc]
 
 
 def test_clip_grad_norm_without_grads_and_bad_max_norm():
