@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	$(BIN)/shardkit train --nproc $(NPROC) --strategy ddp --steps $(STEPS)
+	$(BIN)/shardkit train --nproc $(NPROC) --strategy zero2 --steps $(STEPS)
 
 # On a CUDA machine: GPU-only tests (`-m cuda`: aligned/unaligned kernels, fp16, NCCL DataParallel on 2
 # GPUs, ...) then the optimizer and DDP benchmarks on CUDA, results in perf/results/*_cuda.json.
