@@ -35,9 +35,10 @@ from shardkit.kernels.grad_epilogue import unscale_and_norm_
 from shardkit.kernels.layout import is_dense
 from shardkit.kernels.runtime import resolve_backend
 
-from .buckets import FIRST_BUCKET_BYTES, BucketedGradReducer, GradBucket, plan_buckets
+from .buckets import FIRST_BUCKET_BYTES, plan_buckets
 from .grad_utils import UnscaledGrads
 from .loss_scaler import DynamicLossScaler
+from .reducer import GradBucket, GradReducer
 
 __all__ = ["DataParallel"]
 
@@ -99,7 +100,7 @@ class DataParallel(nn.Module):
       raises instead) — which optimizers with weight decay or momentum then apply. Pass
       ``find_unused_parameters=True`` for models with conditionally used parameters.
     * **A backward that raised** leaves no trace: the next ``forward`` discards its partial
-      reduction (see [Note: a backward that raised] in :mod:`shardkit.parallel.buckets`); this is
+      reduction (see [Note: a backward that raised] in :mod:`shardkit.parallel.reducer`); this is
       safe when every rank failed at the same point. Zero the grads before the next step.
     * **Grad dtype and layout**: buckets use ``p.grad_dtype`` (fp32 grads for bf16 params are
       reduced in fp32); set it before wrapping. Dense non-contiguous params (channels_last) are
@@ -192,7 +193,7 @@ class DataParallel(nn.Module):
         self._group = ctx.group("dp")
         self._dp = ctx.size("dp")
         self.buckets: list[GradBucket] = []
-        self._reducer: BucketedGradReducer | None = None
+        self._reducer: GradReducer | None = None
         if self._dp == 1:  # the local path: autograd's grads are already the average
             return
         self._check_same_model()
@@ -206,7 +207,7 @@ class DataParallel(nn.Module):
             first_cap_bytes=min(FIRST_BUCKET_BYTES, int(bucket_mb * 2**20)),
         )
         self.buckets = [self._make_bucket(i, [params[j] for j in idx]) for i, idx in enumerate(plan)]
-        self._reducer = BucketedGradReducer(
+        self._reducer = GradReducer(
             self.buckets, launch=self._launch, finish=self._finish,
             agree_used=self._agree_used if self.find_unused_parameters else None,
             on_ready=self._copy_one if self._eager_copy else None,
@@ -266,7 +267,7 @@ class DataParallel(nn.Module):
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
-    # -- the bucket callbacks (see parallel/buckets.py) ----------------------------------------
+    # -- what post_backward launches and finalize_backward finishes (see parallel/reducer.py) ---
     def _copy_one(self, bucket: GradBucket, j: int) -> None:
         p, slot = bucket.params[j], bucket.views[j]
         g = p.grad
@@ -390,9 +391,8 @@ class DataParallel(nn.Module):
         flags = local.to(self.buckets[0].buffer.device)
         return all_reduce(flags, group=self._group, op="max", stats=self.comm_stats).output.cpu()
 
-    def _discard_unfinished_backward(self) -> None:
-        assert self._reducer is not None
-        for bucket, work in self._reducer.reset():
+    def _discard_unfinished_backward(self, abandoned: list[tuple[GradBucket, Any]]) -> None:
+        for bucket, work in abandoned:
             if not work.is_completed():
                 # its collective may still write the buffer: the bucket gets a fresh one (the
                 # old one lives as long as the collective holds it)
@@ -402,9 +402,13 @@ class DataParallel(nn.Module):
     # -- public API ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (after discarding the reduction of a backward that raised)."""
-        if self._reducer is not None and self._reducer.pending:
-            self._discard_unfinished_backward()
-        return self.module(*args, **kwargs)
+        if self._reducer is None:
+            return self.module(*args, **kwargs)
+        self._discard_unfinished_backward(self._reducer.pre_forward())
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._reducer.post_forward()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
