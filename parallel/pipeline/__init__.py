@@ -1,21 +1,39 @@
 """Pipeline parallelism: schedules as data (pure), stage splitting, one P2P executor.
 
 Example:
-    >>> from shardkit.parallel.pipeline import build_schedule, simulate
+    >>> from shardkit.parallel.pipeline import PipelineParallel, build_schedule, simulate
     >>> simulate(build_schedule("1f1b", num_ranks=4, microbatches=8)).bubble_fraction
     0.375
+    >>> pipe = PipelineParallel(blocks, ctx, schedule="zb-h1", microbatches=8, loss_fn=F.cross_entropy)
 """
 
-from .schedules import SCHEDULES, Action, DeadlockError, Kind, Schedule, SimResult, TimedAction, build_schedule, simulate
+from .executor import PipelineParallel
+from .schedules import (
+    SCHEDULES,
+    Action,
+    DeadlockError,
+    Kind,
+    Schedule,
+    SimResult,
+    TimedAction,
+    build_schedule,
+    in_flight,
+    simulate,
+)
+from .split import partition, split_blocks
 
 __all__ = [
     "SCHEDULES",
     "Action",
     "DeadlockError",
     "Kind",
+    "PipelineParallel",
     "Schedule",
     "SimResult",
     "TimedAction",
     "build_schedule",
+    "in_flight",
+    "partition",
     "simulate",
+    "split_blocks",
 ]

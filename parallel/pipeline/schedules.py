@@ -39,6 +39,7 @@ __all__ = [
     "SimResult",
     "TimedAction",
     "build_schedule",
+    "in_flight",
     "simulate",
 ]
 

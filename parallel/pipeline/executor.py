@@ -1,0 +1,409 @@
+"""One executor for every pipeline schedule: :class:`PipelineParallel`.
+
+The schedule (:func:`~shardkit.parallel.pipeline.schedules.build_schedule`) is data; this module
+runs this rank's action list over point-to-point transfers on the pp group. Each action is a
+named phase under a profiler label ``shardkit::pipeline_<phase>``.
+
+[Note: pipeline loss normalization]
+The loss of a step is the token-weighted mean over the *global* batch: with micro-batch ``i``
+holding ``n_i`` target elements and ``loss_fn`` returning their mean ``L_i``, the step's loss
+is ``sum_i n_i L_i / sum_i n_i`` — exactly ``loss_fn(model(inputs), targets)`` of the
+unsplit model for any ``m`` and ``pp``. If ``loss_fn`` returns a pair ``(loss_sum, count)``
+(e.g. a summed cross-entropy and the number of non-ignored tokens), the loss is
+``sum_i loss_sum_i / sum_i count_i``, still the global token mean, padding included correctly.
+Backward seeds each micro-batch with its *sum* (``n_i L_i`` or ``loss_sum_i``); parameter
+gradients accumulate in fp32 buffers over the micro-batches, and :meth:`PipelineParallel.finalize`
+divides them by the global count, which the last stage broadcasts with the losses (one small
+broadcast per step), then adds them to ``param.grad``. Gradients therefore never depend on how
+the batch was cut into micro-batches.
+
+[Note: the shape exchange]
+Receive buffers need each boundary's shape and dtype. On the first step, and again whenever the
+micro-batch input or target signature changes, the stages run once in stage order on zeros of
+the announced shape (no grad): stage ``s`` receives ``(shape, dtype)`` of its input from stage
+``s - 1``, runs, and passes its output's on. A stage that fails passes the failure on instead;
+the last stage broadcasts the outcome and the failed stage's owner broadcasts the message, so
+*every* rank raises the same ``ValueError`` naming both stages, instead of one rank raising and
+the others hanging. The signature check at the start of each step is one tiny all-reduce.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
+
+from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag
+from .schedules import Action, Kind, TimedAction, build_schedule
+from .split import SplitSpec, split_blocks
+
+__all__ = ["PipelineParallel"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+_MSG_BYTES = 2048
+
+
+def _sig(t: torch.Tensor | None) -> int:
+    return 0 if t is None else zlib.crc32(f"{tuple(t.shape)}:{t.dtype}".encode())
+
+
+def _describe(shape: torch.Size, dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
+class PipelineParallel:
+    """Pipeline-parallel training of a model given as a sequence of blocks.
+
+    Every rank of the pp group builds the same full ``blocks`` (same seed), keeps the stages the
+    schedule places on it (see [Note: stages, chunks and ranks] in
+    :mod:`~shardkit.parallel.pipeline.schedules`) and calls :meth:`step` with the same global
+    batch; ``inputs`` are read on the first stage, ``targets`` on the last.
+
+    Args:
+        blocks: ``nn.Sequential`` or sequence of modules, embedding first, head last; block ``j``
+            consumes block ``j - 1``'s single tensor output.
+        ctx: the :class:`~shardkit.comm.ParallelContext`; its ``pp`` axis is the pipeline.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
+        microbatches: ``m >= 1`` (any value; a multiple of pp for interleaved).
+        loss_fn: ``loss_fn(output, target)`` returning the micro-batch's mean loss (scalar), or
+            ``(loss_sum, count)``; see [Note: pipeline loss normalization].
+        virtual_stages: stages per rank (``> 1`` only with ``"interleaved"``).
+        split: ``"layers"``, ``"params"`` or explicit stage sizes (see
+            :func:`~shardkit.parallel.pipeline.split.partition`).
+        stats: optional :class:`~shardkit.comm.CommStats` for the P2P and broadcast payloads.
+
+    Raises:
+        ValueError: bad schedule/sizes, interleaved with ``m % pp != 0``, more stages than
+            blocks — all before any communication.
+
+    Example:
+        >>> ctx = ParallelContext.from_env(pp=2)
+        >>> pipe = PipelineParallel(blocks, ctx, schedule="1f1b", microbatches=4, loss_fn=F.cross_entropy)
+        >>> opt = torch.optim.AdamW(pipe.parameters(), lr=1e-3)
+        >>> loss = pipe.step(x, y); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        blocks: nn.Sequential | Sequence[nn.Module],
+        ctx: ParallelContext,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int,
+        loss_fn: LossFn,
+        virtual_stages: int = 1,
+        split: SplitSpec = "layers",
+        stats: CommStats | None = None,
+    ) -> None:
+        if not isinstance(ctx, ParallelContext):
+            raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        self.ctx, self.loss_fn, self.stats = ctx, loss_fn, stats
+        self.group, self.rank, p = ctx.group("pp"), ctx.rank("pp"), ctx.size("pp")
+        self.schedule = build_schedule(schedule, num_ranks=p, microbatches=microbatches, virtual_stages=virtual_stages)
+        S = self.schedule.num_stages
+        plan = split_blocks(blocks, S, split)
+        #: ``stage_blocks[s]``: indices of the blocks that form stage ``s`` (all stages).
+        self.stage_blocks: list[range] = [idx for idx, _ in plan]
+        #: this rank's stages: ``{stage: nn.Sequential}``.
+        self.stages: dict[int, nn.Module] = {s: mod for s, (_, mod) in enumerate(plan) if s % p == self.rank}
+        self._params = {s: [q for q in mod.parameters() if q.requires_grad] for s, mod in self.stages.items()}
+        self._signature: tuple[int, ...] | None = None
+        self._in_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self._out_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        #: last step's actions on this rank, with start/end in seconds from the step's start and
+        #: the time spent blocked on P2P (``wait``) recorded separately from compute.
+        self.timeline: list[TimedAction] = []
+        #: last step's per-micro-batch losses (same on every pp rank).
+        self.microbatch_losses: list[float] = []
+
+    # ---- public ------------------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's stage parameters (for the optimizer)."""
+        return [q for s in sorted(self.stages) for q in self.stages[s].parameters()]
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.schedule.num_ranks - 1
+
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+        """Forward and backward of one global batch through the pipeline; collective on pp.
+
+        Args:
+            inputs: ``[B, ...]`` global batch, read on the first stage (may be None elsewhere).
+            targets: ``[B, ...]``, read on the last stage (may be None elsewhere). ``B`` must be
+                a multiple of ``microbatches``; micro-batch ``i`` is rows ``[i B/m, (i+1) B/m)``.
+
+        Returns:
+            The global token-weighted mean loss, on every pp rank. Gradients are *added* to
+            ``param.grad`` of :meth:`parameters` (see [Note: pipeline loss normalization]).
+
+        Raises:
+            ValueError: on every rank, when any rank's inputs/targets are unusable or a stage
+                cannot take its predecessor's output (see [Note: the shape exchange]).
+        """
+        m = self.schedule.microbatches
+        x_mbs = self._chunks("inputs", inputs) if self.is_first else None
+        y_mbs = self._chunks("targets", targets) if self.is_last else None
+        self._agree(x_mbs, y_mbs)
+        state = _StepState(x_mbs, y_mbs, m)
+        t0 = time.perf_counter()
+        self.timeline = []
+        for a in self.schedule.actions[self.rank]:
+            start = time.perf_counter()
+            wait = self._run(a, state)
+            self.timeline.append(TimedAction(a, start - t0, time.perf_counter() - t0, wait))
+        assert not state.outputs and not state.w_pending, "schedule left work undone"
+        loss = self.finalize(state)
+        assert len(self.microbatch_losses) == m
+        return loss
+
+    # ---- phases -------------------------------------------------------------------------------
+    def _run(self, a: Action, st: _StepState) -> float:
+        k = a.kind
+        if k is Kind.F:
+            with record_function("shardkit::pipeline_forward"):
+                self.forward(a.stage, a.mb, st)
+        elif k is Kind.B:
+            with record_function("shardkit::pipeline_backward"):
+                self.backward(a.stage, a.mb, st, split=False)
+        elif k is Kind.BI:
+            with record_function("shardkit::pipeline_backward_input"):
+                self.backward(a.stage, a.mb, st, split=True)
+        elif k is Kind.BW:
+            with record_function("shardkit::pipeline_backward_weight"):
+                self.backward_weight(a.stage, a.mb, st)
+        elif k in (Kind.SEND_F, Kind.SEND_B):
+            with record_function("shardkit::pipeline_send"):
+                self.send(a, st)
+        else:
+            with record_function("shardkit::pipeline_recv"):
+                return self.recv(a, st)
+        return 0.0
+
+    def forward(self, s: int, i: int, st: _StepState) -> None:
+        """Run stage ``s`` on micro-batch ``i``; the last stage also computes the loss."""
+        S = self.schedule.num_stages
+        if s == 0:
+            x = st.x_mbs[i]
+        else:
+            x = st.acts.pop((s, i))
+            if x.is_floating_point():
+                x.requires_grad_(True)
+        y = self.stages[s](x)
+        st.inputs[(s, i)] = x
+        if s == S - 1:
+            out = self.loss_fn(y, st.y_mbs[i])
+            if isinstance(out, tuple):
+                total, count = out[0], float(out[1])
+            else:
+                count = float(st.y_mbs[i].numel())
+                total = out * count
+            st.outputs[(s, i)] = total
+            st.loss_sums[i], st.counts[i] = float(total.detach()), count
+            return
+        st.outputs[(s, i)] = y
+        if (s + 1) % self.schedule.num_ranks == self.rank:
+            st.acts[(s + 1, i)] = y.detach()  # local hand-off (p = 1 with several stages)
+        else:
+            st.to_send[(Kind.SEND_F, s, i)] = y.detach()
+
+    def backward(self, s: int, i: int, st: _StepState, *, split: bool) -> None:
+        """Backward of stage ``s`` on micro-batch ``i``: input and weight gradients, or (``split``,
+        ZB-H1's BI) the input gradient only, keeping the graph for :meth:`backward_weight`."""
+        y, x = st.outputs.pop((s, i)), st.inputs[(s, i)]
+        g = None if s == self.schedule.num_stages - 1 else st.grads.pop((s, i))
+        want_x = s > 0 and x.requires_grad
+        wrt = ([x] if want_x else []) + ([] if split else self._params[s])
+        got = torch.autograd.grad(y, wrt, grad_outputs=g, retain_graph=split, allow_unused=True) if wrt else ()
+        if split:
+            st.w_pending[(s, i)] = (y, g)
+        else:
+            st.inputs.pop((s, i))
+            self._accumulate(s, got[1:] if want_x else got, st)
+        if want_x:
+            gx = got[0] if got[0] is not None else torch.zeros_like(x)
+            if (s - 1) % self.schedule.num_ranks == self.rank:
+                st.grads[(s - 1, i)] = gx
+            else:
+                st.to_send[(Kind.SEND_B, s, i)] = gx
+
+    def backward_weight(self, s: int, i: int, st: _StepState) -> None:
+        """ZB-H1's W: weight gradients of stage ``s`` for micro-batch ``i``. This re-walks the part
+        of the graph between the stage output and each weight (torch.autograd.grad cannot resume
+        the input-gradient pass), which costs up to one extra BI of compute per micro-batch."""
+        y, g = st.w_pending.pop((s, i))
+        st.inputs.pop((s, i))
+        if self._params[s]:
+            self._accumulate(s, torch.autograd.grad(y, self._params[s], grad_outputs=g, allow_unused=True), st)
+
+    def send(self, a: Action, st: _StepState) -> None:
+        """Post the send of an activation (SEND_F) or input gradient (SEND_B); waited in finalize."""
+        back = a.kind is Kind.SEND_B
+        dst = (a.stage + (-1 if back else 1)) % self.schedule.num_ranks
+        tag = p2p_tag(a.stage, a.mb, back, self.schedule.num_stages)
+        t = st.to_send.pop((a.kind, a.stage, a.mb))
+        st.sends.append(isend(t, dst=dst, tag=tag, group=self.group, stats=self.stats))
+
+    def recv(self, a: Action, st: _StepState) -> float:
+        """Receive an activation (RECV_F) or output gradient (RECV_B); returns seconds blocked."""
+        back = a.kind is Kind.RECV_B
+        peer_stage = a.stage + (1 if back else -1)
+        shape, dtype = self._out_meta[a.stage] if back else self._in_meta[a.stage]
+        buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+        tag = p2p_tag(peer_stage, a.mb, back, self.schedule.num_stages)
+        h = irecv(buf, src=peer_stage % self.schedule.num_ranks, tag=tag, group=self.group, stats=self.stats)
+        t = time.perf_counter()
+        h.wait()
+        (st.grads if back else st.acts)[(a.stage, a.mb)] = buf
+        return time.perf_counter() - t
+
+    def finalize(self, st: _StepState) -> float:
+        """Wait for the sends, broadcast the losses and counts from the last stage, and add the
+        accumulated gradients divided by the global count to ``param.grad``."""
+        with record_function("shardkit::pipeline_finalize"):
+            for h in st.sends:
+                h.wait()
+            m = self.schedule.microbatches
+            vec = torch.zeros(2 * m, dtype=torch.float64, device=self.ctx.device)
+            if self.is_last:
+                vec[:m] = torch.tensor(st.loss_sums, dtype=torch.float64)
+                vec[m:] = torch.tensor(st.counts, dtype=torch.float64)
+            broadcast(vec, src=self.schedule.num_ranks - 1, group=self.group, stats=self.stats)
+            sums, counts = vec[:m].tolist(), vec[m:].tolist()
+            total = sum(counts)
+            if total <= 0:
+                raise ValueError(f"the loss counted {total} tokens over the batch; loss_fn must count >= 1")
+            for q, acc in st.grad_acc.items():
+                g = (acc / total).to(q.dtype)
+                q.grad = g if q.grad is None else q.grad.add_(g)
+            self.microbatch_losses = [a / c if c else float("nan") for a, c in zip(sums, counts, strict=True)]
+            return sum(sums) / total
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _accumulate(self, s: int, grads: Sequence[torch.Tensor | None], st: _StepState) -> None:
+        for q, g in zip(self._params[s], grads, strict=True):
+            if g is None:
+                continue
+            if q in st.grad_acc:
+                st.grad_acc[q].add_(g)
+            else:
+                st.grad_acc[q] = g.detach().to(torch.float32, copy=True)
+
+    def _chunks(self, name: str, t: Any) -> list[torch.Tensor] | str:
+        m = self.schedule.microbatches
+        if not isinstance(t, torch.Tensor) or t.ndim == 0:
+            return f"{name} must be a tensor with a batch dim on this stage, got {type(t).__name__}"
+        if t.shape[0] % m:
+            return f"{name} batch size {t.shape[0]} must be a multiple of microbatches={m}"
+        return list(t.to(self.ctx.device).chunk(m))
+
+    def _agree(self, x_mbs: list | str | None, y_mbs: list | str | None) -> None:
+        """Every rank learns every rank's input problems and micro-batch signatures (one tiny
+        all-reduce); a new signature triggers the shape exchange."""
+        p = self.schedule.num_ranks
+        rows = torch.zeros(p, 3, dtype=torch.int64, device=self.ctx.device)
+        problem = next((v for v in (x_mbs, y_mbs) if isinstance(v, str)), None)
+        rows[self.rank, 0] = problem is not None
+        if problem is None:
+            rows[self.rank, 1] = _sig(x_mbs[0]) if x_mbs else 0
+            rows[self.rank, 2] = _sig(y_mbs[0]) if y_mbs else 0
+        all_reduce(rows, group=self.group, stats=self.stats)
+        bad = [r for r in range(p) if rows[r, 0]]
+        if bad:
+            here = f": {problem}" if problem else ""
+            raise ValueError(f"pipeline step rejected by pp rank(s) {bad}{here}")
+        signature = tuple(rows[:, 1:].flatten().tolist())
+        if signature != self._signature:
+            self._exchange_shapes(x_mbs, y_mbs)
+            self._signature = signature
+
+    def _exchange_shapes(self, x_mbs: list | None, y_mbs: list | None) -> None:
+        """See [Note: the shape exchange]."""
+        p, S = self.schedule.num_ranks, self.schedule.num_stages
+        failed, message = -1, ""
+        meta: tuple[torch.Size, torch.dtype] | None = None  # output of the previous stage
+        for s in range(S):
+            if s % p != self.rank:
+                continue
+            if s == 0:
+                x = x_mbs[0]
+                what = f"the micro-batch inputs {_describe(x.shape, x.dtype)}"
+            else:
+                if (s - 1) % p != self.rank:
+                    msg = torch.empty(META_LEN, dtype=torch.int64)
+                    irecv(msg, src=(s - 1) % p, tag=p2p_tag(s - 1, 0, False, S), group=self.group).wait()
+                    failed, shape, dtype = decode_meta(msg)
+                    meta = None if failed >= 0 else (shape, dtype)
+                if meta is not None:
+                    self._in_meta[s] = meta
+                    x = torch.zeros(meta[0], dtype=meta[1], device=self.ctx.device)
+                    what = f"stage {s - 1}'s output (pp rank {(s - 1) % p}, {_describe(*meta)})"
+            if failed < 0:
+                step = "its forward"
+                try:
+                    with torch.no_grad():
+                        y = self.stages[s](x)
+                        if not isinstance(y, torch.Tensor):
+                            raise TypeError(f"a stage must return one tensor, got {type(y).__name__}")
+                        if s == S - 1:
+                            step = "the loss"
+                            what = f"its output {_describe(y.shape, y.dtype)} and targets {_describe(y_mbs[0].shape, y_mbs[0].dtype)}"
+                            self.loss_fn(y, y_mbs[0])
+                        elif not y.is_floating_point():
+                            raise TypeError(f"stage output must be floating point to carry gradients, got {y.dtype}")
+                    meta = (y.shape, y.dtype)
+                    self._out_meta[s] = meta
+                except Exception as exc:  # noqa: BLE001 - reported on every rank below
+                    blocks = self.stage_blocks[s]
+                    failed = s
+                    meta = None
+                    message = (
+                        f"pipeline stage {s} (pp rank {self.rank}, blocks {blocks.start}..{blocks.stop - 1}) "
+                        f"cannot run {step} on {what}: {type(exc).__name__}: {exc}"
+                    )
+            if s < S - 1 and (s + 1) % p != self.rank:
+                out = encode_meta(None, None, failed_stage=failed) if failed >= 0 else encode_meta(*meta)
+                isend(out, dst=(s + 1) % p, tag=p2p_tag(s, 0, False, S), group=self.group).wait()
+        # the outcome, from the last stage, then the failed stage's message, from its owner
+        status = torch.tensor([failed], dtype=torch.int64)
+        broadcast(status, src=p - 1, group=self.group)
+        failed = int(status[0])
+        if failed >= 0:
+            buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+            if failed % p == self.rank:
+                raw = message.encode()[:_MSG_BYTES]
+                buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            broadcast(buf, src=failed % p, group=self.group)
+            text = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+            self._signature = None
+            raise ValueError(text)
+
+
+class _StepState:
+    """Tensors alive during one step, keyed by (stage, micro-batch)."""
+
+    def __init__(self, x_mbs: list | None, y_mbs: list | None, m: int) -> None:
+        self.x_mbs, self.y_mbs = x_mbs, y_mbs
+        self.acts: dict = {}  # (s, i) -> input of stage s, received or handed over
+        self.inputs: dict = {}  # (s, i) -> input kept for backward
+        self.outputs: dict = {}  # (s, i) -> output (or loss sum) kept for backward
+        self.grads: dict = {}  # (s, i) -> gradient of stage s's output
+        self.to_send: dict = {}  # (kind, s, i) -> tensor to post
+        self.w_pending: dict = {}  # (s, i) -> (output, grad) for BW
+        self.sends: list = []
+        self.grad_acc: dict = {}  # param -> fp32 sum-form gradient
+        self.loss_sums: list[float] = [0.0] * m  # last stage only
+        self.counts: list[float] = [0.0] * m
