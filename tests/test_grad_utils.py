@@ -266,7 +266,10 @@ def test_clip_grad_norm_without_grads_and_bad_max_norm():
     p = torch.nn.Parameter(torch.ones(3))
     total = clip_grad_norm_([p], 1.0)
     assert total.shape == () and total.item() == 0.0
-    p.grad = torch.ones(3)
+    p.grad = torch.full((3,), 4.0)  # a single param: norm sqrt(48), clipped to 1
+    total = clip_grad_norm_([p], 1.0)
+    assert total.item() == pytest.approx(48**0.5, rel=1e-6)
+    torch.testing.assert_close(p.grad, torch.full((3,), 4.0 / (48**0.5 + 1e-6)), rtol=1e-6, atol=0)
     for bad in (0.0, -2.0, float("nan")):
         with pytest.raises(ValueError, match="max_norm"):
             clip_grad_norm_([p], bad)
