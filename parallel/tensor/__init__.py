@@ -16,11 +16,12 @@ from .functions import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, VocabParallelEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "SequenceParallelNorm",
     "VocabParallelEmbedding",
     "copy_to_tp_region",
     "gather_from_sequence_region",

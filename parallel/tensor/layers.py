@@ -52,7 +52,7 @@ from .functions import (
     scatter_to_tp_region,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelNorm"]
 
 
 def _divide(name: str, value: int, tp: int) -> int:
@@ -147,6 +147,9 @@ class ColumnParallelLinear(nn.Module):
             ``out_features / tp`` rows of the weight and of the bias.
         ctx: the parallel context (tp group = ``ctx.group("tp")``).
         bias: whether to add a (split) bias.
+        fused_chunks: the output is ``fused_chunks`` equal blocks split separately (e.g. 3 for a
+            fused ``[q; k; v]`` projection: rank ``r`` keeps its heads of each of q, k and v, in
+            that order); 1 splits the output as one block.
         gather_output: all-gather the output to ``[..., out]`` (default: return this rank's
             ``[..., out/tp]``, ready for a :class:`RowParallelLinear`).
         sequence_parallel: the input is this rank's sequence chunk ``[..., s/tp, in]``; it is
@@ -177,6 +180,7 @@ class ColumnParallelLinear(nn.Module):
         *,
         ctx: ParallelContext,
         bias: bool = True,
+        fused_chunks: int = 1,
         gather_output: bool = False,
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
@@ -188,15 +192,24 @@ class ColumnParallelLinear(nn.Module):
         self.group = ctx.group("tp")
         self.tp, self.tp_rank = self.group.size(), self.group.rank()
         self.in_features, self.out_features = in_features, out_features
+        if not isinstance(fused_chunks, int) or fused_chunks < 1:
+            raise ValueError(f"fused_chunks must be a positive int, got {fused_chunks!r}")
+        self.fused_chunks = fused_chunks
+        if fused_chunks > 1 and out_features % (fused_chunks * self.tp):
+            raise ValueError(f"out_features={out_features} is not divisible by fused_chunks * tp = {fused_chunks} * {self.tp}")
         self.out_per_rank = _divide("out_features", out_features, self.tp)
         self.gather_output, self.sequence_parallel, self.stats = gather_output, sequence_parallel, stats
         weight, b = _dense_linear_init(out_features, in_features, bias, init_method)
         self._set_shards(weight, b, dtype, device)
 
     def _set_shards(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None, device: Any) -> None:
-        rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
-        self.weight = _param(weight[rows], dtype, device)
-        self.bias = _param(bias[rows], dtype, device) if bias is not None else None
+        k = self.fused_chunks
+        per = self.out_per_rank // k
+        rows = torch.cat(
+            [torch.arange(j * per * self.tp + self.tp_rank * per, j * per * self.tp + (self.tp_rank + 1) * per) for j in range(k)]
+        )
+        self.weight = _param(weight[rows.to(weight.device)], dtype, device)
+        self.bias = _param(bias[rows.to(bias.device)], dtype, device) if bias is not None else None
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> ColumnParallelLinear:
@@ -223,7 +236,13 @@ class ColumnParallelLinear(nn.Module):
             y = F.linear(x, self.weight, self.bias)
         else:
             y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel, self.stats)
-        return gather_from_tp_region(y, group=self.group, stats=self.stats) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        y = gather_from_tp_region(y, group=self.group, stats=self.stats)
+        if self.fused_chunks > 1:  # [tp, chunks, per] blocks -> [chunks, tp, per]: the dense order
+            k, per = self.fused_chunks, self.out_per_rank // self.fused_chunks
+            y = y.unflatten(-1, (self.tp, k, per)).transpose(-3, -2).flatten(-3)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} ({self.out_per_rank}/rank), tp={self.tp}, sequence_parallel={self.sequence_parallel}"
@@ -418,3 +437,33 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim} ({self.per_rank} rows/rank), tp={self.tp}"
+
+
+class SequenceParallelNorm(nn.Module):
+    """Run a module with replicated parameters (LayerNorm, RMSNorm) on sequence shards.
+
+    Under sequence parallelism each tp rank applies the norm to its own ``s/tp`` tokens, so each
+    rank's weight gradient covers only those tokens; the true gradient is their sum. This wrapper
+    passes every parameter through :func:`copy_to_tp_region` (identity forward, all-reduce of
+    the gradient backward), so the sum happens automatically — forgetting it silently lets the
+    ranks' replicas diverge. Parameters stay those of the wrapped module (``.module``).
+
+    Args:
+        module: the module to wrap (its parameters are replicated on every tp rank).
+        ctx: the parallel context.
+        stats: optional CommStats recording the gradient all-reduces (one per parameter).
+
+    Example:
+        >>> ln = SequenceParallelNorm(nn.LayerNorm(512), ctx=ctx)
+        >>> h = ln(x_seq)                                   # [b, s/tp, 512]
+    """
+
+    def __init__(self, module: nn.Module, *, ctx: ParallelContext, stats: CommStats | None = None) -> None:
+        super().__init__()
+        self.module, self.group, self.stats = module, ctx.group("tp"), stats
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.group.size() == 1:
+            return self.module(*args, **kwargs)
+        params = {n: copy_to_tp_region(p, group=self.group, stats=self.stats) for n, p in self.module.named_parameters()}
+        return torch.func.functional_call(self.module, params, args, kwargs)
