@@ -40,6 +40,7 @@ from torch.profiler import record_function
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 
+from .backward import WeightWork, backward_input, backward_weight
 from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag
 from .schedules import Action, Kind, TimedAction, build_schedule
 from .split import SplitSpec, split_blocks
@@ -222,32 +223,35 @@ class PipelineParallel:
 
     def backward(self, s: int, i: int, st: _StepState, *, split: bool) -> None:
         """Backward of stage ``s`` on micro-batch ``i``: input and weight gradients, or (``split``,
-        ZB-H1's BI) the input gradient only, keeping the graph for :meth:`backward_weight`."""
-        y, x = st.outputs.pop((s, i)), st.inputs[(s, i)]
+        ZB-H1's BI) the input gradient only, keeping what :meth:`backward_weight` needs (see
+        [Note: splitting backward without re-walking the graph] in
+        :mod:`~shardkit.parallel.pipeline.backward`)."""
+        y, x = st.outputs.pop((s, i)), st.inputs.pop((s, i))
         g = None if s == self.schedule.num_stages - 1 else st.grads.pop((s, i))
         want_x = s > 0 and x.requires_grad
-        wrt = ([x] if want_x else []) + ([] if split else self._params[s])
-        got = torch.autograd.grad(y, wrt, grad_outputs=g, retain_graph=split, allow_unused=True) if wrt else ()
+        params = self._params[s]
+        gx = None
         if split:
-            st.w_pending[(s, i)] = (y, g)
+            if want_x:
+                gx, work = backward_input(y, x, g, params)
+            else:  # nothing to send upstream: all of the backward is W
+                work = WeightWork(list(params), output=y, grad_output=g)
+            st.w_pending[(s, i)] = work
         else:
-            st.inputs.pop((s, i))
+            wrt = ([x] if want_x else []) + params
+            got = torch.autograd.grad(y, wrt, grad_outputs=g, allow_unused=True) if wrt else ()
             self._accumulate(s, got[1:] if want_x else got, st)
-        if want_x:
-            gx = got[0] if got[0] is not None else torch.zeros_like(x)
+            if want_x:
+                gx = got[0] if got[0] is not None else torch.zeros_like(x)
+        if gx is not None:
             if (s - 1) % self.schedule.num_ranks == self.rank:
                 st.grads[(s - 1, i)] = gx
             else:
                 st.to_send[(Kind.SEND_B, s, i)] = gx
 
     def backward_weight(self, s: int, i: int, st: _StepState) -> None:
-        """ZB-H1's W: weight gradients of stage ``s`` for micro-batch ``i``. This re-walks the part
-        of the graph between the stage output and each weight (torch.autograd.grad cannot resume
-        the input-gradient pass), which costs up to one extra BI of compute per micro-batch."""
-        y, g = st.w_pending.pop((s, i))
-        st.inputs.pop((s, i))
-        if self._params[s]:
-            self._accumulate(s, torch.autograd.grad(y, self._params[s], grad_outputs=g, allow_unused=True), st)
+        """ZB-H1's W: the weight gradients of stage ``s`` for micro-batch ``i``."""
+        self._accumulate(s, backward_weight(st.w_pending.pop((s, i))), st)
 
     def send(self, a: Action, st: _StepState) -> None:
         """Post the send of an activation (SEND_F) or input gradient (SEND_B); waited in finalize."""
@@ -402,7 +406,7 @@ class _StepState:
         self.outputs: dict = {}  # (s, i) -> output (or loss sum) kept for backward
         self.grads: dict = {}  # (s, i) -> gradient of stage s's output
         self.to_send: dict = {}  # (kind, s, i) -> tensor to post
-        self.w_pending: dict = {}  # (s, i) -> (output, grad) for BW
+        self.w_pending: dict = {}  # (s, i) -> WeightWork for BW
         self.sends: list = []
         self.grad_acc: dict = {}  # param -> fp32 sum-form gradient
         self.loss_sums: list[float] = [0.0] * m  # last stage only

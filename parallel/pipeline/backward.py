@@ -1,0 +1,184 @@
+"""Backward split into input gradient and weight gradient (zero-bubble's B and W).
+
+[Note: splitting backward without re-walking the graph]
+``torch.autograd.grad(y, x, retain_graph=True)`` gives the input gradient (B), but a later
+``torch.autograd.grad(y, weights)`` would run the whole stage backward again. Instead, before B
+we find the *intermediates*: the autograd nodes on the way from ``y`` to ``x`` where a path up
+from a weight joins it (for ``x @ W.T`` that is the matmul's node, reached from ``W`` through
+``TBackward``). B captures, with a pre-hook, the gradient each intermediate receives; it is
+complete then, because every node between ``y`` and an intermediate is on the way to ``x`` and
+so runs in B. W starts from the intermediates (``GradientEdge``) with the captured gradients and
+asks for the weights only, so autograd runs just the weight side of each. When an intermediate
+lies below another, pre-hooks during W replace what arrives at it by its captured gradient, so
+nothing is counted twice (as ``torch.distributed.pipelining``'s ``stage_backward_weight`` does).
+If ``y`` does not depend on ``x`` (or on some weight only apart from ``x``), W falls back to
+``torch.autograd.grad(y, weights)`` from the stage output; the executor also uses that on the
+first stage, whose input (token ids) takes no gradient: there all of the backward is W.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+__all__ = ["WeightWork", "backward_input", "backward_weight"]
+
+
+@dataclass
+class _Group:
+    params: list[int]  # indices into the stage's parameter list
+    nodes: list[Node]  # their intermediates
+
+
+@dataclass
+class WeightWork:
+    """What :func:`backward_weight` needs, kept from :func:`backward_input`."""
+
+    params: list[torch.Tensor]
+    output: torch.Tensor | None = None  # fallback: re-walk from the stage output
+    grad_output: torch.Tensor | None = None
+    groups: list[_Group] = field(default_factory=list)
+    captured: dict[Node, tuple] = field(default_factory=dict)
+
+
+def _groups(y: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor]) -> list[_Group] | None:
+    """Weights grouped by the intermediates (see the Note) their paths up join; weights that
+    share an intermediate share a group. None when a used weight never joins the way to ``x``."""
+    root = y.grad_fn
+    if root is None:
+        return None
+    up: dict[Node, list[Node]] = defaultdict(list)  # reverse edges: towards y
+    leaf: dict[int, Node] = {}  # id(tensor) -> its AccumulateGrad node
+    seen, todo = {root}, [root]
+    while todo:
+        node = todo.pop()
+        var = getattr(node, "variable", None)
+        if var is not None:
+            leaf[id(var)] = node
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            up[nxt].append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    if id(x) not in leaf:
+        return None
+    on_path, todo = {leaf[id(x)]}, [leaf[id(x)]]
+    while todo:
+        for n in up[todo.pop()]:
+            if n not in on_path:
+                on_path.add(n)
+                todo.append(n)
+    groups: list[_Group] = []
+    owner: dict[Node, _Group] = {}
+    for idx, q in enumerate(params):
+        if id(q) not in leaf:
+            continue  # not used by this output: its gradient is None
+        joins: dict[Node, None] = {}
+        seen, todo = {leaf[id(q)]}, [leaf[id(q)]]
+        while todo:
+            for n in up[todo.pop()]:
+                if n in on_path:
+                    joins[n] = None
+                elif n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        if not joins:
+            return None
+        group = _Group([idx], list(joins))
+        for other in {id(owner[n]): owner[n] for n in joins if n in owner}.values():
+            groups.remove(other)
+            group.params += other.params
+            group.nodes += [n for n in other.nodes if n not in joins]
+        groups.append(group)
+        for n in group.nodes:
+            owner[n] = group
+    return groups
+
+
+def backward_input(
+    y: torch.Tensor, x: torch.Tensor, grad_output: torch.Tensor | None, params: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, WeightWork]:
+    """Gradient of ``y`` w.r.t. the stage input ``x`` only; keeps what W needs.
+
+    Args:
+        y: stage output (or scalar loss), with its graph.
+        x: stage input, ``requires_grad``.
+        grad_output: gradient of ``y`` (None for a scalar loss), same shape and dtype as ``y``.
+        params: the stage's trainable parameters.
+
+    Returns:
+        ``(dx, work)``: ``dx`` shaped like ``x`` (zeros if ``y`` does not depend on ``x``);
+        ``work`` for :func:`backward_weight`. See [Note: splitting backward without re-walking
+        the graph].
+
+    Example:
+        >>> dx, work = backward_input(y, x, dy, list(stage.parameters()))
+        >>> send(dx); dw = backward_weight(work)
+    """
+    groups = _groups(y, x, params) or []
+    consumers = [n for g in groups for n in g.nodes]
+    captured: dict[Node, tuple] = {}
+
+    def hook(node: Node):
+        def fn(grad_outputs: tuple) -> None:
+            captured[node] = tuple(grad_outputs)
+
+        return fn
+
+    handles = [n.register_prehook(hook(n)) for n in consumers]
+    try:
+        (dx,) = torch.autograd.grad(y, [x], grad_outputs=grad_output, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    dx = torch.zeros_like(x) if dx is None else dx
+    if consumers and len(captured) == len(consumers):
+        return dx, WeightWork(list(params), groups=groups, captured=captured)
+    return dx, WeightWork(list(params), output=y, grad_output=grad_output)
+
+
+def backward_weight(work: WeightWork) -> tuple[torch.Tensor | None, ...]:
+    """Weight gradients for ``work.params`` (None for a parameter the output does not use).
+
+    Frees the graph kept by :func:`backward_input`.
+    """
+    if not work.params:
+        return ()
+    if work.output is not None:
+        return torch.autograd.grad(work.output, work.params, grad_outputs=work.grad_output, allow_unused=True)
+    # One autograd call per group, so no call walks into another group's subgraph (which a
+    # single call over all intermediates would do: the way to x links them).
+    out: list[torch.Tensor | None] = [None] * len(work.params)
+    try:
+        for n_group, group in enumerate(work.groups):
+            edges, grads = [], []
+            for node in group.nodes:
+                for k, g in enumerate(work.captured[node]):
+                    if g is not None:
+                        edges.append(GradientEdge(node, k))
+                        grads.append(g)
+            if not edges:
+                continue
+            handles = []
+            if len(group.nodes) > 1:  # clamp: see the Note
+                handles = [n.register_prehook(lambda _go, gs=work.captured[n]: gs) for n in group.nodes]
+            try:
+                got = torch.autograd.grad(
+                    edges, [work.params[i] for i in group.params], grad_outputs=grads,
+                    retain_graph=n_group < len(work.groups) - 1, allow_unused=True,
+                )  # fmt: skip
+            finally:
+                for h in handles:
+                    h.remove()
+            for i, g in zip(group.params, got, strict=True):
+                out[i] = g
+    finally:
+        work.captured.clear()
+        work.groups.clear()
+    return tuple(out)
