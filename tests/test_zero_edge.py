@@ -250,6 +250,8 @@ def _round_trip(stage: int, dtype: torch.dtype) -> None:
     model_state = sdp.full_state_dict()
     opt_state = copy.deepcopy(opt.state_dict())
     assert set(model_state) == set(_model().state_dict())  # the unwrapped module's keys
+    only0 = sdp.full_state_dict(rank0_only=True)
+    assert (only0 == {}) if ctx.rank("dp") else all(torch.equal(only0[k], v) for k, v in model_state.items())
     train(sdp, opt, range(3, 7))
     sdp2, opt2 = build()
     sdp2.load_full_state_dict(model_state)
@@ -268,3 +270,70 @@ def _round_trip(stage: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_optimizer_state_dict_round_trip_continues_identically(dist_pool, stage: int, dtype) -> None:
     dist_pool.run(_round_trip, stage, dtype, world_size=2, timeout=60)
+
+
+def _backward_that_raised(stage: int) -> None:
+    """Every rank's backward raises mid-way (some buckets already launched); the next forward
+    discards that reduction and training continues exactly like one process that never saw it."""
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, stage, bucket_mb=0.002)
+    assert len(sdp.sharded_buckets) > 2
+    ref = _model()
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("deterministic failure in backward")
+
+    for step in range(4):
+        x, y = _batch(step)
+        if step == 1:
+            hook = sdp.module[0].weight.register_hook(fail)  # the first layer: late in backward
+            opt.zero_grad()
+            with pytest.raises(RuntimeError, match="deterministic failure"):
+                nn.functional.mse_loss(sdp(x[_rows(ctx)]), y[_rows(ctx)]).backward()
+            hook.remove()
+        opt.zero_grad()
+        nn.functional.mse_loss(sdp(x[_rows(ctx)]), y[_rows(ctx)]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        for p, q in zip(sdp.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **FP32)
+    ctx.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_recovers_from_a_backward_that_raised(dist_pool, stage: int) -> None:
+    dist_pool.run(_backward_that_raised, stage, world_size=2, timeout=60)
+
+
+def _stage2_transient_memory_is_bounded(accumulate: bool) -> tuple[int, int]:
+    """Stage 2 never holds a full gradient: at most two buckets are in flight during backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(D, D) for _ in range(8)])
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(model, ctx, 2, bucket_mb=0.0045)  # one Linear (4.2 KB of fp32 grads) per bucket
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.1)
+    n, biggest = ctx.size("dp"), max(sb.total for sb in sdp.sharded_buckets)
+    full_grad_bytes = 4 * sum(sb.total for sb in sdp.sharded_buckets)
+    x = torch.randn(4, D)
+    opt.zero_grad()
+    for _ in range(3 if accumulate else 1):
+        with sdp.no_sync():  # stage 2: still reduces each backward, never accumulates a full copy
+            sdp(x).square().mean().backward()
+    opt.step()
+    peak = sdp.memory_report()["peak_transient"]
+    # 2 buckets in flight (the bucket + a reduce-scatter output of 1/N of it, when accumulating),
+    # then the step's all-gather inputs (one shard per bucket, all issued together)
+    bound = max(2 * 4 * biggest * (1 + 1 / n), 4 * sum(sb.shard for sb in sdp.sharded_buckets))
+    assert len(sdp.sharded_buckets) == 8
+    assert peak <= bound < full_grad_bytes, (peak, bound, full_grad_bytes)
+    ctx.destroy()
+    return peak, full_grad_bytes
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_zero_stage2_transient_buffers_stay_below_a_full_gradient(dist_pool, accumulate: bool) -> None:
+    dist_pool.run(_stage2_transient_memory_is_bounded, accumulate, world_size=2, timeout=60)

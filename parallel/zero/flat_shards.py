@@ -172,22 +172,30 @@ class FlatShards:
         sb = ShardedBucket(gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard),
                            flat, master)  # fmt: skip
         if self.stage == 1:
-            sb.grad_full = gb.buffer = torch.zeros(total, dtype=self.grad_dtype, device=device)
-            gb.views = [sb.grad_full.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets)]
+            self._new_grad_full(sb)
             if self.grad_dtype != dtype:  # autograd then accumulates straight into the views
                 for p in params:
                     p.grad_dtype = self.grad_dtype
         else:
             sb.grad_shard = torch.zeros(shard, dtype=self.grad_dtype, device=device)
-        if self.grad_dtype == torch.float32:
-            sb.opt_grad = sb.reduced_shard
         weights = sb.master_shard()
-        for seg in sb.segments:
-            sp = nn.Parameter(weights.narrow(0, seg.flat_offset - start, seg.numel))  # a view: steps write the shard
-            if sb.opt_grad is not None:
-                sp.grad = sb.opt_grad.narrow(0, seg.flat_offset - start, seg.numel)
-            sb.shard_params.append(sp)
+        for seg in sb.segments:  # views: the optimizer's in-place updates write the shard
+            sb.shard_params.append(nn.Parameter(weights.narrow(0, seg.flat_offset - start, seg.numel)))
+        if self.grad_dtype == torch.float32:
+            self._bind_opt_grad(sb, sb.reduced_shard)
         return sb
+
+    def _new_grad_full(self, sb: ShardedBucket) -> None:
+        gb = sb.grad_bucket
+        sb.grad_full = gb.buffer = torch.zeros(sb.total, dtype=self.grad_dtype, device=sb.flat_param.device)
+        gb.views = [sb.grad_full.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(gb.params, gb.offsets)]
+
+    @staticmethod
+    def _bind_opt_grad(sb: ShardedBucket, grad: torch.Tensor | None) -> None:
+        """Point each shard param's ``.grad`` at its piece of ``grad`` (``[shard]`` fp32), or None."""
+        sb.opt_grad = grad
+        for seg, sp in zip(sb.segments, sb.shard_params):
+            sp.grad = None if grad is None else grad.narrow(0, seg.flat_offset - sb.start, seg.numel)
 
     def shard_param_of(self) -> dict[nn.Parameter, nn.Parameter]:
         """Original param -> its 1-D shard param on this rank (params with no element here are absent)."""
@@ -273,8 +281,14 @@ class FlatShards:
         """Forget a backward that raised ([Note: a backward that raised]): never wait, and give
         every buffer a collective may still write a fresh replacement."""
         for sb, work, _, out in self._in_flight:
-            if not work.is_completed() and out is sb.grad_shard:
+            if work.is_completed():
+                continue
+            if self.stage == 1:  # its input: the collective may still read it
+                self._new_grad_full(sb)
+            elif out is sb.grad_shard:
                 sb.grad_shard = torch.zeros_like(out)
+            if self.grad_dtype == torch.float32:
+                self._bind_opt_grad(sb, sb.reduced_shard)
         self._in_flight.clear()
         self._transient = 0
         self.zero_grad(set_to_none=True)
@@ -295,7 +309,7 @@ class FlatShards:
                 sb.grad_full.narrow(0, sb.start, sb.shard).zero_()
             sb.fresh, sb.reduced = True, False
             if self.grad_dtype != torch.float32:
-                sb.opt_grad = None
+                self._bind_opt_grad(sb, None)
         self.finalized = False
 
     @torch.no_grad()
@@ -315,12 +329,10 @@ class FlatShards:
             if self.grad_dtype == torch.float32:
                 unscale_and_norm_([g], inv_scale=inv_scale, found_inf=found_inf, sumsq=sumsq, backend=self.backend)
                 continue
-            sb.opt_grad = torch.empty(sb.shard, dtype=torch.float32, device=device)  # transient fp32 copy
+            self._bind_opt_grad(sb, torch.empty(sb.shard, dtype=torch.float32, device=device))  # transient fp32
             self._hold(sb.shard * 4)
             unscale_and_norm_([g], inv_scale=inv_scale, out=[sb.opt_grad], found_inf=found_inf, sumsq=sumsq,
                               backend=self.backend)  # fmt: skip
-            for seg, sp in zip(sb.segments, sb.shard_params):
-                sp.grad = sb.opt_grad.narrow(0, seg.flat_offset - sb.start, seg.numel)
         self.finalized = True
         return found_inf, sumsq
 
@@ -338,9 +350,7 @@ class FlatShards:
         for sb in self.buckets:
             if sb.opt_grad is not None:
                 self._release(sb.shard * 4)
-                sb.opt_grad = None
-                for sp in sb.shard_params:
-                    sp.grad = None
+                self._bind_opt_grad(sb, None)
 
     @torch.no_grad()
     def all_gather_params(self) -> None:
