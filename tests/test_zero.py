@@ -90,3 +90,38 @@ def test_zero_param_groups_given_with_original_params(dist_pool, world_size: int
     """No weight decay and another lr for biases, even though storage is flat and sharded (at
     dp 4 some ranks hold no bias at all: their group is empty and must still line up)."""
     dist_pool.run(_train_equals_single_process, stage, opt_name, True, world_size=world_size, timeout=60)
+
+
+def _triton_kernels_path(stage: int) -> None:
+    """The flatten copies and the gradient epilogue through Triton (interpreted here; compiled on
+    CUDA): the same training as the torch path, against one process."""
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, stage, bucket_mb=0.004, backend="triton")
+    ref = _model()
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    rows = _rows(ctx)
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(sdp(x[rows]), y[rows]).backward()
+        norm = sdp.clip_grad_norm_(0.1)
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1), **FP32)
+        ref_opt.step()
+        for p, q in zip(sdp.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **FP32)
+    ctx.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_interpreted_triton_kernels(dist_pool, stage: int) -> None:
+    dist_pool.run(_triton_kernels_path, stage, world_size=2, timeout=120)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_dp1_takes_the_local_path(dist_pool, stage: int) -> None:
+    """One rank: the collectives' local paths (no communication), same training as torch."""
+    dist_pool.run(_train_equals_single_process, stage, "fused_adamw", True, 3, world_size=1, timeout=60)
