@@ -16,9 +16,33 @@ from .functions import (
     scatter_to_sequence_region,
     scatter_to_tp_region,
 )
+from .plan import (
+    Colwise,
+    Heads,
+    Rowwise,
+    VocabParallel,
+    VocabParallelHead,
+    VocabParallelLMHead,
+    gather_state_dict,
+    gpt_plan,
+    plan_modules,
+    shard_state_dict,
+    tensor_parallelize,
+)
 from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, VocabParallelEmbedding
 
 __all__ = [
+    "Colwise",
+    "Heads",
+    "Rowwise",
+    "VocabParallel",
+    "VocabParallelHead",
+    "VocabParallelLMHead",
+    "gather_state_dict",
+    "gpt_plan",
+    "plan_modules",
+    "shard_state_dict",
+    "tensor_parallelize",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "SequenceParallelNorm",

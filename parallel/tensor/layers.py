@@ -357,6 +357,8 @@ class VocabParallelEmbedding(nn.Module):
         padding_idx: as ``nn.Embedding``: that row starts at zero and gets no gradient.
         sequence_parallel: return this rank's sequence chunk ``[..., s/tp, D]``.
         dtype, device, stats: as for :class:`ColumnParallelLinear`.
+        init_method: optional in-place initializer of the full ``[V, D]`` weight (default
+            ``nn.Embedding``'s ``normal_``); ``padding_idx``'s row is zeroed after it.
 
     Raises:
         ValueError: bad ``padding_idx``; non-integer ids or a sequence length not divisible by tp
@@ -378,6 +380,7 @@ class VocabParallelEmbedding(nn.Module):
         sequence_parallel: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        init_method: Callable[[torch.Tensor], Any] | None = None,
         stats: CommStats | None = None,
     ) -> None:
         super().__init__()
@@ -392,7 +395,7 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-num_embeddings // self.tp)
         self.vocab_start = self.tp_rank * self.per_rank
         weight = torch.empty(num_embeddings, embedding_dim)
-        nn.init.normal_(weight)  # nn.Embedding.reset_parameters
+        (init_method or nn.init.normal_)(weight)  # default: nn.Embedding.reset_parameters
         if padding_idx is not None:
             weight[padding_idx].zero_()
         self._set_shard(weight, dtype, device)
@@ -406,7 +409,14 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, *, ctx: ParallelContext, **kwargs: Any) -> VocabParallelEmbedding:
         """This rank's rows of an existing dense ``nn.Embedding`` (same dtype and device)."""
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, ctx=ctx, padding_idx=embedding.padding_idx, **kwargs)
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            ctx=ctx,
+            padding_idx=embedding.padding_idx,
+            init_method=nn.init.zeros_,
+            **kwargs,
+        )
         with torch.no_grad():
             w = embedding.weight.detach()
             layer._set_shard(w, w.dtype, w.device)

@@ -1,0 +1,354 @@
+"""Declarative tensor-parallel plans: ``tensor_parallelize(model, ctx, plan)``.
+
+A plan is data (torchtitan's layer plans): ``{module-name pattern: style}``. A pattern is a
+dotted module name where ``*`` matches one name component (``"blocks.*.attn.qkv"``). Styles:
+
+* :class:`Colwise` — an ``nn.Linear`` becomes a :class:`ColumnParallelLinear` (``fused_chunks=3``
+  for a fused ``[q; k; v]`` projection);
+* :class:`Rowwise` — an ``nn.Linear`` becomes a :class:`RowParallelLinear`;
+* :class:`VocabParallel` — an ``nn.Embedding`` becomes a :class:`VocabParallelEmbedding`;
+* :class:`VocabParallelHead` — an LM head ``nn.Linear(d, V, bias=False)`` becomes a
+  :class:`VocabParallelLMHead` returning this rank's logits shard (feed it to
+  ``vocab_parallel_cross_entropy``), optionally sharing the weight of a vocab-parallel embedding
+  (tied embeddings);
+* :class:`Heads` — divides an integer attribute (``n_heads``) by tp: each rank runs its heads.
+
+:func:`tensor_parallelize` validates the whole plan first — every pattern matches a module of the
+right type, every split dimension is divisible by tp — and raises a ``ValueError`` naming the
+pattern or dimension before converting anything (and before any collective). Conversion slices
+the model's current weights (``from_dense``), so a TP model built from a dense model (same seed
+on every rank) computes what the dense model computes.
+
+:func:`shard_state_dict` / :func:`gather_state_dict` convert a dense state dict to this rank's
+shards and back, with the same plan.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.comm import CommStats, ParallelContext
+
+from .functions import copy_to_tp_region, gather_along
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+__all__ = [
+    "Colwise",
+    "Rowwise",
+    "VocabParallel",
+    "VocabParallelHead",
+    "Heads",
+    "VocabParallelLMHead",
+    "tensor_parallelize",
+    "plan_modules",
+    "gpt_plan",
+    "shard_state_dict",
+    "gather_state_dict",
+]
+
+
+@dataclass(frozen=True)
+class Colwise:
+    """Split an ``nn.Linear``'s output features (weight rows) over tp."""
+
+    fused_chunks: int = 1
+    gather_output: bool = False
+
+
+@dataclass(frozen=True)
+class Rowwise:
+    """Split an ``nn.Linear``'s input features (weight columns) over tp."""
+
+    input_is_parallel: bool = True
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """Split an ``nn.Embedding``'s rows (the vocabulary) over tp, padded to a multiple of tp."""
+
+
+@dataclass(frozen=True)
+class VocabParallelHead:
+    """Split an LM head's vocabulary over tp; ``tied_to`` names the embedding sharing its weight."""
+
+    tied_to: str | None = None
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Divide the integer attribute ``attr`` of a module (its head count) by tp."""
+
+    attr: str = "n_heads"
+
+
+Style = Colwise | Rowwise | VocabParallel | VocabParallelHead | Heads
+
+
+class VocabParallelLMHead(nn.Module):
+    """``logits_shard = X W_rᵀ``: the column-parallel LM head over a padded vocabulary.
+
+    Rank ``r`` holds rows ``[r Vs, (r+1) Vs)`` of the ``[V, D]`` weight (zero past ``V``), the
+    layout of :class:`VocabParallelEmbedding`, whose weight it can share (``embedding=``).
+
+    Args:
+        weight: this rank's ``[Vs, D]`` parameter (shared with a tied embedding, or its own).
+        vocab_size: the real vocabulary size ``V`` (pass it to ``vocab_parallel_cross_entropy``).
+        ctx: the parallel context.
+        stats: optional CommStats (the backward all-reduce of the input gradient).
+
+    Example:
+        >>> head = VocabParallelLMHead(emb.weight, vocab_size=50257, ctx=ctx)   # tied
+        >>> loss = vocab_parallel_cross_entropy(head(h), y, ctx=ctx, vocab_size=head.vocab_size)
+    """
+
+    def __init__(self, weight: nn.Parameter, *, vocab_size: int, ctx: ParallelContext, stats: CommStats | None = None) -> None:
+        super().__init__()
+        self.weight, self.vocab_size, self.group, self.stats = weight, vocab_size, ctx.group("tp"), stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., D]`` -> ``[..., Vs]`` (this rank's vocabulary columns)."""
+        if x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(
+                f"VocabParallelLMHead: input must have last dimension {self.weight.shape[1]}, got shape {tuple(x.shape)}"
+            )
+        return F.linear(copy_to_tp_region(x, group=self.group, stats=self.stats), self.weight)
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    return re.compile("^" + ".".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
+
+
+def _match(model: nn.Module, plan: dict[str, Style]) -> dict[str, tuple[str, Style]]:
+    """``{module name: (pattern, style)}``; each pattern must match at least one module."""
+    names = [n for n, _ in model.named_modules() if n]
+    found: dict[str, tuple[str, Style]] = {}
+    for pattern, style in plan.items():
+        regex = _pattern_regex(pattern)
+        hits = [n for n in names if regex.match(n)]
+        if not hits:
+            raise ValueError(f"TP plan pattern {pattern!r} names no module of {type(model).__name__}")
+        for n in hits:
+            if n in found:
+                raise ValueError(f"module {n!r} is matched by two TP plan patterns: {found[n][0]!r} and {pattern!r}")
+            found[n] = (pattern, style)
+    return found
+
+
+def _check(name: str, pattern: str, module: nn.Module, style: Style, tp: int) -> None:
+    where = f"TP plan {pattern!r} -> {name}"
+    if isinstance(style, (Colwise, Rowwise, VocabParallelHead)) and not isinstance(module, nn.Linear):
+        raise ValueError(f"{where}: {type(style).__name__} needs an nn.Linear, got {type(module).__name__}")
+    if isinstance(style, Colwise) and module.out_features % (tp * style.fused_chunks):
+        raise ValueError(
+            f"{where}: out_features={module.out_features} is not divisible by tp * fused_chunks = {tp} * {style.fused_chunks}"
+        )
+    if isinstance(style, Rowwise) and module.in_features % tp:
+        raise ValueError(f"{where}: in_features={module.in_features} is not divisible by the tp size {tp}")
+    if isinstance(style, VocabParallel) and not isinstance(module, nn.Embedding):
+        raise ValueError(f"{where}: VocabParallel needs an nn.Embedding, got {type(module).__name__}")
+    if isinstance(style, VocabParallelHead) and module.bias is not None:
+        raise ValueError(f"{where}: VocabParallelHead supports heads without bias")
+    if isinstance(style, Heads):
+        value = getattr(module, style.attr, None)
+        if not isinstance(value, int):
+            raise ValueError(f"{where}: Heads needs an int attribute {style.attr!r}")
+        if value % tp:
+            raise ValueError(f"{where}: {style.attr}={value} is not divisible by the tp size {tp}")
+
+
+def plan_modules(model: nn.Module, plan: dict[str, Style], tp: int) -> dict[str, tuple[str, Style]]:
+    """Resolve and validate ``plan`` against ``model`` for ``tp`` ranks; a pure function.
+
+    Returns:
+        ``{module name: (pattern, style)}`` for every module the plan touches.
+
+    Raises:
+        ValueError: as :func:`tensor_parallelize`.
+
+    Example:
+        >>> sorted(plan_modules(TinyGPT(59, n_layers=1), gpt_plan(), 2))[:2]
+        ['blocks.0.attn', 'blocks.0.attn.proj']
+    """
+    matched = _match(model, plan)
+    modules = dict(model.named_modules())
+    for name, (pattern, style) in matched.items():
+        _check(name, pattern, modules[name], style, tp)
+        if isinstance(style, VocabParallelHead) and style.tied_to is not None:
+            tied = matched.get(style.tied_to)
+            if tied is None or not isinstance(tied[1], VocabParallel):
+                raise ValueError(f"TP plan {pattern!r}: tied_to={style.tied_to!r} must name a module planned VocabParallel()")
+    return matched
+
+
+def tensor_parallelize(
+    model: nn.Module, ctx: ParallelContext, plan: dict[str, Style], *, stats: CommStats | None = None
+) -> nn.Module:
+    """Convert ``model``'s modules in place according to ``plan`` (see the module docstring).
+
+    Args:
+        model: the dense model, built identically (same seed) on every rank.
+        ctx: the parallel context (the tp axis is used).
+        plan: ``{pattern: style}``.
+        stats: optional CommStats passed to every converted layer.
+
+    Returns:
+        ``model`` (modified in place).
+
+    Raises:
+        ValueError: a pattern that names no module, a style on the wrong module type, a split
+            dimension not divisible by tp, a tied head whose embedding is not in the plan —
+            all before any module is converted.
+
+    Example:
+        >>> model = tensor_parallelize(TinyGPT(59, n_heads=4), ctx, gpt_plan())
+        >>> loss = vocab_parallel_cross_entropy(model(idx), y, ctx=ctx, vocab_size=59)
+    """
+    tp = ctx.size("tp")
+    matched = plan_modules(model, plan, tp)
+    modules = dict(model.named_modules())
+    converted: dict[str, nn.Module] = {}
+    order = sorted(matched, key=lambda n: isinstance(matched[n][1], VocabParallelHead))  # embeddings first
+    for name in order:
+        _, style = matched[name]
+        module = modules[name]
+        if isinstance(style, Heads):
+            setattr(module, style.attr, getattr(module, style.attr) // tp)
+            continue
+        if isinstance(style, Colwise):
+            new = ColumnParallelLinear.from_dense(
+                module, ctx=ctx, fused_chunks=style.fused_chunks, gather_output=style.gather_output, stats=stats
+            )
+        elif isinstance(style, Rowwise):
+            new = RowParallelLinear.from_dense(module, ctx=ctx, input_is_parallel=style.input_is_parallel, stats=stats)
+        elif isinstance(style, VocabParallel):
+            new = VocabParallelEmbedding.from_dense(module, ctx=ctx, stats=stats)
+        else:
+            if style.tied_to is not None:
+                weight = converted[style.tied_to].weight
+            else:
+                weight = VocabParallelEmbedding.from_dense(nn.Embedding.from_pretrained(module.weight.detach()), ctx=ctx).weight
+            new = VocabParallelLMHead(weight, vocab_size=module.out_features, ctx=ctx, stats=stats)
+        converted[name] = new
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+    return model
+
+
+def gpt_plan(*, tie_embeddings: bool = True) -> dict[str, Style]:
+    """The TP plan of a GPT-2-layout model (shardkit's TinyGPT): attention heads and the MLP split
+    Megatron-style, the vocabulary split in the embedding and the LM head.
+
+    Positions, LayerNorms and biases of row-parallel layers stay replicated.
+
+    Example:
+        >>> gpt_plan()["blocks.*.attn.qkv"]
+        Colwise(fused_chunks=3, gather_output=False)
+    """
+    return {
+        "tok_emb": VocabParallel(),
+        "blocks.*.attn": Heads("n_heads"),
+        "blocks.*.attn.qkv": Colwise(fused_chunks=3),
+        "blocks.*.attn.proj": Rowwise(),
+        "blocks.*.mlp.fc": Colwise(),
+        "blocks.*.mlp.proj": Rowwise(),
+        "head": VocabParallelHead(tied_to="tok_emb" if tie_embeddings else None),
+    }
+
+
+def _shard_dim(style: Style, param: str) -> int | None:
+    """The dimension ``param`` of a module with ``style`` is split along (None: replicated)."""
+    if isinstance(style, Colwise):
+        return 0
+    if isinstance(style, Rowwise):
+        return 1 if param == "weight" else None
+    if isinstance(style, (VocabParallel, VocabParallelHead)):
+        return 0
+    return None
+
+
+def _styles_by_param(keys: list[str], plan: dict[str, Style]) -> dict[str, Style]:
+    regexes = [(_pattern_regex(p), s) for p, s in plan.items() if not isinstance(s, Heads)]
+    out = {}
+    for key in keys:
+        module = key.rpartition(".")[0]
+        for regex, style in regexes:
+            if regex.match(module):
+                out[key] = style
+    return out
+
+
+def _fused_order(style: Style, n: int, tp: int) -> torch.Tensor | None:
+    """Row permutation taking [chunk, rank, per] (dense) to [rank, chunk, per] (rank-major)."""
+    if not isinstance(style, Colwise) or style.fused_chunks == 1:
+        return None
+    k = style.fused_chunks
+    return torch.arange(n).view(k, tp, n // (k * tp)).transpose(0, 1).reshape(-1)
+
+
+def shard_state_dict(dense_sd: dict[str, torch.Tensor], plan: dict[str, Style], ctx: ParallelContext) -> dict[str, torch.Tensor]:
+    """This rank's shards of a dense state dict, keyed like the tensor-parallelized model's.
+
+    Only this rank's slice of each split tensor is copied; vocabulary-split tensors are padded
+    with zero rows to a multiple of tp (as :class:`VocabParallelEmbedding`).
+
+    Example:
+        >>> tp_model.load_state_dict(shard_state_dict(torch.load("dense.pt"), gpt_plan(), ctx))
+    """
+    tp, r = ctx.size("tp"), ctx.rank("tp")
+    styles = _styles_by_param(list(dense_sd), plan)
+    out = {}
+    for key, t in dense_sd.items():
+        style = styles.get(key)
+        dim = None if style is None else _shard_dim(style, key.rpartition(".")[2])
+        if dim is None:
+            out[key] = t
+            continue
+        order = _fused_order(style, t.shape[0], tp)
+        if order is not None:
+            t = t[order]
+        if isinstance(style, (VocabParallel, VocabParallelHead)):
+            per = -(-t.shape[0] // tp)
+            t = torch.cat([t, t.new_zeros(per * tp - t.shape[0], *t.shape[1:])])
+        elif t.shape[dim] % tp:
+            raise ValueError(f"{key}: dimension {dim} of size {t.shape[dim]} is not divisible by the tp size {tp}")
+        out[key] = t.chunk(tp, dim)[r].clone()
+    return out
+
+
+def gather_state_dict(
+    tp_sd: dict[str, torch.Tensor], plan: dict[str, Style], ctx: ParallelContext, *, vocab_sizes: dict[str, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """The dense state dict from every tp rank's shards (all-gathers over tp; call on every rank).
+
+    Args:
+        tp_sd: this rank's state dict of a model converted with ``plan``.
+        plan: the plan it was converted with.
+        ctx: the parallel context.
+        vocab_sizes: ``{key: V}`` for vocabulary-split tensors, whose zero padding is dropped
+            (default: keep the padded rows).
+
+    Example:
+        >>> dense_sd = gather_state_dict(model.state_dict(), gpt_plan(), ctx, vocab_sizes={"tok_emb.weight": 59, "head.weight": 59})
+    """
+    tp = ctx.size("tp")
+    styles = _styles_by_param(list(tp_sd), plan)
+    out = {}
+    for key, t in tp_sd.items():
+        style = styles.get(key)
+        dim = None if style is None else _shard_dim(style, key.rpartition(".")[2])
+        if dim is None or tp == 1:
+            out[key] = t
+            continue
+        full = gather_along(t.detach(), dim, ctx.group("tp"))
+        order = _fused_order(style, full.shape[0], tp)
+        if order is not None:
+            full = full[torch.argsort(order)]
+        if vocab_sizes and key in vocab_sizes:
+            full = full[: vocab_sizes[key]]
+        out[key] = full
+    return out

@@ -1,0 +1,163 @@
+"""Declarative TP plans: resolution and validation without processes, then TinyGPT at tp = 2 and 4
+(gloo) trained against the dense model, and dense <-> TP state dicts."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardkit.comm import ParallelContext
+from shardkit.models import CausalSelfAttention, TinyGPT, lm_loss
+from shardkit.parallel.tensor import (
+    Colwise,
+    Heads,
+    Rowwise,
+    VocabParallel,
+    VocabParallelHead,
+    gather_state_dict,
+    gpt_plan,
+    plan_modules,
+    shard_state_dict,
+    tensor_parallelize,
+    vocab_parallel_cross_entropy,
+)
+from tolerances import FP32
+
+VOCAB = 59  # not divisible by 2 or 4: the vocabulary is padded and masked
+
+
+def _attention_forward_any_heads(self: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
+    """TinyGPT's attention with the head width and output width inferred (``-1``) instead of taken
+    from ``x``'s width, the one change TinyGPT needs to run its heads split over tp."""
+    b, t, _ = x.shape
+    q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+    return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+
+
+def _model(tie: bool = True) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, d_model=32, n_layers=2, n_heads=4, seq_len=16, tie_embeddings=tie)
+
+
+# ---- plans are data: no processes ----------------------------------------------------------------
+def test_gpt_plan_resolves_every_module_of_tinygpt():
+    found = plan_modules(_model(), gpt_plan(), 4)
+    assert sorted(found) == [
+        "blocks.0.attn",
+        "blocks.0.attn.proj",
+        "blocks.0.attn.qkv",
+        "blocks.0.mlp.fc",
+        "blocks.0.mlp.proj",
+        "blocks.1.attn",
+        "blocks.1.attn.proj",
+        "blocks.1.attn.qkv",
+        "blocks.1.mlp.fc",
+        "blocks.1.mlp.proj",
+        "head",
+        "tok_emb",
+    ]
+    assert found["blocks.1.mlp.fc"] == ("blocks.*.mlp.fc", Colwise())
+
+
+@pytest.mark.parametrize(
+    "plan,tp,match",
+    [
+        ({"blocks.*.attn.nope": Colwise()}, 2, "'blocks.\\*.attn.nope' names no module"),
+        ({"blocks.*.attn": Heads()}, 8, "n_heads=4 is not divisible by the tp size 8"),
+        ({"blocks.*.mlp.proj": Rowwise()}, 3, "in_features=128 is not divisible"),
+        ({"blocks.*.attn.qkv": Colwise(fused_chunks=3)}, 64, "out_features=96 is not divisible by tp \\* fused_chunks"),
+        ({"blocks.*.ln1": Colwise()}, 2, "needs an nn.Linear, got LayerNorm"),
+        ({"head": VocabParallelHead(tied_to="tok_emb")}, 2, "tied_to='tok_emb' must name a module planned VocabParallel"),
+        ({"pos_emb": VocabParallel(), "*": VocabParallel()}, 2, "matched by two TP plan patterns"),
+        ({"blocks.*": Colwise()}, 2, "needs an nn.Linear, got Block"),  # * is one name component
+    ],
+)
+def test_bad_plans_raise_naming_the_pattern_or_dimension(plan, tp, match):
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=match):
+        plan_modules(model, plan, tp)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---- TinyGPT over tp ------------------------------------------------------------------------------
+def _tinygpt_body(tie: bool) -> list[float]:
+    tp = dist.get_world_size()
+    with (
+        ParallelContext.from_world(tp=tp) as ctx,
+        mock.patch.object(CausalSelfAttention, "forward", _attention_forward_any_heads),
+    ):
+        dense = _model(tie)
+        model = tensor_parallelize(copy.deepcopy(dense), ctx, gpt_plan(tie_embeddings=tie))
+        if tie:
+            assert model.head.weight is model.tok_emb.weight
+        assert model.blocks[0].attn.n_heads == 4 // tp
+        opt_d = torch.optim.SGD(dense.parameters(), lr=0.2, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        idx, y = torch.randint(VOCAB, (2, 16), generator=gen), torch.randint(VOCAB, (2, 16), generator=gen)
+        for _ in range(10):  # one batch, memorized: the loss must fall
+            loss_d = lm_loss(dense(idx), y)
+            logits_shard = model(idx)
+            assert logits_shard.shape == (2, 16, -(-VOCAB // tp))
+            loss = vocab_parallel_cross_entropy(logits_shard, y, ctx=ctx, vocab_size=VOCAB)
+            torch.testing.assert_close(loss, loss_d, **FP32)
+            opt_d.zero_grad()
+            opt.zero_grad()
+            loss_d.backward()
+            loss.backward()
+            opt_d.step()
+            opt.step()
+            losses.append(float(loss.detach()))
+        # the trained TP model is the trained dense model, sharded (and back)
+        plan = gpt_plan(tie_embeddings=tie)
+        sharded = shard_state_dict(dense.state_dict(), plan, ctx)
+        got = model.state_dict()
+        assert sorted(sharded) == sorted(got)
+        for key, value in got.items():
+            torch.testing.assert_close(value, sharded[key], **FP32, msg=lambda m, key=key: f"{key}: {m}")
+        vocab = {"tok_emb.weight": VOCAB, "head.weight": VOCAB}
+        gathered = gather_state_dict(got, plan, ctx, vocab_sizes=vocab)
+        for key, value in dense.state_dict().items():
+            torch.testing.assert_close(gathered[key], value, **FP32, msg=lambda m, key=key: f"{key}: {m}")
+        # a fresh TP model loads the dense checkpoint's shards and computes the dense logits' shard
+        fresh = tensor_parallelize(_model(tie), ctx, plan)
+        fresh.load_state_dict(sharded)
+        idx = torch.randint(VOCAB, (2, 16), generator=gen)
+        start = ctx.rank("tp") * logits_shard.shape[-1]
+        full = dense(idx).detach()
+        n = min(logits_shard.shape[-1], VOCAB - start)
+        torch.testing.assert_close(fresh(idx)[..., :n], full[..., start : start + n], **FP32)
+        return losses
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_tinygpt_with_gpt_plan_trains_like_dense(dist_pool, world_size, tie):
+    losses = dist_pool.run(_tinygpt_body, tie, world_size=world_size, timeout=120)
+    assert all(rank == losses[0] for rank in losses)
+    assert losses[0][-1] < losses[0][0]
+
+
+def test_attention_forward_any_heads_equals_tinygpt():
+    """The test's attention forward is TinyGPT's own, for the dense model (so the change is safe)."""
+    model = _model()
+    idx = torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    expect = model(idx)
+    with mock.patch.object(CausalSelfAttention, "forward", _attention_forward_any_heads):
+        torch.testing.assert_close(model(idx), expect, rtol=0, atol=0)
+
+
+def test_untied_head_requires_linear_without_bias():
+    model = _model(tie=False)
+    model.head = nn.Linear(32, VOCAB, bias=True)
+    with pytest.raises(ValueError, match="without bias"):
+        plan_modules(model, {"head": VocabParallelHead()}, 2)
