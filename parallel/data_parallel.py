@@ -40,7 +40,7 @@ from .grad_utils import UnscaledGrads
 from .loss_scaler import DynamicLossScaler
 from .reducer import GradBucket, GradReducer
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "broadcast_module_state", "check_same_model"]
 
 
 def _first_device(module: nn.Module) -> torch.device:
@@ -76,6 +76,60 @@ def _flat_alias(g: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
     if g.stride() == slot.stride() and is_dense(g):
         return g.as_strided((g.numel(),), (1,))
     return None
+
+
+@torch.no_grad()
+def check_same_model(module: nn.Module, *, group: Any, device: torch.device, stats: CommStats | None, who: str) -> None:
+    """Raise ``ValueError`` on every rank if the ranks of ``group`` built different models.
+
+    One all-reduce (max) of ``[n, numel, hash, -n, -numel, -hash]`` (48 bytes) gives every rank
+    both the max and the min of the parameter count, the element count and a hash of the shapes,
+    dtypes, ``requires_grad`` and grad dtypes. Shared by DataParallel and ShardedDataParallel.
+
+    Example:
+        >>> check_same_model(model, group=ctx.group("dp"), device=ctx.device, stats=None, who="DataParallel")
+    """
+    params = list(module.parameters())
+    tensors = params + list(module.buffers())
+    layout = ";".join(f"{tuple(t.shape)}{t.dtype}" for t in tensors)
+    layout += "|" + ";".join(f"{p.requires_grad}{_grad_dtype(p)}" for p in params)
+    mine = [len(params), sum(t.numel() for t in tensors), zlib.crc32(layout.encode())]
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    all_reduce(both, group=group, op="max", stats=stats)
+    hi, lo = both[:3].tolist(), [-v for v in both[3:].tolist()]
+    problems = [
+        f"{what}: from {lo[i]} to {hi[i]}"
+        for i, what in enumerate(("number of parameters", "number of parameter and buffer elements"))
+        if lo[i] != hi[i]
+    ]
+    if lo[2] != hi[2]:
+        problems.append("parameter/buffer shapes, dtypes or requires_grad differ")
+    if problems:
+        raise ValueError(
+            f"{who}: the ranks of the dp group built different models ({'; '.join(problems)}); "
+            "every rank must build the same model: the same parameters and buffers, in the same "
+            "order, with the same shapes and dtypes"
+        )
+
+
+@torch.no_grad()
+def broadcast_module_state(module: nn.Module, *, group: Any, stats: CommStats | None) -> None:
+    """Copy rank 0's parameters and buffers into every rank's, one broadcast per (device, dtype).
+
+    Example:
+        >>> broadcast_module_state(model, group=ctx.group("dp"), stats=None)
+    """
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel() > 0]
+    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    for group_tensors in by_key.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        broadcast(flat, src=0, group=group, stats=stats)
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 class DataParallel(nn.Module):
@@ -196,8 +250,8 @@ class DataParallel(nn.Module):
         self._reducer: GradReducer | None = None
         if self._dp == 1:  # the local path: autograd's grads are already the average
             return
-        self._check_same_model()
-        self._broadcast_state()
+        check_same_model(module, group=self._group, device=ctx.device, stats=self.comm_stats, who="DataParallel")
+        broadcast_module_state(module, group=self._group, stats=self.comm_stats)
         self._names = {p: name for name, p in module.named_parameters()}
         params = [p for p in module.parameters() if p.requires_grad]
         plan = plan_buckets(
@@ -226,46 +280,6 @@ class DataParallel(nn.Module):
         # zeroed: alignment gaps are never written and must add nothing to the all-reduce
         bucket.buffer = torch.zeros(total, dtype=dtype, device=device)
         bucket.views = [_slot(bucket.buffer, o, p) for o, p in zip(bucket.offsets, bucket.params)]
-
-    @torch.no_grad()
-    def _check_same_model(self) -> None:
-        """Raise on every rank if the ranks built different models: one all-reduce (max) of
-        ``[n, numel, hash, -n, -numel, -hash]`` gives every rank both the max and the min."""
-        params = list(self.module.parameters())
-        tensors = params + list(self.module.buffers())
-        layout = ";".join(f"{tuple(t.shape)}{t.dtype}" for t in tensors)
-        layout += "|" + ";".join(f"{p.requires_grad}{_grad_dtype(p)}" for p in params)
-        mine = [len(params), sum(t.numel() for t in tensors), zlib.crc32(layout.encode())]
-        both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=self.ctx.device)
-        all_reduce(both, group=self._group, op="max", stats=self.comm_stats)
-        hi, lo = both[:3].tolist(), [-v for v in both[3:].tolist()]
-        problems = [
-            f"{what}: from {lo[i]} to {hi[i]}"
-            for i, what in enumerate(("number of parameters", "number of parameter and buffer elements"))
-            if lo[i] != hi[i]
-        ]
-        if lo[2] != hi[2]:
-            problems.append("parameter/buffer shapes, dtypes or requires_grad differ")
-        if problems:
-            raise ValueError(
-                f"DataParallel: the ranks of the dp group built different models ({'; '.join(problems)}); "
-                "every rank must build the same model: the same parameters and buffers, in the same "
-                "order, with the same shapes and dtypes"
-            )
-
-    @torch.no_grad()
-    def _broadcast_state(self) -> None:
-        tensors = [t for t in list(self.module.parameters()) + list(self.module.buffers()) if t.numel() > 0]
-        by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for t in tensors:
-            by_key.setdefault((t.device, t.dtype), []).append(t)
-        for (device, dtype), group in by_key.items():  # one broadcast per (device, dtype)
-            flat = torch.cat([t.detach().reshape(-1) for t in group])
-            broadcast(flat, src=0, group=self._group, stats=self.comm_stats)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
 
     # -- what post_backward launches and finalize_backward finishes (see parallel/reducer.py) ---
     def _copy_one(self, bucket: GradBucket, j: int) -> None:

@@ -337,3 +337,15 @@ def _stage2_transient_memory_is_bounded(accumulate: bool) -> tuple[int, int]:
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_zero_stage2_transient_buffers_stay_below_a_full_gradient(dist_pool, accumulate: bool) -> None:
     dist_pool.run(_stage2_transient_memory_is_bounded, accumulate, world_size=2, timeout=60)
+
+
+def _different_models() -> None:
+    ctx = ParallelContext.from_world()
+    model = _model() if ctx.rank("dp") == 0 else nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 2 * D))
+    with pytest.raises(ValueError, match="ShardedDataParallel: the ranks of the dp group built different models"):
+        ShardedDataParallel(model, ctx, 2)  # on EVERY rank, not a hang in a mismatched collective
+    ctx.destroy()
+
+
+def test_zero_ranks_that_built_different_models_fail_everywhere(dist_pool) -> None:
+    dist_pool.run(_different_models, world_size=2, timeout=60)

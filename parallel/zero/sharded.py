@@ -31,16 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-import zlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
+from shardkit.comm import CommStats, ParallelContext, all_reduce
 
 from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
+from ..data_parallel import broadcast_module_state, check_same_model
 from ..loss_scaler import DynamicLossScaler
 from ..reducer import GradReducer
 from .flat_shards import FlatShards, ShardedBucket
@@ -133,8 +133,8 @@ class ShardedDataParallel(nn.Module):
         self._dp = ctx.size("dp")
         self._optimizer: Any = None  # weakref to the ZeroOptimizer, set by it
         self._step_state: tuple[bool, torch.Tensor | None] | None = None
-        _check_same_model(module, self._group, ctx.device, self.comm_stats)
-        _broadcast_state(module, self._group, self.comm_stats)
+        check_same_model(module, group=self._group, device=ctx.device, stats=self.comm_stats, who="ShardedDataParallel")
+        broadcast_module_state(module, group=self._group, stats=self.comm_stats)
         trainable = [p for p in params if p.requires_grad and p.numel() > 0]
         cap = int(bucket_mb * 2**20)
         plan = plan_buckets(
@@ -323,37 +323,3 @@ def _validate(module: Any, ctx: Any, stage: Any, bucket_mb: Any, wrap: Any, resh
             "see docs/zero.md, 'What is next'"
         )
     return params
-
-
-@torch.no_grad()
-def _check_same_model(module: nn.Module, group: Any, device: torch.device, stats: CommStats) -> None:
-    """Raise on every rank if the ranks built different models (one 48-byte all-reduce, max of
-    ``[n, numel, hash]`` and of their negatives gives every rank both the max and the min)."""
-    params = list(module.parameters())
-    tensors = params + list(module.buffers())
-    layout = ";".join(f"{tuple(t.shape)}{t.dtype}{getattr(t, 'requires_grad', '')}" for t in tensors)
-    mine = [len(params), sum(t.numel() for t in tensors), zlib.crc32(layout.encode())]
-    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
-    all_reduce(both, group=group, op="max", stats=stats)
-    hi, lo = both[:3].tolist(), [-v for v in both[3:].tolist()]
-    if hi != lo:
-        raise ValueError(
-            "ShardedDataParallel: the ranks of the dp group built different models (number, shapes, dtypes "
-            "or requires_grad of parameters/buffers differ); every rank must build the same model"
-        )
-
-
-@torch.no_grad()
-def _broadcast_state(module: nn.Module, group: Any, stats: CommStats) -> None:
-    """Rank 0's parameters and buffers to every rank: one broadcast per (device, dtype)."""
-    by_key: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        if t.numel() > 0:
-            by_key.setdefault((t.device, t.dtype), []).append(t)
-    for group_tensors in by_key.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-        broadcast(flat, src=0, group=group, stats=stats)
-        offset = 0
-        for t in group_tensors:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
