@@ -47,6 +47,9 @@ class ZeroOptimizer:
             names, or of group dicts whose ``"params"`` are original parameters or names.
         **optimizer_kwargs: passed to ``optimizer_class`` (lr, betas, weight_decay, ...).
 
+    Not a ``torch.optim.Optimizer`` itself: give LR schedulers ``opt.optimizer`` (its
+    ``param_groups`` are the ones :attr:`param_groups` returns).
+
     Attributes:
         optimizer: the wrapped optimizer (over shard parameters).
         skipped_steps: steps skipped because an fp16 gradient overflowed on some rank.

@@ -74,6 +74,8 @@ class ShardedDataParallel(nn.Module):
       used twice) are held once and get the sum of both uses' gradients, as in one process.
     * Frozen parameters (``requires_grad=False``) are broadcast from rank 0 and get no
       gradient or optimizer memory. Buffers are broadcast at wrap time only.
+    * Stage 1 with ``grad_dtype`` other than the params' dtype sets ``p.grad_dtype`` on the
+      params, so that autograd accumulates straight into the full-precision gradient buffer.
 
     Args:
         module: the model, on its device, the same on every rank.
