@@ -87,6 +87,27 @@ def test_schedule_structure_matching_and_no_deadlock(cfg):
     assert res.makespan > 0
 
 
+@settings(max_examples=300, deadline=None)
+@given(configs())
+def test_sends_are_posted_in_the_order_they_are_received(cfg):
+    # NCCL matches P2P in posting order per rank pair (it ignores tags): the built-in schedules
+    # must not rely on tags for correctness
+    name, p, m, v = cfg
+    s = build_schedule(name, num_ranks=p, microbatches=m, virtual_stages=v)
+    sent, received = {}, {}
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            if a.kind is Kind.SEND_F:
+                sent.setdefault((r, (a.stage + 1) % p), []).append(("F", a.stage + 1, a.mb))
+            elif a.kind is Kind.SEND_B:
+                sent.setdefault((r, (a.stage - 1) % p), []).append(("B", a.stage - 1, a.mb))
+            elif a.kind is Kind.RECV_F:
+                received.setdefault(((a.stage - 1) % p, r), []).append(("F", a.stage, a.mb))
+            elif a.kind is Kind.RECV_B:
+                received.setdefault(((a.stage + 1) % p, r), []).append(("B", a.stage, a.mb))
+    assert sent == received
+
+
 @settings(max_examples=200, deadline=None)
 @given(P, M)
 def test_one_f_one_b_keeps_at_most_p_in_flight(p, m):
@@ -175,3 +196,20 @@ def test_recorded_wait_is_separate_from_compute():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_schedule(**kwargs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(P, M)
+def test_rendezvous_model(p, m):
+    # GPipe never has a send facing a send, so it survives sends that block until received
+    simulate(build_schedule("gpipe", num_ranks=p, microbatches=m), rendezvous=True)
+
+
+def test_one_f_one_b_needs_nonblocking_or_paired_sends():
+    # With sends that block until received (NCCL), 1F1B's steady state has rank 0 sending F1
+    # while rank 1 sends B0: the reason the executor posts sends asynchronously, and an NCCL
+    # path must post facing send/recv pairs together (docs/pipeline.md, "What is next").
+    s = build_schedule("1f1b", num_ranks=2, microbatches=2)
+    simulate(s)
+    with pytest.raises(DeadlockError, match="rank 0: SEND_F0.1, rank 1: SEND_B1.0"):
+        simulate(s, rendezvous=True)

@@ -278,7 +278,15 @@ class DeadlockError(RuntimeError):
     """The simulated schedule cannot make progress; the message lists each rank's blocked action."""
 
 
-def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0, t_comm: float = 0.0) -> SimResult:
+def simulate(
+    schedule: Schedule,
+    *,
+    t_f: float = 1.0,
+    t_b: float = 1.0,
+    t_w: float = 1.0,
+    t_comm: float = 0.0,
+    rendezvous: bool = False,
+) -> SimResult:
     """Run a schedule with fixed action times, as soon as dependencies allow.
 
     ``F`` takes ``t_f``, ``BI`` takes ``t_b``, ``BW`` takes ``t_w`` and a full ``B`` takes
@@ -292,6 +300,9 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: flo
         schedule: from :func:`build_schedule` (or hand-made).
         t_f, t_b, t_w: durations; ``t_b`` is the input-gradient part, ``t_w`` the weight part.
         t_comm: latency of one P2P transfer.
+        rendezvous: a send also blocks until the peer has reached the matching receive (the
+            NCCL model, where a send may not finish before its receive is posted); by default
+            sends never block (the gloo executor's model: sends are waited at the end).
 
     Returns:
         A :class:`SimResult`.
@@ -308,6 +319,7 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: flo
     dur = {Kind.F: t_f, Kind.B: t_b + t_w, Kind.BI: t_b, Kind.BW: t_w}
     done: dict[tuple[Kind, int, int], float] = {}  # (kind, stage, mb) -> end time
     posted: dict[tuple[Kind, int, int], float] = {}  # sends: (kind, stage, mb) -> post time
+    arrived: dict[tuple[Kind, int, int], float] = {}  # receives a rank is blocked at -> since
     free = [0.0] * p
     pc = [0] * p
     timeline: list[list[TimedAction]] = [[] for _ in range(p)]
@@ -337,10 +349,12 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: flo
             return None if g is None else max(f, g)
         if k is Kind.BW:
             return done.get((Kind.BI, s, i))
-        if k is Kind.SEND_F:
-            return done.get((Kind.F, s, i))
-        if k is Kind.SEND_B:
-            return bwd_done(s, i)
+        if k in SENDS:
+            t = done.get((Kind.F, s, i)) if k is Kind.SEND_F else bwd_done(s, i)
+            if not rendezvous or t is None:
+                return t
+            peer = (Kind.RECV_F, s + 1, i) if k is Kind.SEND_F else (Kind.RECV_B, s - 1, i)
+            return None if peer not in arrived else max(t, arrived[peer])
         raise ValueError(f"unknown action kind {k!r}")
 
     total = sum(len(a) for a in schedule.actions)
@@ -355,6 +369,8 @@ def simulate(schedule: Schedule, *, t_f: float = 1.0, t_b: float = 1.0, t_w: flo
                     raise ValueError(f"rank {r}'s list has {a!r}, but stage {a.stage} is on rank {a.stage % p}")
                 t = ready(a, r)
                 if t is None:
+                    if a.kind in RECVS:
+                        arrived.setdefault((a.kind, a.stage, a.mb), free[r])
                     break
                 start = max(free[r], t)
                 end = start + dur.get(a.kind, 0.0)
