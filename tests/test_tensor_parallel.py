@@ -298,3 +298,43 @@ def test_tp1_takes_the_local_path(dist_pool):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_bad_input_raises_before_any_collective(dist_pool, world_size):
     dist_pool.run(_bad_input_body, world_size=world_size, timeout=60)
+
+
+def _overlap_body() -> list[str]:
+    """[Note: overlapping the input-gradient all-reduce]: issue dX's all-reduce async, compute dW,
+    then wait — recorded in order by wrapping torch.matmul and the layer's all_reduce."""
+    from shardkit.parallel.tensor import layers
+
+    events: list[str] = []
+    real_matmul = torch.matmul
+
+    def recording_matmul(a, b, **kwargs):
+        events.append(f"matmul{tuple(a.shape)}x{tuple(b.shape)}")
+        return real_matmul(a, b, **kwargs)
+
+    real = layers.all_reduce
+
+    def recording_all_reduce(tensor, **kwargs):
+        events.append(f"all_reduce(async_op={kwargs.get('async_op')})")
+        handle = real(tensor, **kwargs)
+
+        class Recorded:
+            def wait(self):
+                events.append("wait")
+                return handle.wait()
+
+        return Recorded()
+
+    with _tp_ctx() as ctx:
+        col = ColumnParallelLinear(12, 8, ctx=ctx)
+        x = _randn(5, 12, seed=1).requires_grad_()
+        y = col(x)
+        with mock.patch.object(layers, "all_reduce", recording_all_reduce), mock.patch.object(torch, "matmul", recording_matmul):
+            y.backward(torch.ones_like(y))
+    return events
+
+
+def test_column_backward_overlaps_dx_all_reduce_with_dw(dist_pool):
+    events = dist_pool.run(_overlap_body, world_size=2, timeout=60)[0]
+    # dX = dY W ([5, 4] x [4, 12]); async all-reduce; dW = dYᵀ X ([4, 5] x [5, 12]); then wait
+    assert events == ["matmul(5, 4)x(4, 12)", "all_reduce(async_op=True)", "matmul(4, 5)x(5, 12)", "wait"]

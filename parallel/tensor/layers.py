@@ -122,7 +122,7 @@ class _ColumnLinear(torch.autograd.Function):
         group, n = ctx.group, ctx.group.size()
         grad_input = handle = None
         if ctx.needs_input_grad[0]:
-            grad_input = (grad @ weight).contiguous()
+            grad_input = torch.matmul(grad, weight).contiguous()
             if ctx.sp:
                 dim = grad_input.dim() - 2
                 stacked = torch.stack(grad_input.chunk(n, dim), 0).contiguous()
@@ -131,7 +131,7 @@ class _ColumnLinear(torch.autograd.Function):
             else:
                 handle = all_reduce(grad_input, group=group, async_op=True, stats=ctx.stats)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_weight = g2.t() @ total.reshape(-1, total.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if handle is not None:
             handle.wait()  # after the weight-gradient matmul: it ran while the collective flew
