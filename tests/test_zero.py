@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardkit.comm import ParallelContext
-from shardkit.kernels import FusedAdamW
+from shardkit.kernels import FusedAdamW, FusedLion, FusedSGD, count_launches
 from shardkit.parallel.zero import ShardedDataParallel, ZeroOptimizer
 from tolerances import FP32
 
@@ -25,6 +25,8 @@ OPTIMIZERS = {
     "fused_adamw": (FusedAdamW, dict(lr=1e-2, weight_decay=0.1)),
     "torch_adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "sgd": (torch.optim.SGD, dict(lr=0.5)),  # large: a wrong factor moves params far outside FP32
+    "fused_sgd_momentum": (FusedSGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    "fused_lion": (FusedLion, dict(lr=1e-3, weight_decay=0.1)),
 }
 
 
@@ -125,3 +127,23 @@ def test_zero_interpreted_triton_kernels(dist_pool, stage: int) -> None:
 def test_zero_dp1_takes_the_local_path(dist_pool, stage: int) -> None:
     """One rank: the collectives' local paths (no communication), same training as torch."""
     dist_pool.run(_train_equals_single_process, stage, "fused_adamw", True, 3, world_size=1, timeout=60)
+
+
+def _one_launch_per_group() -> dict[str, int]:
+    """The fused optimizer on shard views still takes one Triton launch per parameter group."""
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, 2, bucket_mb=0.004)
+    opt = ZeroOptimizer(sdp, FusedAdamW, _groups(sdp.module, True), lr=1e-2, backend="triton")
+    assert all(g["params"] for g in opt.param_groups)  # both groups have elements on this rank here
+    x, y = _batch(0)
+    opt.zero_grad()
+    nn.functional.mse_loss(sdp(x[_rows(ctx)]), y[_rows(ctx)]).backward()
+    with count_launches() as launches:
+        opt.step()
+    ctx.destroy()
+    return dict(launches)
+
+
+def test_zero_fused_optimizer_one_launch_per_group(dist_pool) -> None:
+    for launches in dist_pool.run(_one_launch_per_group, world_size=2, timeout=120):
+        assert sum(launches.values()) == 2, launches  # 2 groups, several shard views each
