@@ -42,7 +42,7 @@ from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 
 from .backward import WeightWork, backward_input, backward_weight
 from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag
-from .schedules import Action, Kind, TimedAction, build_schedule
+from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
 from .split import SplitSpec, split_blocks
 
 __all__ = ["PipelineParallel"]
@@ -118,6 +118,7 @@ class PipelineParallel:
         self.stages: dict[int, nn.Module] = {s: mod for s, (_, mod) in enumerate(plan) if s % p == self.rank}
         self._params = {s: [q for q in mod.parameters() if q.requires_grad] for s, mod in self.stages.items()}
         self._signature: tuple[int, ...] | None = None
+        self._loop_s = 0.0
         self._in_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._out_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         #: last step's actions on this rank, with start/end in seconds from the step's start and
@@ -130,6 +131,26 @@ class PipelineParallel:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's stage parameters (for the optimizer)."""
         return [q for s in sorted(self.stages) for q in self.stages[s].parameters()]
+
+    def timeline_summary(self) -> dict[str, float]:
+        """This rank's last step from :attr:`timeline`, in seconds: ``compute`` (F/B/BI/BW),
+        ``p2p_wait`` (blocked in receives), ``wall`` (the action loop, without finalize) and
+        ``bubble_fraction`` = ``(wall - compute) / compute``, the measured counterpart of the
+        simulator's (docs/reference.md, "Pipeline bubbles").
+
+        Example:
+            >>> pipe.step(x, y); pipe.timeline_summary()["bubble_fraction"]
+            0.41
+        """
+        compute = sum(ta.end - ta.start for ta in self.timeline if ta.action.kind in COMPUTE)
+        wait = sum(ta.wait for ta in self.timeline)
+        wall = self._loop_s
+        return {
+            "compute": compute,
+            "p2p_wait": wait,
+            "wall": wall,
+            "bubble_fraction": (wall - compute) / compute if compute else 0.0,
+        }
 
     @property
     def is_first(self) -> bool:
@@ -166,6 +187,7 @@ class PipelineParallel:
             start = time.perf_counter()
             wait = self._run(a, state)
             self.timeline.append(TimedAction(a, start - t0, time.perf_counter() - t0, wait))
+        self._loop_s = time.perf_counter() - t0
         assert not state.outputs and not state.w_pending, "schedule left work undone"
         loss = self.finalize(state)
         assert len(self.microbatch_losses) == m
@@ -208,12 +230,13 @@ class PipelineParallel:
         if s == S - 1:
             out = self.loss_fn(y, st.y_mbs[i])
             if isinstance(out, tuple):
-                total, count = out[0], float(out[1])
+                total, count = out[0], torch.as_tensor(out[1])
             else:
-                count = float(st.y_mbs[i].numel())
-                total = out * count
+                count = torch.tensor(st.y_mbs[i].numel())
+                total = out * float(count)
             st.outputs[(s, i)] = total
-            st.loss_sums[i], st.counts[i] = float(total.detach()), count
+            # kept as tensors: no device sync per micro-batch, one copy in finalize
+            st.loss_sums[i], st.counts[i] = total.detach(), count
             return
         st.outputs[(s, i)] = y
         if (s + 1) % self.schedule.num_ranks == self.rank:
@@ -283,8 +306,8 @@ class PipelineParallel:
             m = self.schedule.microbatches
             vec = torch.zeros(2 * m, dtype=torch.float64, device=self.ctx.device)
             if self.is_last:
-                vec[:m] = torch.tensor(st.loss_sums, dtype=torch.float64)
-                vec[m:] = torch.tensor(st.counts, dtype=torch.float64)
+                vec[:m] = torch.stack([t.to(vec) for t in st.loss_sums])
+                vec[m:] = torch.stack([t.to(vec) for t in st.counts])
             broadcast(vec, src=self.schedule.num_ranks - 1, group=self.group, stats=self.stats)
             sums, counts = vec[:m].tolist(), vec[m:].tolist()
             total = sum(counts)
@@ -409,5 +432,5 @@ class _StepState:
         self.w_pending: dict = {}  # (s, i) -> WeightWork for BW
         self.sends: list = []
         self.grad_acc: dict = {}  # param -> fp32 sum-form gradient
-        self.loss_sums: list[float] = [0.0] * m  # last stage only
-        self.counts: list[float] = [0.0] * m
+        self.loss_sums: list = [None] * m  # last stage only: 0-dim tensors
+        self.counts: list = [None] * m
