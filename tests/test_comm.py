@@ -236,6 +236,15 @@ def test_comm_stats_is_thread_safe():
         stats.record("all_reduce", "g", -1)
 
 
+def test_comm_stats_group_filter_is_keyword_only():
+    """``calls("all_reduce", "g")`` would read as two filters of one kind; the group is named."""
+    stats = CommStats()
+    stats.record("all_reduce", "g[0, 1]", 4)
+    for method in (stats.calls, stats.bytes):
+        with pytest.raises(TypeError, match="positional argument"):
+            method("all_reduce", "g[0, 1]")  # type: ignore[misc]
+
+
 # ---- groups of size 1 --------------------------------------------------------------------------
 def _size_one_body() -> None:
     with ParallelContext.from_world() as ctx:  # pp and tp are size 1
