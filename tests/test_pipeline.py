@@ -68,6 +68,11 @@ def _train_equal_body(
         for j in mine:
             for (name, got), want in zip(blocks[j].named_parameters(), ref[j].parameters(), strict=True):
                 torch.testing.assert_close(got, want, **FP32, msg=f"block {j} {name}")
+        full = pipe.full_state_dict()
+        want_sd = ref.state_dict()
+        assert list(full) == list(want_sd)
+        for k, want in want_sd.items():
+            torch.testing.assert_close(full[k], want, **FP32, msg=k)
         # blocks that are not ours were never touched
         for j in set(range(n_blocks)) - set(mine):
             assert all(q.grad is None for q in blocks[j].parameters())

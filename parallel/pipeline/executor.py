@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
@@ -131,6 +132,28 @@ class PipelineParallel:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's stage parameters (for the optimizer)."""
         return [q for s in sorted(self.stages) for q in self.stages[s].parameters()]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state, keyed as ``nn.Sequential(*blocks).state_dict()``
+        (``"<block index>.<name>"``), on every pp rank; CPU copies. Collective on pp (an object
+        all-gather: meant for checkpoints and evaluation of models that fit one host's memory).
+
+        Example:
+            >>> sd = pipe.full_state_dict()          # every rank
+            >>> nn.Sequential(*make_blocks()).load_state_dict(sd)
+        """
+        local = {
+            f"{j}.{k}": v.detach().cpu()
+            for s in sorted(self.stages)
+            for j, blk in zip(self.stage_blocks[s], self.stages[s], strict=True)
+            for k, v in blk.state_dict().items()
+        }
+        parts = [local]
+        if self.schedule.num_ranks > 1:
+            parts = [None] * self.schedule.num_ranks
+            dist.all_gather_object(parts, local, group=self.group)
+        merged = [item for part in parts for item in part.items()]
+        return dict(sorted(merged, key=lambda kv: int(kv[0].split(".", 1)[0])))  # stable: block order
 
     def timeline_summary(self) -> dict[str, float]:
         """This rank's last step from :attr:`timeline`, in seconds: ``compute`` (F/B/BI/BW),
