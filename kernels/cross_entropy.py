@@ -32,6 +32,13 @@ Shapes/dtypes: ``logits`` fp32 or bf16 (fp16 too), 2-D, unit column stride (any 
 ``target`` int64 ``[T]``; statistics fp32 ``[4, T]`` (rows: m, s, x_t, q); ``lse`` and ``coef``
 fp32 ``[T]``. Gradients are stored in the logits' dtype, rounded to nearest even.
 
+[Note: full pieces]
+A row is streamed in ``BLOCK``-column pieces: every piece but the last is full and is read (and,
+for the gradient, written) without a mask, the tail piece masked — as the optimizers' [Note:
+aligned full chunks] in runtime.py. With ``ALIGNED`` (the launcher checks that the base pointer
+and the row stride in bytes are multiples of 16) the compiler knows each full piece starts on 16
+bytes and emits 128-bit accesses; a mask on an arbitrary width would force scalar ones.
+
 [Note: bounded working memory]
 Neither pass materializes anything of size ``T x Vs`` besides the logits themselves: the
 kernels stream each row in ``BLOCK``-column pieces (one program per token, an online max/sum-exp
@@ -46,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .runtime import Backend, resolve_backend, triton_kernel
+from .runtime import Backend, resolve_backend, triton_helper, triton_kernel
 from .tl_helpers import round_to, widen
 
 __all__ = ["ce_shard_stats", "ce_grad_", "ce_launch_config", "DEFAULT_CHUNK_ELEMENTS", "AOT_CONFIGS"]
@@ -55,6 +62,22 @@ __all__ = ["ce_shard_stats", "ce_grad_", "ce_launch_config", "DEFAULT_CHUNK_ELEM
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton_helper
+def _online_lse(m, d, x):
+    """One piece of the online max / sum-exp: the running ``(m, d)`` after the values ``x``.
+
+    ``exp(-inf - m_new) = 0`` rescales the empty initial sum; masked lanes hold ``-inf``."""
+    m_new = tl.maximum(m, tl.max(x, 0))
+    return m_new, d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+
+
+@triton_helper
+def _grad_piece(x, cols, local, lse, p_scale, hot, flat, n_valid, keep):
+    """The gradient of one piece of a row (0 on pad columns and ignored tokens)."""
+    g = tl.exp(x - lse) * p_scale - tl.where(cols == local, hot, 0.0) - flat
+    return tl.where((cols < n_valid) & keep, g, 0.0)
 
 
 def _ce_stats_kernel(
@@ -66,24 +89,28 @@ def _ce_stats_kernel(
     n_valid: tl.int32,  # real classes in this shard: columns >= n_valid are vocab padding
     vocab_start: tl.int64,  # global class index of column 0
     ignore_index: tl.int64,
+    ALIGNED: tl.constexpr,  # every row starts on 16 bytes (see [Note: full pieces])
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
+    if ALIGNED:
+        x_row = tl.multiple_of(x_row, 16)
     m = float("-inf")
     d = 0.0
     q = 0.0
-    # Online max / sum-exp: every piece holds >= 1 valid column, so m is finite after the first
-    # (exp(-inf - m) = 0 rescales the empty initial sum); a shard without valid columns keeps
-    # m = -inf, d = 0, which the cross-rank combination treats as "no contribution".
-    for start in range(0, n_valid, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_valid
-        x = widen(tl.load(x_row + cols, mask=mask, other=float("-inf")))
-        m_new = tl.maximum(m, tl.max(x, 0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
-        q += tl.sum(tl.where(mask, x, 0.0), 0)
-        m = m_new
+    # [Note: full pieces] A shard without valid columns keeps m = -inf, d = 0, which the
+    # cross-rank combination treats as "no contribution".
+    n_full = (n_valid // BLOCK) * BLOCK
+    for start in range(0, n_full, BLOCK):
+        x = widen(tl.load(x_row + start + tl.arange(0, BLOCK)))
+        m, d = _online_lse(m, d, x)
+        q += tl.sum(x, 0)
+    if n_full < n_valid:
+        cols = n_full + tl.arange(0, BLOCK)
+        x = widen(tl.load(x_row + cols, mask=cols < n_valid, other=float("-inf")))
+        m, d = _online_lse(m, d, x)
+        q += tl.sum(tl.where(cols < n_valid, x, 0.0), 0)
     t = tl.load(target_ptr + row)
     local = t - vocab_start
     hit = (t != ignore_index) & (local >= 0) & (local < n_valid)
@@ -107,10 +134,13 @@ def _ce_grad_kernel(
     smoothing: tl.float32,  # ε
     smooth_per_class: tl.float32,  # ε / V
     z_loss: tl.float32,
+    ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
+    if ALIGNED:
+        x_row = tl.multiple_of(x_row, 16)
     t = tl.load(target_ptr + row)
     local = t - vocab_start
     keep = t != ignore_index
@@ -119,13 +149,18 @@ def _ce_grad_kernel(
     p_scale = coef * (1.0 + 2.0 * z_loss * lse)  # d(lse + z lse²)/dx = p (1 + 2 z lse)
     hot = coef * (1.0 - smoothing)
     flat = coef * smooth_per_class
-    for start in range(0, n_cols, BLOCK):
+    dtype = x_ptr.dtype.element_ty
+    n_full = (n_cols // BLOCK) * BLOCK  # [Note: full pieces]
+    for start in range(0, n_full, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = cols < n_cols
-        x = widen(tl.load(x_row + cols, mask=mask, other=0.0))
-        g = tl.exp(x - lse) * p_scale - tl.where(cols == local, hot, 0.0) - flat
-        g = tl.where((cols < n_valid) & keep, g, 0.0)
-        tl.store(x_row + cols, round_to(g, x_ptr.dtype.element_ty), mask=mask)
+        x = widen(tl.load(x_row + cols))
+        g = _grad_piece(x, cols, local, lse, p_scale, hot, flat, n_valid, keep)
+        tl.store(x_row + cols, round_to(g, dtype))
+    if n_full < n_cols:
+        cols = n_full + tl.arange(0, BLOCK)
+        x = widen(tl.load(x_row + cols, mask=cols < n_cols, other=0.0))
+        g = _grad_piece(x, cols, local, lse, p_scale, hot, flat, n_valid, keep)
+        tl.store(x_row + cols, round_to(g, dtype), mask=cols < n_cols)
 
 
 _STATS = triton_kernel(_ce_stats_kernel)
@@ -167,6 +202,11 @@ def _check(logits: torch.Tensor, target: torch.Tensor, n_valid: int) -> None:
         raise ValueError(f"target is on {target.device} but logits are on {logits.device}")
     if not 0 <= n_valid <= logits.shape[1]:
         raise ValueError(f"n_valid must be in [0, {logits.shape[1]}] (the shard width), got {n_valid}")
+
+
+def _rows_aligned(logits: torch.Tensor) -> bool:
+    """Every row of ``logits`` starts on a 16-byte boundary (see [Note: full pieces])."""
+    return logits.data_ptr() % 16 == 0 and (logits.stride(0) * logits.element_size()) % 16 == 0
 
 
 def _rows_per_chunk(n_cols: int, chunk_elements: int) -> int:
@@ -214,7 +254,7 @@ def ce_shard_stats(
     if resolve_backend(backend, logits.device) == "triton":
         block, num_warps = ce_launch_config(logits.device, n_valid)
         args = (logits, target, stats, logits.stride(0), n_rows, n_valid, vocab_start, ignore_index)
-        _STATS[(n_rows,)](*args, BLOCK=block, num_warps=num_warps)
+        _STATS[(n_rows,)](*args, ALIGNED=_rows_aligned(logits), BLOCK=block, num_warps=num_warps)
         return stats
     local = target - vocab_start
     hit = (target != ignore_index) & (local >= 0) & (local < n_valid)
@@ -286,7 +326,9 @@ def ce_grad_(
     if resolve_backend(backend, logits.device) == "triton":
         block, num_warps = ce_launch_config(logits.device, n_cols)
         args = (logits, target, lse, coef, logits.stride(0), n_cols, n_valid, vocab_start, ignore_index)
-        _GRAD[(n_rows,)](*args, smooth, smooth / vocab_size, float(z_loss), BLOCK=block, num_warps=num_warps)
+        _GRAD[(n_rows,)](
+            *args, smooth, smooth / vocab_size, float(z_loss), ALIGNED=_rows_aligned(logits), BLOCK=block, num_warps=num_warps
+        )
         return logits
     keep = target != ignore_index
     local = target - vocab_start
@@ -316,7 +358,7 @@ def _aot_configs() -> list[dict]:
                 name=f"ce_stats_{suffix}",
                 pointers=dict(x_ptr=ty, target_ptr="*i64", stats_ptr="*fp32"),
                 num_warps=num_warps,
-                constexprs=dict(BLOCK=block),
+                constexprs=dict(ALIGNED=True, BLOCK=block),
                 elements_per_program=block,
                 bytes_per_element=size,  # read the logits once
             )
@@ -327,7 +369,7 @@ def _aot_configs() -> list[dict]:
                 name=f"ce_grad_{suffix}",
                 pointers=dict(x_ptr=ty, target_ptr="*i64", lse_ptr="*fp32", coef_ptr="*fp32"),
                 num_warps=num_warps,
-                constexprs=dict(BLOCK=block),
+                constexprs=dict(ALIGNED=True, BLOCK=block),
                 elements_per_program=block,
                 bytes_per_element=2 * size,  # read the logits, write the gradient over them
             )

@@ -43,9 +43,10 @@ def _data(tokens: int, vocab: int, *, seed: int = 0, ignore_index: int = -100, d
 
 
 # ---- kernels, one process -----------------------------------------------------------------------
-# (tokens, shard width, valid columns): one element; odd; wider than the interpreter's BLOCK (1024),
-# so the online max/sum-exp runs several pieces; padded shard; a shard with no valid column; empty.
-STATS_SHAPES = [(1, 1, 1), (5, 17, 17), (9, 1500, 1500), (6, 40, 33), (4, 8, 0), (0, 8, 8)]
+# (tokens, shard width, valid columns): one element; odd (tail piece only, unaligned rows); wider
+# than the interpreter's BLOCK (1024): a full piece + a tail; exactly one full piece, no tail; padded
+# shard; a shard with no valid column; empty.
+STATS_SHAPES = [(1, 1, 1), (5, 17, 17), (9, 1500, 1500), (3, 1024, 1024), (6, 40, 33), (4, 8, 0), (0, 8, 8)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -137,6 +138,34 @@ def test_triton_path_many_tokens_one_launch_each():
     assert launches == {"_ce_stats_kernel": 1, "_ce_grad_kernel": 1}
     assert ce_launch_config(torch.device("cuda"), 128256) == (4096, 8)
     assert ce_launch_config(torch.device("cpu"), 1500) == (1024, 4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_stride_views(backend):
+    """A column slice of wider logits (row stride != width, rows not 16-byte aligned) is read and
+    written through its stride; the columns outside the view are untouched."""
+    wide, target = _data(6, 1031)
+    view = wide[:, 3:1030]  # 1027 columns, row stride 1031
+    target = target.clamp(max=1026)
+    stats = ce_shard_stats(view, target, backend=backend)
+    lse = torch.logsumexp(view, 1)
+    torch.testing.assert_close(stats[0] + stats[1].log(), lse, **FP32)
+    before = wide.clone()
+    ce_grad_(view, target, lse, torch.ones(6), vocab_size=1027, backend=backend)
+    torch.testing.assert_close(view, _autograd_grad(before[:, 3:1030], target, torch.ones(6)), **FP32)
+    assert torch.equal(wide[:, :3], before[:, :3]) and torch.equal(wide[:, 1030:], before[:, 1030:])
+
+
+@pytest.mark.parametrize("cc", [80, 90])
+def test_full_pieces_use_128bit_accesses(cc):
+    """[Note: full pieces]: at the default CUDA config every logits byte moves through 128-bit
+    loads/stores (compiled ahead of time, no GPU needed), with no spills."""
+    from shardkit.kernels.aot import compile_config, kernel_resources
+
+    for cfg in AOT_CONFIGS():
+        res = kernel_resources(compile_config(cfg, cc), cfg)
+        assert res["vec128_bytes_per_element"] == cfg["bytes_per_element"], res
+        assert res["spill_stores_bytes"] == res["spill_loads_bytes"] == 0, res
 
 
 def test_kernel_argument_errors():
