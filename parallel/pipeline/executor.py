@@ -383,6 +383,7 @@ class PipelineParallel:
     def _exchange_shapes(self, x_mbs: list | None, y_mbs: list | None) -> None:
         """See [Note: the shape exchange]."""
         p, S = self.schedule.num_ranks, self.schedule.num_stages
+        dev = self.ctx.device  # NCCL carries CUDA tensors only
         failed, message = -1, ""
         meta: tuple[torch.Size, torch.dtype] | None = None  # output of the previous stage
         for s in range(S):
@@ -393,7 +394,7 @@ class PipelineParallel:
                 what = f"the micro-batch inputs {_describe(x.shape, x.dtype)}"
             else:
                 if (s - 1) % p != self.rank:
-                    msg = torch.empty(META_LEN, dtype=torch.int64)
+                    msg = torch.empty(META_LEN, dtype=torch.int64, device=dev)
                     irecv(msg, src=(s - 1) % p, tag=p2p_tag(s - 1, 0, False, S), group=self.group).wait()
                     failed, shape, dtype = decode_meta(msg)
                     meta = None if failed >= 0 else (shape, dtype)
@@ -426,16 +427,17 @@ class PipelineParallel:
                     )
             if s < S - 1 and (s + 1) % p != self.rank:
                 out = encode_meta(None, None, failed_stage=failed) if failed >= 0 else encode_meta(*meta)
+                out = out.to(dev)
                 isend(out, dst=(s + 1) % p, tag=p2p_tag(s, 0, False, S), group=self.group).wait()
         # the outcome, from the last stage, then the failed stage's message, from its owner
-        status = torch.tensor([failed], dtype=torch.int64)
+        status = torch.tensor([failed], dtype=torch.int64, device=dev)
         broadcast(status, src=p - 1, group=self.group)
         failed = int(status[0])
         if failed >= 0:
-            buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8)
+            buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8, device=dev)
             if failed % p == self.rank:
                 raw = message.encode()[:_MSG_BYTES]
-                buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
             broadcast(buf, src=failed % p, group=self.group)
             text = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
             self._signature = None
