@@ -161,3 +161,49 @@ def test_untied_head_requires_linear_without_bias():
     model.head = nn.Linear(32, VOCAB, bias=True)
     with pytest.raises(ValueError, match="without bias"):
         plan_modules(model, {"head": VocabParallelHead()}, 2)
+
+
+# ---- Hugging Face Llama, built from a tiny config -------------------------------------------------
+def _llama_body() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardkit.parallel.tensor import llama_plan
+
+    tp = dist.get_world_size()
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4 if tp == 4 else 2,
+        max_position_embeddings=32,
+        attn_implementation="sdpa",
+    )
+    with ParallelContext.from_world(tp=tp) as ctx:
+        torch.manual_seed(0)
+        dense = LlamaForCausalLM(cfg)
+        model = tensor_parallelize(copy.deepcopy(dense), ctx, llama_plan())
+        opt_d = torch.optim.SGD(dense.parameters(), lr=0.2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2)
+        gen = torch.Generator().manual_seed(2)
+        ids, y = torch.randint(VOCAB, (2, 12), generator=gen), torch.randint(VOCAB, (2, 12), generator=gen)
+        for _ in range(3):
+            loss_d = lm_loss(dense(ids).logits, y)
+            loss = vocab_parallel_cross_entropy(model(ids).logits, y, ctx=ctx, vocab_size=VOCAB)
+            torch.testing.assert_close(loss, loss_d, **FP32)
+            for o in (opt_d, opt):
+                o.zero_grad()
+            loss_d.backward()
+            loss.backward()
+            opt_d.step()
+            opt.step()
+        vocab = {"model.embed_tokens.weight": VOCAB, "lm_head.weight": VOCAB}
+        gathered = gather_state_dict(model.state_dict(), llama_plan(), ctx, vocab_sizes=vocab)
+        for key, value in dense.state_dict().items():
+            torch.testing.assert_close(gathered[key], value, **FP32, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_hf_llama_with_llama_plan_equals_dense(dist_pool, world_size):
+    dist_pool.run(_llama_body, world_size=world_size, timeout=180)

@@ -47,6 +47,7 @@ __all__ = [
     "tensor_parallelize",
     "plan_modules",
     "gpt_plan",
+    "llama_plan",
     "shard_state_dict",
     "gather_state_dict",
 ]
@@ -257,6 +258,29 @@ def gpt_plan(*, tie_embeddings: bool = True) -> dict[str, Style]:
         "blocks.*.mlp.fc": Colwise(),
         "blocks.*.mlp.proj": Rowwise(),
         "head": VocabParallelHead(tied_to="tok_emb" if tie_embeddings else None),
+    }
+
+
+def llama_plan(*, tie_embeddings: bool = False) -> dict[str, Style]:
+    """The TP plan of a Hugging Face Llama (``LlamaForCausalLM``): q/k/v and gate/up projections
+    column-parallel, o/down projections row-parallel, the vocabulary split in ``embed_tokens`` and
+    ``lm_head``. HF's Llama attention infers the local head count from the projection width, and
+    the grouped-query ratio is unchanged, so no attribute needs rewriting; the number of key/value
+    heads must be divisible by tp (``k_proj``'s width is checked).
+
+    Example:
+        >>> model = tensor_parallelize(LlamaForCausalLM(cfg), ctx, llama_plan())
+        >>> loss = vocab_parallel_cross_entropy(model(ids).logits, y, ctx=ctx, vocab_size=cfg.vocab_size)
+    """
+    layer = "model.layers.*."
+    return {
+        "model.embed_tokens": VocabParallel(),
+        **{layer + f"self_attn.{p}_proj": Colwise() for p in "qkv"},
+        layer + "self_attn.o_proj": Rowwise(),
+        layer + "mlp.gate_proj": Colwise(),
+        layer + "mlp.up_proj": Colwise(),
+        layer + "mlp.down_proj": Rowwise(),
+        "lm_head": VocabParallelHead(tied_to="model.embed_tokens" if tie_embeddings else None),
     }
 
 
