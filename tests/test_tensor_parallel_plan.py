@@ -207,3 +207,36 @@ def _llama_body() -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_hf_llama_with_llama_plan_equals_dense(dist_pool, world_size):
     dist_pool.run(_llama_body, world_size=world_size, timeout=180)
+
+
+# ---- gradient clipping over tp ----------------------------------------------------------------------
+def _clip_body(backend: str) -> float:
+    from shardkit.parallel.tensor import clip_grad_norm_tp_, is_tp_sharded
+
+    tp = dist.get_world_size()
+    with (
+        ParallelContext.from_world(tp=tp) as ctx,
+        mock.patch.object(CausalSelfAttention, "forward", _attention_forward_any_heads),
+    ):
+        dense = _model()
+        model = tensor_parallelize(copy.deepcopy(dense), ctx, gpt_plan())
+        assert is_tp_sharded(model.blocks[0].attn.proj.weight) and not is_tp_sharded(model.blocks[0].attn.proj.bias)
+        assert not is_tp_sharded(model.ln_f.weight) and is_tp_sharded(model.tok_emb.weight)
+        idx, y = torch.randint(VOCAB, (2, 16), generator=torch.Generator().manual_seed(3)).unbind(0)
+        lm_loss(dense(idx[None]), y[None]).backward()
+        vocab_parallel_cross_entropy(model(idx[None]), y[None], ctx=ctx, vocab_size=VOCAB).backward()
+        expect = torch.nn.utils.clip_grad_norm_(dense.parameters(), 0.05)  # small: it clips
+        norm = clip_grad_norm_tp_(model.parameters(), 0.05, ctx=ctx, backend=backend)
+        torch.testing.assert_close(norm, expect, **FP32)
+        dense_grads = {n: p.grad for n, p in dense.named_parameters()}
+        sharded = shard_state_dict(dense_grads, gpt_plan(), ctx)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, sharded[name], **FP32, msg=lambda m, name=name: f"{name}: {m}")
+        return float(norm)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_clip_grad_norm_tp_equals_dense_clip(dist_pool, world_size, backend):
+    norms = dist_pool.run(_clip_body, backend, world_size=world_size, timeout=120)
+    assert len(set(norms)) == 1

@@ -7,6 +7,7 @@ Example:
 """
 
 from .cross_entropy import vocab_parallel_cross_entropy, vocab_shard_range
+from .grad_norm import clip_grad_norm_tp_
 from .functions import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -30,9 +31,11 @@ from .plan import (
     shard_state_dict,
     tensor_parallelize,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, VocabParallelEmbedding
+from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, VocabParallelEmbedding, is_tp_sharded
 
 __all__ = [
+    "clip_grad_norm_tp_",
+    "is_tp_sharded",
     "Colwise",
     "Heads",
     "Rowwise",

@@ -52,7 +52,7 @@ from .functions import (
     scatter_to_tp_region,
 )
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelNorm"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelNorm", "is_tp_sharded"]
 
 
 def _divide(name: str, value: int, tp: int) -> int:
@@ -79,8 +79,24 @@ def _dense_linear_init(
     return weight, b
 
 
-def _param(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> nn.Parameter:
-    return nn.Parameter(t.to(dtype=dtype or torch.float32, device=device).contiguous())
+def _param(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str | None, shard_dim: int | None) -> nn.Parameter:
+    p = nn.Parameter(t.to(dtype=dtype or torch.float32, device=device).contiguous())
+    if shard_dim is not None:
+        p.tensor_parallel_dim = shard_dim  # see is_tp_sharded
+    return p
+
+
+def is_tp_sharded(p: torch.Tensor) -> bool:
+    """Whether ``p`` is one tp rank's slice of a larger tensor (False: replicated on every rank).
+
+    Set by the TP layers on their split weights and biases; a gradient norm over tp sums the
+    sharded parameters' squares across ranks and counts replicated ones once.
+
+    Example:
+        >>> [is_tp_sharded(p) for p in RowParallelLinear(8, 4, ctx=ctx).parameters()]
+        [True, False]
+    """
+    return getattr(p, "tensor_parallel_dim", None) is not None
 
 
 def _check_last_dim(layer: str, x: torch.Tensor, expected: int, what: str) -> None:
@@ -208,8 +224,8 @@ class ColumnParallelLinear(nn.Module):
         rows = torch.cat(
             [torch.arange(j * per * self.tp + self.tp_rank * per, j * per * self.tp + (self.tp_rank + 1) * per) for j in range(k)]
         )
-        self.weight = _param(weight[rows.to(weight.device)], dtype, device)
-        self.bias = _param(bias[rows.to(bias.device)], dtype, device) if bias is not None else None
+        self.weight = _param(weight[rows.to(weight.device)], dtype, device, 0)
+        self.bias = _param(bias[rows.to(bias.device)], dtype, device, 0) if bias is not None else None
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> ColumnParallelLinear:
@@ -298,8 +314,8 @@ class RowParallelLinear(nn.Module):
 
     def _set_shards(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None, device: Any) -> None:
         cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
-        self.weight = _param(weight[:, cols], dtype, device)
-        self.bias = _param(bias, dtype, device) if bias is not None else None
+        self.weight = _param(weight[:, cols], dtype, device, 1)
+        self.bias = _param(bias, dtype, device, None) if bias is not None else None
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> RowParallelLinear:
@@ -404,7 +420,7 @@ class VocabParallelEmbedding(nn.Module):
         shard = weight.new_zeros(self.per_rank, self.embedding_dim)
         rows = weight[self.vocab_start : self.vocab_start + self.per_rank]
         shard[: rows.shape[0]] = rows
-        self.weight = _param(shard, dtype, device)
+        self.weight = _param(shard, dtype, device, 0)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, *, ctx: ParallelContext, **kwargs: Any) -> VocabParallelEmbedding:
