@@ -240,3 +240,41 @@ def _clip_body(backend: str) -> float:
 def test_clip_grad_norm_tp_equals_dense_clip(dist_pool, world_size, backend):
     norms = dist_pool.run(_clip_body, backend, world_size=world_size, timeout=120)
     assert len(set(norms)) == 1
+
+
+# ---- tp x dp: TP shards inside DataParallel -------------------------------------------------------
+def _tp_dp_body() -> list[float]:
+    from shardkit.parallel import DataParallel
+
+    with (
+        ParallelContext.from_world(dp=2, tp=2) as ctx,
+        mock.patch.object(CausalSelfAttention, "forward", _attention_forward_any_heads),
+    ):
+        dense = _model()
+        model = DataParallel(tensor_parallelize(copy.deepcopy(dense), ctx, gpt_plan()), ctx)
+        opt_d = torch.optim.SGD(dense.parameters(), lr=0.2, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        gen = torch.Generator().manual_seed(4)
+        idx, y = torch.randint(VOCAB, (4, 16), generator=gen), torch.randint(VOCAB, (4, 16), generator=gen)
+        rows = slice(2 * ctx.rank("dp"), 2 * ctx.rank("dp") + 2)  # this dp rank's half of the batch
+        losses = []
+        for _ in range(5):
+            loss_d = lm_loss(dense(idx), y)
+            loss = vocab_parallel_cross_entropy(model(idx[rows]), y[rows], ctx=ctx, vocab_size=VOCAB)
+            for o in (opt_d, opt):
+                o.zero_grad()
+            loss_d.backward()
+            loss.backward()
+            opt_d.step()
+            opt.step()
+            losses.append(float(loss_d.detach()))
+        sharded = shard_state_dict(dense.state_dict(), gpt_plan(), ctx)
+        for key, value in model.module.state_dict().items():
+            torch.testing.assert_close(value, sharded[key], **FP32, msg=lambda m, key=key: f"{key}: {m}")
+        return losses
+
+
+def test_tp2_x_dp2_trains_like_dense(dist_pool):
+    """tp = 2 inside dp = 2 (world 4): DataParallel averages each TP shard's grads over its dp peers."""
+    losses = dist_pool.run(_tp_dp_body, world_size=4, timeout=120)
+    assert losses[0][-1] < losses[0][0]
