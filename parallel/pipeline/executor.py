@@ -42,7 +42,7 @@ from torch.profiler import record_function
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 
 from .backward import WeightWork, backward_input, backward_weight
-from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag
+from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag, post
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
 from .split import SplitSpec, split_blocks
 
@@ -206,10 +206,19 @@ class PipelineParallel:
         state = _StepState(x_mbs, y_mbs, m)
         t0 = time.perf_counter()
         self.timeline = []
-        for a in self.schedule.actions[self.rank]:
-            start = time.perf_counter()
-            wait = self._run(a, state)
-            self.timeline.append(TimedAction(a, start - t0, time.perf_counter() - t0, wait))
+        acts, n = self.schedule.actions[self.rank], 0
+        while n < len(acts):
+            if acts[n].kind in COMPUTE:
+                start = time.perf_counter()
+                self._compute(acts[n], state)
+                self.timeline.append(TimedAction(acts[n], start - t0, time.perf_counter() - t0))
+                n += 1
+                continue
+            end = n  # a run of communication actions is posted together (see communicate)
+            while end < len(acts) and acts[end].kind not in COMPUTE:
+                end += 1
+            self.timeline += self.communicate(acts[n:end], state, t0)
+            n = end
         self._loop_s = time.perf_counter() - t0
         assert not state.outputs and not state.w_pending, "schedule left work undone"
         loss = self.finalize(state)
@@ -217,7 +226,7 @@ class PipelineParallel:
         return loss
 
     # ---- phases -------------------------------------------------------------------------------
-    def _run(self, a: Action, st: _StepState) -> float:
+    def _compute(self, a: Action, st: _StepState) -> None:
         k = a.kind
         if k is Kind.F:
             with record_function("shardkit::pipeline_forward"):
@@ -228,16 +237,9 @@ class PipelineParallel:
         elif k is Kind.BI:
             with record_function("shardkit::pipeline_backward_input"):
                 self.backward(a.stage, a.mb, st, split=True)
-        elif k is Kind.BW:
+        else:
             with record_function("shardkit::pipeline_backward_weight"):
                 self.backward_weight(a.stage, a.mb, st)
-        elif k in (Kind.SEND_F, Kind.SEND_B):
-            with record_function("shardkit::pipeline_send"):
-                self.send(a, st)
-        else:
-            with record_function("shardkit::pipeline_recv"):
-                return self.recv(a, st)
-        return 0.0
 
     def forward(self, s: int, i: int, st: _StepState) -> None:
         """Run stage ``s`` on micro-batch ``i``; the last stage also computes the loss."""
@@ -299,26 +301,40 @@ class PipelineParallel:
         """ZB-H1's W: the weight gradients of stage ``s`` for micro-batch ``i``."""
         self._accumulate(s, backward_weight(st.w_pending.pop((s, i))), st)
 
-    def send(self, a: Action, st: _StepState) -> None:
-        """Post the send of an activation (SEND_F) or input gradient (SEND_B); waited in finalize."""
-        back = a.kind is Kind.SEND_B
-        dst = (a.stage + (-1 if back else 1)) % self.schedule.num_ranks
-        tag = p2p_tag(a.stage, a.mb, back, self.schedule.num_stages)
-        t = st.to_send.pop((a.kind, a.stage, a.mb))
-        st.sends.append(isend(t, dst=dst, tag=tag, group=self.group, stats=self.stats))
-
-    def recv(self, a: Action, st: _StepState) -> float:
-        """Receive an activation (RECV_F) or output gradient (RECV_B); returns seconds blocked."""
-        back = a.kind is Kind.RECV_B
-        peer_stage = a.stage + (1 if back else -1)
-        shape, dtype = self._out_meta[a.stage] if back else self._in_meta[a.stage]
-        buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-        tag = p2p_tag(peer_stage, a.mb, back, self.schedule.num_stages)
-        h = irecv(buf, src=peer_stage % self.schedule.num_ranks, tag=tag, group=self.group, stats=self.stats)
-        t = time.perf_counter()
-        h.wait()
-        (st.grads if back else st.acts)[(a.stage, a.mb)] = buf
-        return time.perf_counter() - t
+    def communicate(self, run: Sequence[Action], st: _StepState, t0: float) -> list[TimedAction]:
+        """Post a run of consecutive sends/receives together (one ``batch_isend_irecv`` when
+        there are several, so facing send/recv pairs cannot block each other on NCCL), then
+        wait for the receives; sends are waited in :meth:`finalize`. Returns the run's timed
+        actions: receives with the time blocked as ``wait``."""
+        p, S = self.schedule.num_ranks, self.schedule.num_stages
+        ops: list = []
+        recvs: list = []
+        with record_function("shardkit::pipeline_p2p"):
+            for a in run:
+                back = a.kind in (Kind.SEND_B, Kind.RECV_B)
+                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    peer = a.stage + (-1 if back else 1)
+                    tag = p2p_tag(a.stage, a.mb, back, S)
+                    ops.append(("send", st.to_send.pop((a.kind, a.stage, a.mb)), peer % p, tag))
+                else:
+                    peer = a.stage + (1 if back else -1)
+                    shape, dtype = self._out_meta[a.stage] if back else self._in_meta[a.stage]
+                    buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+                    ops.append(("recv", buf, peer % p, p2p_tag(peer, a.mb, back, S)))
+            posted = time.perf_counter()
+            handles = post(ops, group=self.group, stats=self.stats)
+            out: list[TimedAction] = [TimedAction(a, posted - t0, posted - t0) for a in run]  # sends
+            for n, (a, h) in enumerate(zip(run, handles, strict=True)):
+                if h.op == "send":
+                    st.sends.append(h)
+                else:
+                    recvs.append((n, a, h))
+            for n, a, h in recvs:
+                h.wait()
+                (st.grads if a.kind is Kind.RECV_B else st.acts)[(a.stage, a.mb)] = h.output
+                done = time.perf_counter()
+                out[n] = TimedAction(a, posted - t0, done - t0, done - posted)
+        return out
 
     def finalize(self, st: _StepState) -> float:
         """Wait for the sends, broadcast the losses and counts from the last stage, and add the

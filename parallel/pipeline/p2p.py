@@ -17,7 +17,7 @@ import torch.distributed as dist
 from shardkit.comm import CommHandle, CommStats
 from shardkit.comm.handle import as_timeout_error
 
-__all__ = ["META_LEN", "decode_meta", "encode_meta", "isend", "irecv", "p2p_tag"]
+__all__ = ["META_LEN", "decode_meta", "encode_meta", "isend", "irecv", "p2p_tag", "post"]
 
 #: Largest activation rank the shape exchange carries.
 MAX_NDIM = 8
@@ -87,3 +87,37 @@ def isend(tensor: torch.Tensor, *, dst: int, tag: int, group: dist.ProcessGroup,
 def irecv(tensor: torch.Tensor, *, src: int, tag: int, group: dist.ProcessGroup, stats: CommStats | None = None) -> CommHandle:
     """Post a receive into ``tensor`` from ``src`` (rank in ``group``); wait on the handle."""
     return _post("recv", tensor, src, tag, group, stats)
+
+
+def post(
+    ops: list[tuple[str, torch.Tensor, int, int]], *, group: dist.ProcessGroup, stats: CommStats | None = None
+) -> list[CommHandle]:
+    """Post ``(op, tensor, peer, tag)`` transfers (``op`` is ``"send"`` or ``"recv"``) together.
+
+    Several ops go through one ``torch.distributed.batch_isend_irecv`` (an NCCL group), so a send
+    and a receive that face each other between two ranks cannot block each other; one op is a
+    plain ``isend``/``irecv``. Returns one handle per op, in order; nothing is waited.
+    """
+    if len(ops) == 1:
+        op, t, peer, tag = ops[0]
+        return [
+            (
+                isend(t, dst=peer, tag=tag, group=group, stats=stats)
+                if op == "send"
+                else irecv(t, src=peer, tag=tag, group=group, stats=stats)
+            )
+        ]
+    p2p = []
+    for op, t, peer, tag in ops:
+        t = t.contiguous()
+        if stats is not None:
+            stats.record(op, group, t.numel() * t.element_size())
+        p2p.append((op, t, dist.P2POp(dist.isend if op == "send" else dist.irecv, t, group=group, group_peer=peer, tag=tag)))
+    try:
+        works = dist.batch_isend_irecv([o for _, _, o in p2p])
+    except RuntimeError as exc:
+        err = as_timeout_error(exc, "batch_isend_irecv", group, ops[0][1].device)
+        if err is not None:
+            raise err from exc
+        raise
+    return [CommHandle(op, t, work=w, group=group) for (op, t, _), w in zip(p2p, works, strict=True)]

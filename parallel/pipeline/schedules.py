@@ -290,26 +290,29 @@ def simulate(
     """Run a schedule with fixed action times, as soon as dependencies allow.
 
     ``F`` takes ``t_f``, ``BI`` takes ``t_b``, ``BW`` takes ``t_w`` and a full ``B`` takes
-    ``t_b + t_w`` (the same work, unsplit). A send takes no time; a receive completes
-    ``t_comm`` after its matching send was posted (or at once, if later). A rank runs its list
-    in order; each action starts when the rank is free and its inputs exist: ``F(s, i)`` needs
-    stage ``s - 1``'s output for ``i`` (received, or local), ``B``/``BI(s, i)`` needs ``F(s, i)``
-    and stage ``s + 1``'s input gradient, ``BW(s, i)`` needs ``BI(s, i)``.
+    ``t_b + t_w`` (the same work, unsplit). A rank runs its list in order; a compute action
+    starts when the rank is free and its inputs exist: ``F(s, i)`` needs stage ``s - 1``'s
+    output for ``i`` (received, or local), ``B``/``BI(s, i)`` needs ``F(s, i)`` and stage
+    ``s + 1``'s input gradient, ``BW(s, i)`` needs ``BI(s, i)``. A run of consecutive
+    communication actions is posted together when the rank reaches it (as the executor posts
+    it) and finishes when each receive has its data, ``t_comm`` after the matching send was
+    posted; see [Note: matching sends and receives].
 
     Args:
         schedule: from :func:`build_schedule` (or hand-made).
         t_f, t_b, t_w: durations; ``t_b`` is the input-gradient part, ``t_w`` the weight part.
         t_comm: latency of one P2P transfer.
-        rendezvous: a send also blocks until the peer has reached the matching receive (the
-            NCCL model, where a send may not finish before its receive is posted); by default
-            sends never block (the gloo executor's model: sends are waited at the end).
+        rendezvous: a send also blocks until the peer has posted the matching receive (the
+            NCCL model: a send may not finish before its receive is posted); by default sends
+            never block (gloo: the executor waits for them at the end of the step).
 
     Returns:
         A :class:`SimResult`.
 
     Raises:
         DeadlockError: no rank can take its next action.
-        ValueError: a receive with no matching send anywhere, or a malformed action.
+        ValueError: a malformed list (an action twice, on the wrong rank, a send before the
+            compute that produces it). A receive without a send is a deadlock.
 
     Example:
         >>> simulate(build_schedule("gpipe", num_ranks=4, microbatches=8)).bubble_fraction
@@ -318,8 +321,7 @@ def simulate(
     p, last = schedule.num_ranks, schedule.num_stages - 1
     dur = {Kind.F: t_f, Kind.B: t_b + t_w, Kind.BI: t_b, Kind.BW: t_w}
     done: dict[tuple[Kind, int, int], float] = {}  # (kind, stage, mb) -> end time
-    posted: dict[tuple[Kind, int, int], float] = {}  # sends: (kind, stage, mb) -> post time
-    arrived: dict[tuple[Kind, int, int], float] = {}  # receives a rank is blocked at -> since
+    posted: dict[tuple[Kind, int, int], float] = {}  # sends and receives -> when posted
     free = [0.0] * p
     pc = [0] * p
     timeline: list[list[TimedAction]] = [[] for _ in range(p)]
@@ -330,12 +332,6 @@ def simulate(
 
     def ready(a: Action, r: int) -> float | None:
         s, i, k = a.stage, a.mb, a.kind
-        if k is Kind.RECV_F:
-            sent = posted.get((Kind.SEND_F, s - 1, i))
-            return None if sent is None else sent + t_comm
-        if k is Kind.RECV_B:
-            sent = posted.get((Kind.SEND_B, s + 1, i))
-            return None if sent is None else sent + t_comm
         if k is Kind.F:
             if s == 0:
                 return 0.0
@@ -349,17 +345,54 @@ def simulate(
             return None if g is None else max(f, g)
         if k is Kind.BW:
             return done.get((Kind.BI, s, i))
-        if k in SENDS:
-            t = done.get((Kind.F, s, i)) if k is Kind.SEND_F else bwd_done(s, i)
-            if not rendezvous or t is None:
-                return t
-            peer = (Kind.RECV_F, s + 1, i) if k is Kind.SEND_F else (Kind.RECV_B, s - 1, i)
-            return None if peer not in arrived else max(t, arrived[peer])
+        if k is Kind.SEND_F:
+            return done.get((Kind.F, s, i))
+        if k is Kind.SEND_B:
+            return bwd_done(s, i)
         raise ValueError(f"unknown action kind {k!r}")
 
+    def peer(key: tuple[Kind, int, int]) -> tuple[Kind, int, int]:
+        k, s, i = key
+        return {
+            Kind.SEND_F: (Kind.RECV_F, s + 1, i),
+            Kind.RECV_F: (Kind.SEND_F, s - 1, i),
+            Kind.SEND_B: (Kind.RECV_B, s - 1, i),
+            Kind.RECV_B: (Kind.SEND_B, s + 1, i),
+        }[k]
+
+    def comm_run(r: int) -> bool:
+        """Post the run of communication actions at rank r's pc together; finish it if matched."""
+        acts, first = schedule.actions[r], pc[r]
+        last_ = first
+        while last_ < len(acts) and acts[last_].kind not in COMPUTE:
+            last_ += 1
+        run = [(a, (a.kind, a.stage, a.mb)) for a in acts[first:last_]]
+        for a, key in run:
+            if key not in posted:
+                if a.kind in SENDS and ready(a, r) is None:
+                    raise ValueError(f"rank {r} sends {a!r} before computing it")
+                posted[key] = free[r]
+        ends = []
+        for a, key in run:
+            other = posted.get(peer(key))
+            if other is None and (a.kind in RECVS or rendezvous):
+                return False
+            if a.kind in RECVS:
+                ends.append(max(posted[key], other + t_comm))
+            else:
+                ends.append(max(posted[key], other) if rendezvous else posted[key])
+        for (a, key), end in zip(run, ends, strict=True):
+            if key in done:
+                raise ValueError(f"rank {r} runs {a!r} twice")
+            done[key] = end
+            wait = end - posted[key] if (a.kind in RECVS or rendezvous) else 0.0
+            timeline[r].append(TimedAction(a, posted[key], end, wait))
+        free[r] = max([free[r], *ends])
+        pc[r] = last_
+        return True
+
     total = sum(len(a) for a in schedule.actions)
-    finished = 0
-    while finished < total:
+    while sum(pc) < total:
         progress = False
         for r in range(p):
             acts = schedule.actions[r]
@@ -367,24 +400,21 @@ def simulate(
                 a = acts[pc[r]]
                 if schedule.rank_of(a.stage) != r:
                     raise ValueError(f"rank {r}'s list has {a!r}, but stage {a.stage} is on rank {a.stage % p}")
+                if a.kind not in COMPUTE:
+                    if not comm_run(r):
+                        break
+                    progress = True
+                    continue
                 t = ready(a, r)
                 if t is None:
-                    if a.kind in RECVS:
-                        arrived.setdefault((a.kind, a.stage, a.mb), free[r])
                     break
                 start = max(free[r], t)
-                end = start + dur.get(a.kind, 0.0)
-                wait = start - free[r] if a.kind in RECVS else 0.0
                 key = (a.kind, a.stage, a.mb)
                 if key in done:
                     raise ValueError(f"rank {r} runs {a!r} twice")
-                done[key] = end
-                if a.kind in SENDS:
-                    posted[key] = end
-                timeline[r].append(TimedAction(a, start, end, wait))
-                free[r] = end
+                done[key] = free[r] = start + dur[a.kind]
+                timeline[r].append(TimedAction(a, start, free[r]))
                 pc[r] += 1
-                finished += 1
                 progress = True
         if not progress:
             blocked = ", ".join(f"rank {r}: {schedule.actions[r][pc[r]]!r}" for r in range(p) if pc[r] < len(schedule.actions[r]))
