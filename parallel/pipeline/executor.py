@@ -309,7 +309,7 @@ class PipelineParallel:
         p, S = self.schedule.num_ranks, self.schedule.num_stages
         ops: list = []
         recvs: list = []
-        with record_function("shardkit::pipeline_p2p"):
+        with record_function("shardkit::pipeline_communicate"):
             for a in run:
                 back = a.kind in (Kind.SEND_B, Kind.RECV_B)
                 if a.kind in (Kind.SEND_F, Kind.SEND_B):
