@@ -31,7 +31,7 @@ from shardkit.comm import (
     send,
 )
 from shardkit.comm.context import NCCL_BLOCKING_WAIT_ENV, _nccl_blocking_wait
-from shardkit.comm.handle import as_timeout_error
+from shardkit.comm.handle import CommHandle, as_timeout_error
 from tolerances import FP32
 
 WORLD_SIZES = [2, 4]
@@ -590,3 +590,24 @@ def test_from_env_nccl_with_enough_gpus_sets_the_local_device(monkeypatch):
     with pytest.raises(Stop):
         ParallelContext.from_env(backend="nccl")
     set_device.assert_called_once_with(1)
+
+
+def test_comm_handle_states_without_processes():
+    """A handle without work is complete (a pending post-processing, e.g. gloo's avg division,
+    still runs once in wait()); with work it asks the work until wait(); repr says which."""
+    t = torch.ones(3)
+    posts: list[int] = []
+    h = CommHandle("all_reduce", t, post=lambda: posts.append(1))
+    assert h.is_completed() and posts == [] and "pending" in repr(h)
+    assert h.wait() is t and h.wait() is t and posts == [1]  # idempotent: post ran once
+    assert repr(h) == "CommHandle(all_reduce, completed, output=(3,) torch.float32)"
+    work = mock.Mock(spec=dist.Work)
+    work.is_completed.return_value = False
+    h = CommHandle("broadcast", t, work=work)
+    assert not h.is_completed() and "pending" in repr(h)
+    work.is_completed.return_value = True
+    assert h.is_completed()
+    h.wait()
+    work.wait.assert_called_once()
+    work.is_completed.return_value = False  # no longer asked once waited
+    assert h.is_completed() and "completed" in repr(h)
