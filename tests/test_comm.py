@@ -611,3 +611,15 @@ def test_comm_handle_states_without_processes():
     work.wait.assert_called_once()
     work.is_completed.return_value = False  # no longer asked once waited
     assert h.is_completed() and "completed" in repr(h)
+
+
+def test_timeout_message_survives_an_unreadable_group_timeout():
+    """The group's timeout comes from private c10d accessors: if they fail, the timeout error
+    is still raised, saying "the group timeout" instead of a number."""
+    group = mock.Mock(spec=dist.ProcessGroup)
+    group.rank.return_value, group.size.return_value = 1, 2
+    group._get_backend.side_effect = AttributeError("no such backend accessor")
+    with mock.patch("shardkit.comm.handle.group_label", return_value="shardkit_dp[0, 1]"):
+        err = as_timeout_error(RuntimeError("Timed out waiting 2000ms"), "all_reduce", group, torch.device("cpu"))
+    assert isinstance(err, CommTimeoutError)
+    assert "timed out after the group timeout (rank 1 of 2 in that group)" in str(err)
