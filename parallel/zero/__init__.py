@@ -1,13 +1,22 @@
-"""Sharded data parallelism (ZeRO stages 1 and 2): :class:`ShardedDataParallel`, :class:`ZeroOptimizer`.
+"""Sharded data parallelism (ZeRO stages 1 and 2) and the ZeRO memory planner.
+
+:class:`ShardedDataParallel` and :class:`ZeroOptimizer` run the stages; :func:`plan_memory`,
+:func:`plan_table` and :class:`MemoryPlan` predict their bytes per rank without allocating
+(docs/planner.md).
 
 Example:
-    >>> from shardkit.parallel.zero import ShardedDataParallel, ZeroOptimizer
+    >>> from shardkit.parallel.zero import ShardedDataParallel, ZeroOptimizer, plan_memory
     >>> sdp = ShardedDataParallel(model, ctx, stage=2)
     >>> opt = ZeroOptimizer(sdp, FusedAdamW, lr=3e-4)
+    >>> plan_memory(model, dp=ctx.size("dp"), stage=2).memory_report()  # vs sdp.memory_report()
 """
 
+# planner before plan_table: planner.py re-exports plan_table's names at its end, so it must be
+# the one that starts the import cycle (importing plan_table first would meet a half-built module).
+from .planner import MemoryPlan, plan_memory  # isort: skip
 from .flat_shards import paper_comm_bytes
 from .optimizer import ZeroOptimizer
+from .plan_table import plan_table
 from .sharded import ShardedDataParallel
 
-__all__ = ["ShardedDataParallel", "ZeroOptimizer", "paper_comm_bytes"]
+__all__ = ["MemoryPlan", "ShardedDataParallel", "ZeroOptimizer", "paper_comm_bytes", "plan_memory", "plan_table"]

@@ -18,7 +18,10 @@ copy included) and a padded shard ⌈x/N⌉::
 
 Mixed precision Adam (P = G = 2, K = 12) gives the paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N and
 16Ψ/N; fp32 Adam (P = G = 4, K = 8: no master copy) gives 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N.
-docs/planner.md derives both and lists the transient, offload and communication terms.
+docs/planner.md derives both and lists the transient, offload and communication terms. Given a
+model, stages 1-2 count the exact flat buffers ``ShardedDataParallel`` builds (alignment and
+padding, the real buckets: :mod:`~shardkit.parallel.zero.plan_layout`); its default fp32
+gradients are ``grad_dtype_bytes=4``.
 
 Example:
     >>> plan = plan_memory(7_500_000_000, dp=64, stage=2, precision="fp16")
@@ -28,12 +31,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_UP, Decimal
 from typing import Literal
 
 from torch import nn
+
+from ..buckets import FIRST_BUCKET_BYTES
+from .flat_shards import MAX_IN_FLIGHT
+from .plan_layout import FlatLayout, flat_layout
 
 __all__ = [
     "MemoryPlan",
@@ -62,7 +68,6 @@ OPTIMIZER_STATE_SLOTS: dict[str, int] = {
     "sgd": 0,
 }
 _PARAM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_GB = 10**9  # the paper's GB (Table 1: 16Ψ for Ψ = 7.5e9 is "120 GB")
 _STAGE_NAMES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 _COMM_WEIGHT = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}  # the paper's unit, §7
 
@@ -155,6 +160,32 @@ def _shard(n: int, dp: int) -> int:
     return -(-n // dp)  # ceil: flat buffers are padded to a multiple of N, one shard per rank
 
 
+def _zero12_transient(
+    layout: FlatLayout | None, psi_t: int, *, dp: int, stage: int, pb: int, gb: int, bucket: int, in_flight: int
+) -> int:
+    """Peak transient bytes of stages 1-2: the largest of three phases that never overlap.
+
+    Backward: ``in_flight`` consecutive buckets reducing at once, each holding its
+    reduce-scatter input (stage 2: a packed full bucket, G·T) or output (stage 1: G·T/N; the
+    full gradient is persistent). Epilogue: an fp32 copy of every reduced shard when G ≠ 4.
+    All-gather: every bucket's P·T/N input copy at once (docs/planner.md). Without a model
+    the buckets are the caps (first 1 MiB) and the shards ⌈Ψ_t/N⌉.
+    """
+    if layout is not None:
+        totals, shards = list(layout.totals), sum(layout.shards)
+    else:
+        totals, left, cap = [], psi_t, min(FIRST_BUCKET_BYTES, bucket) // gb
+        while left > 0 and len(totals) <= in_flight:  # later windows are never larger
+            totals.append(min(left, max(cap, 1)))
+            left -= totals[-1]
+            cap = bucket // gb
+        shards = _shard(psi_t, dp)
+    held = [gb * (t if stage == 2 else _shard(t, dp)) for t in totals]
+    backward = max((sum(held[i : i + in_flight]) for i in range(len(held))), default=0)
+    epilogue = 4 * shards if gb != 4 else 0
+    return max(backward, epilogue, pb * shards)
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Predicted bytes per data-parallel rank for one ZeRO stage (see the module docstring).
@@ -168,6 +199,7 @@ class MemoryPlan:
             gathered units incl. prefetch and one unit's unsharded gradients).
         cpu: host bytes per rank (offload: optimizer state, fp32 gradient shard, staging).
         nvme: bytes per rank in files (``offload="nvme"``).
+        master: the fp32 master copy's share of ``optimizer_state`` (mixed precision, stages 1-3).
         comm: (op, elements, bytes per element) of each collective per step, per rank.
         device_bytes: the device memory planned against, or None.
     """
@@ -186,6 +218,7 @@ class MemoryPlan:
     grads: int
     optimizer_state: int
     transient: int
+    master: int = 0
     cpu: int = 0
     nvme: int = 0
     comm: tuple[tuple[str, int, int], ...] = field(default=())
@@ -222,9 +255,7 @@ class MemoryPlan:
         ``optimizer_state`` is split: master = 4 bytes per sharded trainable parameter when mixed
         precision keeps one on the device.
         """
-        master = 0
-        if self.precision != "fp32" and self.offload is None and self.stage >= 1 and self.optimizer_bytes_per_param >= 4:
-            master = 4 * _shard(self.trainable_params, self.dp)
+        master = self.master
         return {
             "unit": "bytes",
             "params": self.params,
@@ -280,34 +311,14 @@ class MemoryPlan:
             f"dp={self.dp}, {self.precision}, {self.optimizer} K={self.optimizer_bytes_per_param}, "
             f"offload={self.offload or 'none'}"
         )
+        from .plan_table import _unit, format_gb
+
         scale, name = _unit(max(v for _, v in rows))
         lines = [head] + [f"  {k:<24}{format_gb(v, scale):>10} {name}" for k, v in rows]
         if self.device_bytes is not None:
             fits = "yes" if self.fits else "NO"
             lines.append(f"  {'fits in':<24}{format_gb(self.device_bytes, scale):>10} {name}: {fits}")
         return "\n".join(lines)
-
-
-def format_gb(nbytes: int | float, unit: int = _GB) -> str:
-    """Bytes in GB (10^9; or in ``unit`` bytes), rounded half up to about 3 significant figures.
-
-    Half up, not Python's half-even, as the paper's Table 1 prints 41.25 GB ("41.3") and
-    1.875 GB ("1.88").
-
-    Example:
-        >>> format_gb(31_406_250_000), format_gb(41_250_000_000), format_gb(2.048e12)
-        ('31.4', '41.3', '2048')
-    """
-    value = Decimal(int(nbytes)) / unit
-    if value == 0:
-        return "0"
-    digits = next((d for limit, d in ((100, 0), (10, 1), (1, 2)) if abs(value) >= limit), 3)
-    return str(value.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
-
-
-def _unit(largest: int) -> tuple[int, str]:
-    """GB unless everything is below 1 GB (a small model): then MB (10^6)."""
-    return (_GB, "GB") if largest >= _GB else (10**6, "MB")
 
 
 def plan_memory(
@@ -320,7 +331,7 @@ def plan_memory(
     offload: Offload | None = None,
     offload_params: bool = False,
     bucket_mb: float = 25.0,
-    buckets_in_flight: int = 2,
+    buckets_in_flight: int = MAX_IN_FLIGHT,
     gradient_as_bucket_view: bool = False,
     largest_unit_params: int | None = None,
     prefetch: int = 1,
@@ -328,6 +339,7 @@ def plan_memory(
     grad_dtype_bytes: int | None = None,
     nvme_subgroup_params: int = 10**9,
     device_bytes: int | None = None,
+    exact: bool = True,
 ) -> MemoryPlan:
     """Predict one rank's memory and communication for ZeRO ``stage`` (0 = DDP) over ``dp`` ranks.
 
@@ -352,6 +364,9 @@ def plan_memory(
         grad_dtype_bytes: G override, e.g. 4 for fp32 gradient reduction with bf16 params.
         nvme_subgroup_params: elements per NVMe sub-group (two are staged on the host).
         device_bytes: device memory to check :attr:`MemoryPlan.fits` against.
+        exact: with a model, stages 1-2: count the flat buffers ``ShardedDataParallel`` builds
+            (alignment and padding, the real buckets, the worst rank's share; see
+            :func:`~shardkit.parallel.zero.plan_layout.flat_layout`). False: the Ψ formulas.
 
     Returns:
         A :class:`MemoryPlan`; byte counts are per rank.
@@ -401,6 +416,18 @@ def plan_memory(
     params = pb * (shard if stage == 3 else psi)
     grads = gb * (shard_t if stage >= 2 else psi_t)
     opt = k * (shard_t if stage >= 1 else psi_t)
+    # The fp32 master copy inside K: 4 bytes per sharded trainable element in mixed precision.
+    master = 4 * shard_t if precision != "fp32" and stage >= 1 and k >= 4 else 0
+    layout = None
+    if exact and isinstance(num_params, nn.Module) and stage in (1, 2):
+        # The exact flat buffers of stages 1-2 (plan_layout.py): 16-element alignment per
+        # parameter and padding to 16·N per bucket, the worst rank's share of the elements.
+        layout = flat_layout(num_params, dp=dp, bucket_mb=bucket_mb, grad_bytes=gb)
+        total, shards = sum(layout.totals), sum(layout.shards)
+        params = pb * (total + layout.frozen)
+        grads = gb * (total if stage == 1 else shards)
+        master = 4 * shards if master else 0
+        opt = (k - 4 if master else k) * layout.owned + master  # moments cover real elements only
 
     # Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer step runs on the host, on an fp32
     # copy of this rank's gradient shard; NVMe keeps the state in files, two sub-groups staged.
@@ -412,7 +439,7 @@ def plan_memory(
         else:
             nvme += opt
             cpu += 2 * k * min(nvme_subgroup_params, shard_t)
-        opt = 0
+        opt = master = 0
         if offload_params:
             if offload == "cpu":
                 cpu += params
@@ -428,7 +455,8 @@ def plan_memory(
             # DDP allocates every bucket up front: a flat copy of all grads unless grads are views.
             transient = 0 if gradient_as_bucket_view else gb * psi_t
         elif stage in (1, 2):
-            transient = min(buckets_in_flight * bucket, gb * psi_t)
+            transient = _zero12_transient(layout, psi_t, dp=dp, stage=stage, pb=pb, gb=gb, bucket=bucket,
+                                          in_flight=buckets_in_flight)  # fmt: skip
         else:
             unit = psi if largest_unit_params is None else largest_unit_params
             gathered = psi if not reshard_after_forward else min(psi, (1 + prefetch) * unit)
@@ -459,6 +487,7 @@ def plan_memory(
         grads=grads,
         optimizer_state=opt,
         transient=transient,
+        master=master,
         cpu=cpu,
         nvme=nvme,
         comm=tuple(comm),
@@ -466,68 +495,5 @@ def plan_memory(
     )
 
 
-@dataclass(frozen=True)
-class StageTable:
-    """Plans of several stages for the same model and settings; ``str()`` renders the table."""
-
-    plans: tuple[MemoryPlan, ...]
-
-    def __getitem__(self, stage: int) -> MemoryPlan:
-        for plan in self.plans:
-            if plan.stage == stage:
-                return plan
-        raise KeyError(stage)
-
-    def render(self) -> str:
-        """One row per stage, sizes in GB (10^9 bytes; MB when all are below 1 GB), comm in multiples of Ψ."""
-        first = self.plans[0]
-        offload = next((p.offload for p in self.plans if p.offload), None)
-        scale, name = _unit(max(max(p.device_total, p.cpu, p.nvme) for p in self.plans))
-        cols = ("stage", "params", "grads", "optim", "states", "transient", "total", "cpu", "nvme", "comm", "fits")
-        rows = []
-        for p in self.plans:
-            psi_units = p.comm_elements / p.num_params if p.num_params else 0.0
-            fits = "-" if p.fits is None else ("yes" if p.fits else "NO")
-            sizes = (p.params, p.grads, p.optimizer_state, p.model_state_bytes, p.transient, p.device_total, p.cpu, p.nvme)
-            stage = f"{p.stage} {p.name}" + ("*" if offload and not p.offload else "")
-            rows.append((stage, *(format_gb(b, scale) for b in sizes), f"{psi_units:.1f}Ψ", fits))
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-        line = lambda r: "  ".join(s.ljust(w) if i == 0 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
-        dev = "" if first.device_bytes is None else f", device {format_gb(first.device_bytes, scale)} {name}"
-        head = (
-            f"Ψ = {first.num_params:,} params ({first.trainable_params:,} trainable), dp = {first.dp}, "
-            f"{first.precision}, {first.optimizer} (K = {first.optimizer_bytes_per_param} B/param), "
-            f"offload = {offload or 'none'}{dev}\n"
-            f"bytes per rank in {name} (1e{9 if name == 'GB' else 6}); states = params + grads + optim (ZeRO paper, "
-            "Table 1); comm per step in the paper's unit (all-reduce of Ψ = 2Ψ)"
-        )
-        foot = ["* DDP cannot offload: planned without it"] if offload and any(not p.offload for p in self.plans) else []
-        return "\n".join([head, line(cols), *map(line, rows), *foot])
-
-    __str__ = render
-
-
-def plan_table(num_params: int | nn.Module, *, stages: Iterable[int] = (0, 1, 2, 3), **kwargs: object) -> StageTable:
-    """:func:`plan_memory` for each of ``stages`` (default 0-3) with the same settings.
-
-    Stage 0 (DDP) cannot offload: with ``offload`` set it is planned without offload, and
-    ``offload_params`` applies to stage 3 only.
-
-    Example:
-        >>> t = plan_table(7_500_000_000, dp=64, precision="fp16")
-        >>> [format_gb(p.model_state_bytes) for p in t.plans]
-        ['120', '31.4', '16.6', '1.88']
-    """
-    stages = tuple(stages)
-    if not stages:
-        raise ValueError("stages must name at least one stage")
-    plans = []
-    for s in stages:
-        kw = dict(kwargs)
-        if s == 0:
-            kw.pop("offload", None)
-            kw.pop("offload_params", None)
-        elif s != 3:
-            kw.pop("offload_params", None)
-        plans.append(plan_memory(num_params, stage=s, **kw))  # type: ignore[arg-type]
-    return StageTable(tuple(plans))
+# The table (CLI-facing) half lives in plan_table.py; re-exported here for `shardkit plan`.
+from .plan_table import StageTable, format_gb, plan_table  # noqa: E402
