@@ -611,6 +611,9 @@ def test_comm_handle_states_without_processes():
     work.wait.assert_called_once()
     work.is_completed.return_value = False  # no longer asked once waited
     assert h.is_completed() and "completed" in repr(h)
+    assert "completed" in repr(CommHandle("broadcast", t))  # the size-1 local path
+    with pytest.raises(TypeError, match="positional argument"):
+        CommHandle("broadcast", t, work)  # type: ignore[misc]
 
 
 def test_timeout_message_survives_an_unreadable_group_timeout():
