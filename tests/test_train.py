@@ -27,8 +27,10 @@ from shardkit.kernels import FusedAdamW
 from shardkit.models import GPTConfig, TinyGPT, lm_loss
 from shardkit.parallel import DynamicLossScaler
 from shardkit.parallel.strategy import available_strategies, make_strategy
+from shardkit.parallel.zero import plan_memory
 from shardkit.train import ProgressBar, TrainConfig, lr_at, make_loss_scaler, resolve_device, train
 from shardkit.train.config import STRATEGIES, add_arguments, from_args, to_argv
+from shardkit.train.progress import fmt_bytes
 from tolerances import FP32
 
 # Small enough that a run is ~1 s of compute; shared by the in-process and subprocess runs.
@@ -316,6 +318,7 @@ def test_short_single_process_run_learns() -> None:
     assert s["param_bytes"] == s["grad_bytes"] == 4 * n_params
     assert s["optim_state_bytes"] >= 8 * n_params  # exp_avg + exp_avg_sq in fp32
     assert s["comm"] is None and s["tokens_per_s"] > 0 and res.ranks == [s]
+    assert s["plan"] is None and s["transient_bytes"] is None  # no ZeRO stage to plan
 
 
 def _run_cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -365,3 +368,40 @@ def test_cli_train_ddp_two_processes_matches_single_process(tmp_path: Path) -> N
     # Averaged grads equal the global-batch grads up to fp32 summation order (bitwise equal here
     # in practice); a wrong average, a dropped bucket or an unsynced replica moves it by >1e-2.
     assert abs(ranks[0]["final_eval_loss"] - ref) < 1e-4
+    # The summary's planner figure: DDP (stage 0) for the same model and bucket settings.
+    _check_planned_memory(out, ranks, "ddp", stage=0)
+
+
+def _check_planned_memory(out: str, ranks: list[dict], strategy: str, *, stage: int) -> None:
+    """Each rank's summary carries the planner's figures for the run's config, printed next to the
+    measured ones, and the two agree within 5% (issue 7); the plan is recomputed here from a meta
+    model with plan_memory's own arguments (TINY + --seq-len 32, default 25 MiB buckets)."""
+    with torch.device("meta"):
+        model = TinyGPT(VOCAB, d_model=32, n_layers=1, n_heads=2, seq_len=32)
+    plan = plan_memory(model, dp=2, stage=stage, bucket_mb=25.0, grad_dtype_bytes=4 if stage else None)
+    grads = plan.grads + (0 if stage else plan.transient)  # DDP's report counts its buckets as grads
+    transient = plan.transient if stage else None
+    total = plan.params + grads + plan.optimizer_state + (transient or 0)
+    expected = {"stage": plan.name, "param_bytes": plan.params, "grad_bytes": grads,
+                "optim_state_bytes": plan.optimizer_state, "transient_bytes": transient, "total_bytes": total}  # fmt: skip
+    lines = [line for line in out.splitlines() if f"memory measured (planner {plan.name})" in line]
+    assert len(lines) == len(ranks) == 2, out
+    for r, line in zip(ranks, lines):
+        assert r["plan"] == expected, (r["plan"], expected)
+        assert f"({fmt_bytes(total)}," in line and f"grads {fmt_bytes(r['grad_bytes'])} ({fmt_bytes(grads)})" in line
+        measured_total = r["param_bytes"] + r["grad_bytes"] + r["optim_state_bytes"] + (r["transient_bytes"] or 0)
+        assert f"total {fmt_bytes(measured_total)} " in line
+        for key in ("param_bytes", "grad_bytes", "optim_state_bytes", "transient_bytes"):
+            if expected[key] is not None:
+                assert r[key] == pytest.approx(expected[key], rel=0.05), key
+        assert (r["transient_bytes"] is None) == (stage == 0)
+
+
+@pytest.mark.parametrize("strategy,stage", [("zero1", 1), ("zero2", 2)])
+def test_cli_train_zero_summary_prints_planner_memory(tmp_path: Path, strategy: str, stage: int) -> None:
+    args = ["train", "--nproc", "2", "--strategy", strategy, "--steps", "3", "--eval-every", "3", *TINY[:6],
+            "--batch-size", "4", "--seq-len", "32", "--device", "cpu", "--log-json", "zero.json"]  # fmt: skip
+    proc = _run_cli(args, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    ranks = json.loads((tmp_path / "zero.json").read_text())["ranks"]
+    _check_planned_memory(proc.stdout, ranks, strategy, stage=stage)

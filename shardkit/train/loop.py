@@ -30,12 +30,15 @@ from shardkit.kernels import FusedAdamW
 from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel import DynamicLossScaler
 from shardkit.parallel.strategy import Strategy, get_strategy_class, make_strategy
+from shardkit.parallel.zero import plan_memory
 
 from .config import Precision, TrainConfig
-from .progress import ProgressBar, fmt_bytes, fmt_comm
+from .progress import ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan
 from .schedule import lr_at
 
-__all__ = ["TrainResult", "make_loss_scaler", "resolve_device", "train"]
+__all__ = ["TrainResult", "make_loss_scaler", "planned_memory", "resolve_device", "train"]
+
+_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -106,6 +109,51 @@ def resolve_device(choice: str, *, ranks_per_node: int = 1, local_rank: int = 0)
             f"more ranks than GPUs. Pass --nproc {count} or fewer, or --device cpu (gloo backend)."
         )
     return torch.device("cuda", local_rank)
+
+
+def planned_memory(cfg: TrainConfig, model: nn.Module, dp: int) -> dict[str, Any] | None:
+    """The memory planner's bytes per rank for this run, keyed as the summary's measured figures.
+
+    The plan (:func:`~shardkit.parallel.zero.plan_memory`, docs/planner.md) is made from the
+    unwrapped model's parameter shapes and dtype (the loop keeps fp32 parameters; ``--precision``
+    only picks the autocast dtype) with the strategy's own options: DDP is stage 0 (its flat
+    buckets count as gradient storage, as its report counts them), ZeRO-N stage N with fp32
+    gradients (``ShardedDataParallel``'s default). The optimizer is AdamW (K = 8 for fp32
+    params); the plan leaves out its 4-byte ``step`` scalars.
+
+    Args:
+        cfg: the run configuration (``strategy``, ``bucket_mb``, ``grad_buckets``).
+        model: the model before wrapping (any device; only shapes and dtypes are read).
+        dp: data-parallel ranks.
+
+    Returns:
+        ``{"stage", "param_bytes", "grad_bytes", "optim_state_bytes", "transient_bytes",
+        "total_bytes"}`` (``transient_bytes`` None for DDP), or None for a strategy without a
+        ZeRO stage (``"none"``, tensor or pipeline parallelism).
+
+    Example:
+        >>> planned_memory(TrainConfig(strategy="zero2"), TinyGPT(59, 32, 1, 2, 32), dp=2)["stage"]
+        'ZeRO-2'
+    """
+    cls = get_strategy_class(cfg.strategy)
+    stage = getattr(cls, "stage", 0 if cfg.strategy == "ddp" else None)
+    if not isinstance(stage, int):
+        return None
+    opts = cfg.strategy_options()
+    plan = plan_memory(
+        model, dp=dp, stage=stage, precision=_PRECISION[next(model.parameters()).dtype], optimizer="adamw",
+        bucket_mb=opts.get("bucket_mb", 25.0), gradient_as_bucket_view=opts.get("grad_buckets") == "view",
+        grad_dtype_bytes=4 if stage else None,
+    )  # fmt: skip
+    out: dict[str, Any] = {
+        "stage": plan.name,
+        "param_bytes": plan.params,
+        "grad_bytes": plan.grads + (plan.transient if stage == 0 else 0),
+        "optim_state_bytes": plan.optimizer_state,  # master shards included, as the ZeRO report
+        "transient_bytes": plan.transient if stage else None,
+    }
+    out["total_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_state_bytes"] + (out["transient_bytes"] or 0)
+    return out
 
 
 def _autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
@@ -183,6 +231,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     vocab = corpus.tokenizer.vocab_size
     model = TinyGPT(vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.dropout).to(device)
     n_params = model.num_parameters()
+    plan = planned_memory(cfg, model, dp_size)  # before wrapping: the user's model, as planned
     strategy: Strategy = make_strategy(
         cfg.strategy, ctx=ctx, loss_scaler=make_loss_scaler(cfg.precision), **cfg.strategy_options()
     )
@@ -257,6 +306,9 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         # the last step's grads plus any flat gradient buckets, shared storage counted once
         "grad_bytes": report.memory["grads"],
         "optim_state_bytes": report.memory["optimizer_state"],
+        # the ZeRO strategies' peak of transient buffers (buckets in flight, all-gather inputs)
+        "transient_bytes": report.memory.get("peak_transient"),
+        "plan": plan,  # the planner's figures for the same config, or None
         "skipped_steps": report.skipped_steps,
         "loss_scale": report.loss_scale,
         "comm": report.comm,
@@ -292,6 +344,8 @@ def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int)
             f"params {fmt_bytes(s['param_bytes'])} | grads {fmt_bytes(s['grad_bytes'])} | "
             f"optim state {fmt_bytes(s['optim_state_bytes'])} | comm {fmt_comm(s['comm'])}"
         )
+        if s.get("plan"):
+            print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")
     if len(ranks) > 1:
         print(f"total  | {sum(s['tokens_per_s'] for s in ranks) / 1e3:.1f}k tok/s over {len(ranks)} ranks")
     sys.stdout.flush()

@@ -9,7 +9,11 @@ from typing import Any, TextIO
 
 import torch
 
-__all__ = ["ProgressBar", "fmt_bytes", "fmt_comm", "fmt_time"]
+__all__ = ["ProgressBar", "fmt_bytes", "fmt_comm", "fmt_memory_vs_plan", "fmt_time"]
+
+#: summary keys compared with the planner, and their printed names
+_MEMORY = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_state_bytes", "optim"),
+           ("transient_bytes", "transient"))  # fmt: skip
 
 
 def fmt_time(seconds: float) -> str:
@@ -117,3 +121,27 @@ def fmt_comm(comm: dict[str, Any] | None) -> str:
         else:
             parts.append(f"{op}={v}")
     return ", ".join(parts)
+
+
+def fmt_memory_vs_plan(measured: dict[str, Any], plan: dict[str, Any]) -> str:
+    """Measured bytes per rank next to the planner's, by category, then the totals and their gap.
+
+    Categories the plan has no figure for (``None``, e.g. DDP's transient) are left out of both
+    totals, so the two totals cover the same buffers.
+
+    Example:
+        >>> fmt_memory_vs_plan({"param_bytes": 2**20, "grad_bytes": 2**20, "optim_state_bytes": 2**21,
+        ...                     "transient_bytes": None},
+        ...                    {"stage": "DDP", "param_bytes": 2**20, "grad_bytes": 2**20,
+        ...                     "optim_state_bytes": 2**21, "transient_bytes": None, "total_bytes": 2**22})
+        'memory measured (planner DDP): params 1.00 MB (1.00 MB) | grads 1.00 MB (1.00 MB) | optim 2.00 MB (2.00 MB) | total 4.00 MB (4.00 MB, +0.0%)'
+    """
+    parts, total = [], 0
+    for key, name in _MEMORY:
+        if plan.get(key) is None or measured.get(key) is None:
+            continue
+        total += measured[key]
+        parts.append(f"{name} {fmt_bytes(measured[key])} ({fmt_bytes(plan[key])})")
+    gap = (plan["total_bytes"] - total) / total * 100 if total else 0.0
+    parts.append(f"total {fmt_bytes(total)} ({fmt_bytes(plan['total_bytes'])}, {gap:+.1f}%)")
+    return f"memory measured (planner {plan['stage']}): " + " | ".join(parts)
