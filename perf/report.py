@@ -44,6 +44,24 @@ def _ddp_rows(res: dict) -> list[str]:
     ]
 
 
+def _tp_rows(res: dict) -> list[str]:
+    st, rows = res["step"], []
+    rows.append(
+        f"| TP step, TinyGPT {res['params'] / 1e6:.1f}M params, tp={res['nproc']} {res['backend']} "
+        f"| {st['shardkit']['median_ms']:.1f} ms | DTensor parallelize_module {st['dtensor']['median_ms']:.1f} ms "
+        f"| **{st['ratio_median']:.3f}×** (min {st['ratio_min']:.3f}×) | `{res['command']}` |"
+    )
+    for e in res["cross_entropy"].values():
+        ours, peer = "shardkit", "gather_F_cross_entropy"
+        rows.append(
+            f"| vocab-parallel CE fwd+bwd, V={e['vocab'] // 1024}k, {e['tokens']} tokens, tp={res['nproc']} "
+            f"| {e['time'][ours]['median_ms']:.1f} ms, peak {e['peak_bytes'][ours] / 2**20:.0f} MiB "
+            f"| gather + F.cross_entropy {e['time'][peer]['median_ms']:.1f} ms, peak {e['peak_bytes'][peer] / 2**20:.0f} MiB "
+            f"| **{e['ratio_time_median']:.3f}×** time, {e['ratio_peak_bytes']:.3f}× memory | `{res['command']}` |"
+        )
+    return rows
+
+
 def render() -> str:
     rows: list[str] = []
     optim = _load("optim_cpu.json")
@@ -52,6 +70,9 @@ def render() -> str:
     ddp = _load("ddp_cpu.json")
     if ddp:
         rows += _ddp_rows(ddp)
+    tp = _load("tp_cpu.json")
+    if tp:
+        rows += _tp_rows(tp)
     header = [
         "| what | shardkit (median) | fastest peer (median) | ratio (<1 faster) | command |",
         "|---|---|---|---|---|",
