@@ -1,0 +1,16 @@
+"""ZeRO step-time and memory benchmark (thin wrapper): see :mod:`shardkit.bench.zero`.
+
+Usage:
+    .venv/bin/python perf/zero.py                      # ~20M-param TinyGPT -> perf/results/zero_cpu.json + .png
+    .venv/bin/python perf/zero.py --quick --out /tmp/  # smoke run on a tiny model
+    .venv/bin/python perf/zero.py --stages 2 --configs shardkit torch.fully_shard
+
+Same as ``shardkit bench zero`` from an installed package.
+"""
+
+import sys
+
+from shardkit.bench.zero import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,521 @@
+"""ZeRO step-time and memory benchmark: shardkit stages 1-2 against their peers, in one run.
+
+Spawns ``--nproc`` gloo ranks on the CPU. Per ZeRO stage, the same TinyGPT (~20M parameters by
+default) with the same AdamW hyper-parameters and the same per-rank batches is trained by:
+
+* stage 1: shardkit ``ShardedDataParallel(stage=1)`` + ``ZeroOptimizer(sdp, FusedAdamW)`` vs
+  torch ``ZeroRedundancyOptimizer(AdamW)`` over DDP (``gradient_as_bucket_view=True``) and
+  DeepSpeed ZeRO-1 (optional peer).
+* stage 2: shardkit ``stage=2`` vs FSDP2 ``fully_shard(reshard_after_forward=False)`` (no
+  parameter all-gather in backward: ZeRO-2's communication; FSDP2 still frees the unsharded
+  params after backward, so at rest it holds stage-3 memory) and DeepSpeed ZeRO-2 (optional).
+* stage 3: shardkit's is not built yet (docs/zero.md); the JSON says so and measures nothing.
+
+A timed step is ``zero_grad`` + forward + loss + backward + optimizer step (with every
+collective). The configurations of all stages are built side by side and timed interleaved,
+repeat by repeat, so background load hits them alike; min/median over ``repeats x steps``
+samples after ``warmup`` steps; ratio = ours / peer (< 1 is faster).
+
+Memory per rank (bytes, rank 0), one extra step after timing, each category as distinct tensor
+storages: ``params`` (after the step), ``grads`` (after backward, before the step: the peers
+may free theirs in the step), ``master_params`` (fp32 copies of the params kept by the
+optimizer: DeepSpeed keeps one even for fp32 models), ``optimizer_state`` (the optimizer's
+state tensors on this rank), ``model_state`` = their sum, and ``params_in_step`` (parameter
+storages alive right after forward: FSDP2's all-gathered params appear here). Ours come from
+``sdp.memory_report()``; the peers' are counted the same way from their tensors. Memory ratio
+= ours / peer on ``model_state`` (< 1 is smaller). Formulas: docs/reference.md, "ZeRO memory
+and communication".
+
+Example:
+    $ shardkit bench zero                         # -> perf/results/zero_cpu.json + .png
+    $ python perf/zero.py --quick --out /tmp/zq   # smoke run (tiny model; used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["HYPER", "PEERS", "main", "run_benchmark", "storage_bytes"]
+
+HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+SHARDKIT = "shardkit"
+#: the peers of each built stage (DeepSpeed optional: recorded as unavailable with a reason)
+PEERS = {1: ("torch.ZeroRedundancyOptimizer", "deepspeed"), 2: ("torch.fully_shard", "deepspeed")}
+CATEGORIES = ("params", "grads", "master_params", "optimizer_state")
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard).
+
+    Views of one flat buffer count once, so a flat bucket and the params viewing it are the
+    same bytes. Non-tensors and None are ignored.
+
+    Example:
+        >>> flat = torch.zeros(10)
+        >>> storage_bytes([flat[:4], flat[4:], None])
+        40
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    return [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+class _Runner:
+    """One configuration: ``step(x, y)`` runs a full training step; ``memory`` measures one."""
+
+    name: str
+    model: torch.nn.Module
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        from shardkit.models import lm_loss
+
+        lm_loss(self.model(x), y).backward()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.zero_grad()
+        self.forward_backward(x, y)
+        self.opt.step()
+
+    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+        from shardkit.models import lm_loss
+
+        self.zero_grad()
+        logits = self.model(x)
+        in_step = storage_bytes([*self._params(), *self.model.parameters()])  # FSDP2: shards + gathered
+        lm_loss(logits, y).backward()
+        grads = self._grads()
+        self.opt.step()
+        mem = {"params": storage_bytes(self._params()), "grads": grads, "master_params": self._master(),
+               "optimizer_state": storage_bytes(_state_tensors(self._opt_state()))}  # fmt: skip
+        mem["model_state"] = sum(mem[k] for k in CATEGORIES)
+        mem["params_in_step"] = max(in_step, mem["params"])
+        return mem
+
+    # the peers' tensors (overridden where they live elsewhere)
+    def _params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def _grads(self) -> int:
+        return storage_bytes(p.grad for p in self.model.parameters())
+
+    def _master(self) -> int:
+        return 0
+
+    def _opt_state(self) -> Any:
+        return self.opt.state
+
+
+class _Shardkit(_Runner):
+    def __init__(self, model: torch.nn.Module, ctx: Any, stage: int, bucket_mb: float) -> None:
+        from shardkit.kernels import FusedAdamW
+        from shardkit.parallel import ShardedDataParallel, ZeroOptimizer
+
+        self.name = SHARDKIT
+        self.model = ShardedDataParallel(model, ctx, stage=stage, bucket_mb=bucket_mb)
+        self.opt = ZeroOptimizer(self.model, FusedAdamW, **HYPER)
+
+    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+        from shardkit.models import lm_loss
+
+        self.zero_grad()
+        lm_loss(self.model(x), y).backward()
+        self.opt.step()
+        rep = self.model.memory_report()
+        mem = {k: rep[k] for k in CATEGORIES}
+        mem["model_state"] = sum(mem.values())
+        assert mem["model_state"] == rep["model_state"], rep  # the report's own sum, nothing left out
+        mem["params_in_step"] = rep["params"]  # stages 1-2 never gather params
+        mem["peak_transient"] = rep["peak_transient"]
+        return mem
+
+
+class _TorchZero(_Runner):
+    def __init__(self, model: torch.nn.Module, bucket_mb: float, fused: bool) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.name = "torch.ZeroRedundancyOptimizer"
+        # grads as views of DDP's buckets: one gradient copy, not two (DDP's lean setting)
+        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+        self.opt = ZeroRedundancyOptimizer(
+            self.model.parameters(), optimizer_class=torch.optim.AdamW, **HYPER, fused=fused
+        )
+
+    def _opt_state(self) -> Any:
+        return self.opt.optim.state  # this rank's partition only
+
+
+class _FSDP2(_Runner):
+    def __init__(self, model: torch.nn.Module, ctx: Any, fused: bool) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.name = "torch.fully_shard"
+        mesh = ctx.mesh["dp"]
+        for block in model.blocks:  # one unit per block, the root holds embeddings/head/ln_f
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        self.model = fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), **HYPER, fused=fused)
+        self._sharded = list(self.model.parameters())  # the DTensor shards (stay registered)
+
+    def _params(self) -> list[torch.Tensor]:
+        return self._sharded
+
+    def _grads(self) -> int:
+        return storage_bytes(p.grad for p in self._sharded)
+
+
+class _DeepSpeed(_Runner):
+    def __init__(self, model: torch.nn.Module, stage: int, batch: int, world: int, bucket_mb: float) -> None:
+        import deepspeed
+
+        self.name = "deepspeed"
+        bucket = int(bucket_mb * 2**20 / 4)  # elements, as DeepSpeed counts them
+        config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "train_batch_size": batch * world,
+            "optimizer": {"type": "AdamW", "params": {**HYPER, "torch_adam": True, "adam_w_mode": True}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                  "overlap_comm": False, "contiguous_gradients": True},  # fmt: skip
+            "gradient_clipping": 0.0,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config=config)  # fmt: skip
+        self.model = self.engine
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        from shardkit.models import lm_loss
+
+        self.engine.backward(lm_loss(self.engine(x), y))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.forward_backward(x, y)
+        self.engine.step()
+
+    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+        from shardkit.models import lm_loss
+
+        logits = self.engine(x)
+        in_step = storage_bytes(self.engine.module.parameters())
+        self.engine.backward(lm_loss(logits, y))
+        o = self.opt
+        extra = [getattr(o, "ipg_buffer", None) or [], [getattr(o, "grads_in_partition", None)],
+                 list((getattr(o, "averaged_gradients", None) or {}).values())]  # fmt: skip
+        flat_extra = [t for group in extra for item in group for t in (item if isinstance(item, list) else [item])]
+        grads = storage_bytes([p.grad for p in self.engine.module.parameters()] + flat_extra)
+        self.engine.step()
+        mem = {
+            "params": storage_bytes(self.engine.module.parameters()),
+            "grads": grads,
+            "master_params": storage_bytes(getattr(o, "single_partition_of_fp32_groups", [])),
+            "optimizer_state": storage_bytes(_state_tensors(o.optimizer.state)),
+        }
+        mem["model_state"] = sum(mem[k] for k in CATEGORIES)
+        mem["params_in_step"] = max(in_step, mem["params"])
+        return mem
+
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    from shardkit.models import TinyGPT
+
+    torch.manual_seed(0)  # every configuration starts from the same weights
+    return TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.seq_len)
+
+
+def _build(kind: str, stage: int, args: argparse.Namespace, ctx: Any) -> _Runner:
+    if kind == SHARDKIT:
+        return _Shardkit(_model(args), ctx, stage, args.bucket_mb)
+    if kind == "torch.ZeroRedundancyOptimizer":
+        return _TorchZero(_model(args), args.bucket_mb, fused=args.peer_fused)
+    if kind == "torch.fully_shard":
+        return _FSDP2(_model(args), ctx, fused=args.peer_fused)
+    if kind == "deepspeed":
+        return _DeepSpeed(_model(args), stage, args.batch, args.nproc, args.bucket_mb)
+    raise ValueError(f"unknown configuration {kind!r}")
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")  # fmt: skip
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
+    import torch.distributed as dist
+
+    from shardkit.comm import ParallelContext
+
+    ctx = ParallelContext.from_env(backend="gloo")
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, the same for every config
+    x = torch.randint(args.vocab, (args.batch, args.seq_len), generator=gen)
+    y = torch.randint(args.vocab, (args.batch, args.seq_len), generator=gen)
+    runners: dict[tuple[int, str], _Runner] = {}
+    unavailable: dict[str, str] = {}
+    for stage in args.stages:
+        for kind in (SHARDKIT, *PEERS[stage]):
+            if kind not in args.configs:
+                unavailable[f"{stage}/{kind}"] = "not selected (--configs)"
+                continue
+            if kind != "deepspeed":
+                runners[(stage, kind)] = _build(kind, stage, args, ctx)
+                continue
+            ok = torch.ones(1)
+            try:  # the optional peer: when it cannot run here, say why and go on
+                runners[(stage, kind)] = _build(kind, stage, args, ctx)
+            except Exception as exc:
+                ok.zero_()
+                unavailable[f"{stage}/{kind}"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank drops it if any rank failed
+            if not ok.item():
+                runners.pop((stage, kind), None)
+                unavailable.setdefault(f"{stage}/{kind}", "failed on another rank")
+    for r in runners.values():
+        for _ in range(args.warmup):
+            r.step(x, y)
+    samples: dict[str, list[float]] = {f"{s}/{k}": [] for s, k in runners}
+    for rep in range(args.repeats):  # interleaved, rotating the order, so load hits all alike
+        order = list(runners.items())
+        order = order[rep % len(order):] + order[: rep % len(order)]
+        for (stage, kind), r in order:
+            for _ in range(args.steps):
+                dist.barrier()  # every rank starts the step together: time the step, not the skew
+                t0 = time.perf_counter()
+                r.step(x, y)
+                samples[f"{stage}/{kind}"].append(time.perf_counter() - t0)
+    memory = {f"{s}/{k}": r.memory(x, y) for (s, k), r in runners.items()}
+    if rank == 0:
+        queue.put({"samples": samples, "memory": memory, "unavailable": unavailable,
+                   "n_params": sum(p.numel() for p in _model(args).parameters())})  # fmt: skip
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _summary(samples: list[float]) -> dict[str, Any]:
+    ms = [1e3 * s for s in samples]
+    return {"min_ms": min(ms), "median_ms": statistics.median(ms), "n": len(ms)}
+
+
+def _machine() -> dict[str, Any]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("shardkit", "deepspeed"):
+        try:
+            versions[mod] = getattr(__import__(mod), "__version__", None)
+        except Exception:  # optional: absent or broken
+            versions[mod] = None
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "versions": versions}
+    if hasattr(os, "getloadavg"):
+        info["loadavg"] = list(os.getloadavg())
+    return info
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn the ranks, collect rank 0's samples and memory, and build the report dict.
+
+    Returns:
+        The report (also what :func:`main` writes as JSON): ``stages`` maps ``"1"``/``"2"`` to
+        ``{"configs": {name: {time..., memory...}}, "ratios": {peer: {...}}}`` and ``"3"`` to
+        ``{"built": False, ...}``.
+    """
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mctx = mp.get_context("spawn")
+    queue = mctx.SimpleQueue()
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    procs = [mctx.Process(target=_worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + args.timeout
+    while queue.empty():
+        if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                p.kill()
+            codes = [p.exitcode for p in procs]
+            raise SystemExit(f"zero benchmark: a worker failed or timed out (exit codes {codes})")
+        time.sleep(0.2)
+    raw = queue.get()
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise SystemExit(f"zero benchmark worker failed with exit code {p.exitcode}")
+    stages: dict[str, Any] = {}
+    for stage in args.stages:
+        configs: dict[str, Any] = {}
+        for kind in (SHARDKIT, *PEERS[stage]):
+            key = f"{stage}/{kind}"
+            if key in raw["samples"]:
+                configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": raw["memory"][key]}
+            else:
+                configs[kind] = {"available": False, "reason": raw["unavailable"].get(key, "not run")}
+        ours = configs[SHARDKIT]
+        ratios = {}
+        for peer in PEERS[stage]:
+            c = configs[peer]
+            if c["available"]:
+                ratios[peer] = {
+                    "time_median": ours["median_ms"] / c["median_ms"],
+                    "time_min": ours["min_ms"] / c["min_ms"],
+                    "model_state": ours["memory"]["model_state"] / c["memory"]["model_state"],
+                    "params_in_step": ours["memory"]["params_in_step"] / c["memory"]["params_in_step"],
+                }
+        live = [p for p in ratios]
+        best = min(live, key=lambda p: configs[p]["median_ms"]) if live else None
+        stages[str(stage)] = {"built": True, "configs": configs, "ratios": ratios, "fastest_peer": best}
+    stages["3"] = {
+        "built": False,
+        "reason": "shardkit ZeRO stage 3 is not built yet (ShardedDataParallel(stage=3) raises "
+        "NotImplementedError; docs/zero.md, 'Next'); nothing measured",
+    }
+    n = raw["n_params"]
+    return {
+        "benchmark": "zero_step",
+        "device": "cpu",
+        "backend": "gloo",
+        "nproc": args.nproc,
+        "params": n,
+        "model": f"TinyGPT d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} "
+        f"vocab={args.vocab} seq_len={args.seq_len} tied, batch/rank={args.batch}",
+        "optimizer": {"ours": "ZeroOptimizer(sdp, FusedAdamW)",
+                      "peers": f"torch.optim.AdamW(fused={args.peer_fused}) / DeepSpeed AdamW(torch_adam=True)",
+                      **HYPER},  # fmt: skip
+        "settings": {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
+                     "threads_per_rank": args.threads or max(1, (os.cpu_count() or 2) // args.nproc)},  # fmt: skip
+        "units": {"time": "ms per step (zero_grad + forward + backward + step)", "memory": "bytes, rank 0"},
+        "formulas_bytes": {"ddp": 16 * n, "stage1": 4 * n + 4 * n + 8 * n // args.nproc,
+                           "stage2": 4 * n + 12 * n // args.nproc, "stage3": 16 * n // args.nproc},  # fmt: skip
+        "stages": stages,
+        "notes": [
+            "ratio = shardkit / peer (< 1: faster or smaller); memory ratios on model_state and params_in_step",
+            "torch.fully_shard(reshard_after_forward=False) is ZeRO-2's communication, but FSDP2 reshards "
+            "after backward: at rest it holds sharded params (stage-3 memory); params_in_step shows the "
+            "gathered params it holds from forward to the end of backward",
+            "DeepSpeed keeps an fp32 master partition even for fp32 models (master_params)",
+        ],
+        "machine": _machine() | {"loadavg_start": load_start},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["shardkit bench zero", *args.argv]),
+    }
+
+
+def write_plot(report: dict[str, Any], path: Path) -> None:
+    """Two panels: median step time and per-rank model-state memory, per stage and configuration."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # optional: the JSON carries everything
+        return
+    bars = [(f"ZeRO-{s}\n{k.replace('torch.', '')}", c) for s, st in report["stages"].items() if st["built"]
+            for k, c in st["configs"].items() if c["available"]]  # fmt: skip
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.8))
+    labels = [b[0] for b in bars]
+    colors = ["tab:blue" if SHARDKIT in lab else "tab:gray" for lab in labels]
+    ax_t.bar(labels, [c["median_ms"] for _, c in bars], color=colors)
+    ax_t.set_ylabel("median step time (ms)")
+    ax_m.bar(labels, [c["memory"]["model_state"] / 2**20 for _, c in bars], color=colors, label="model state at rest")
+    ax_m.scatter(labels, [c["memory"]["params_in_step"] / 2**20 for _, c in bars], color="tab:red", marker="_",
+                 s=300, label="params during step")  # fmt: skip
+    ax_m.set_ylabel("MiB per rank")
+    ax_m.legend(fontsize=7)
+    for ax in (ax_t, ax_m):
+        ax.tick_params(axis="x", labelsize=6)
+    fig.suptitle(f"{report['model']}, {report['params'] / 1e6:.1f}M params, {report['nproc']} ranks gloo", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """A plain-text summary: one line per configuration, ratios against each peer."""
+    lines = [f"{report['model']}, {report['params'] / 1e6:.1f}M params, {report['nproc']} ranks gloo"]
+    for s, st in report["stages"].items():
+        if not st["built"]:
+            lines.append(f"ZeRO-{s}: {st['reason']}")
+            continue
+        for k, c in st["configs"].items():
+            if not c["available"]:
+                lines.append(f"ZeRO-{s} {k:<32} unavailable: {c['reason'][:120]}")
+                continue
+            m = c["memory"]
+            lines.append(
+                f"ZeRO-{s} {k:<32} median {c['median_ms']:9.1f} ms  min {c['min_ms']:9.1f} ms  "
+                f"model state {m['model_state'] / 2**20:8.1f} MiB  params in step {m['params_in_step'] / 2**20:8.1f} MiB"
+            )
+        for peer, r in st["ratios"].items():
+            lines.append(
+                f"ZeRO-{s} ours/{peer:<28} time {r['time_median']:.3f}x (min {r['time_min']:.3f}x)  "
+                f"model state {r['model_state']:.3f}x  params in step {r['params_in_step']:.3f}x"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``shardkit bench zero`` / ``python perf/zero.py``: run, print, write JSON + PNG; exit code."""
+    p = argparse.ArgumentParser(prog="shardkit bench zero", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--stages", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    p.add_argument("--configs", nargs="+", default=[SHARDKIT, *sorted({k for v in PEERS.values() for k in v})],
+                   help="configurations to run (default: ours and every peer)")  # fmt: skip
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-layers", type=int, default=6)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--peer-fused", type=int, default=1, choices=[0, 1],
+                   help="torch peers use AdamW(fused=...) (1: the fast fused CPU path, as ours)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpu_count // nproc)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
+    p.add_argument("--out", type=Path, default=Path("perf/results"), help="output directory")
+    args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.quick:
+        args.d_model, args.n_layers, args.n_heads, args.vocab, args.seq_len, args.batch = 64, 2, 4, 128, 32, 2
+        args.warmup, args.steps, args.repeats = 1, 1, 2
+    try:
+        report = run_benchmark(args)
+    except SystemExit as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "zero_cpu" + ("_quick" if args.quick else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_plot(report, args.out / f"{stem}.png")
+    print(format_table(report))
+    print(f"wrote {args.out / stem}.json")
+    return 0
