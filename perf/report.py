@@ -62,6 +62,36 @@ def _tp_rows(res: dict) -> list[str]:
     return rows
 
 
+def _pipeline_rows(res: dict) -> list[str]:
+    rows = []
+    for name, r in res["results"].items():
+        ours, peer = r["ours"], r.get("torch")
+        theirs = f"{r['torch_peer']} {peer['median_ms']:.1f} ms, bubble {peer['bubble']:.3f}" if peer else "n/a"
+        ratio = f"**{r['ratio_median']:.3f}×** (min {r['ratio_min']:.3f}×)" if peer else "n/a"
+        rows.append(
+            f"| PP step, {name}, {res['params'] / 1e6:.1f}M-param MLP, pp={res['pp']} {res['backend']}, m={res['microbatches']} "
+            f"| {ours['median_ms']:.1f} ms, bubble {ours['bubble']:.3f} ({ours['bubble_over_formula']:.2f}× {r['bubble_reference']}) "
+            f"| {theirs} | {ratio} | `{res['command']}` |"
+        )
+    return rows
+
+
+def _zero_rows(res: dict) -> list[str]:
+    rows = []
+    for stage, st in res["stages"].items():
+        if not st.get("built") or not st["ratios"]:
+            continue
+        ours, best = st["configs"]["shardkit"], st["fastest_peer"]
+        mem = ", ".join(f"{p.replace('torch.', '')} {r['model_state']:.2f}×" for p, r in st["ratios"].items())
+        rows.append(
+            f"| ZeRO-{stage} step, {res['params'] / 1e6:.1f}M-param TinyGPT, {res['nproc']} ranks {res['backend']} "
+            f"(memory ours/peer: {mem}) | {ours['median_ms']:.1f} ms "
+            f"| {best} {st['configs'][best]['median_ms']:.1f} ms | **{st['ratios'][best]['time_median']:.3f}×** "
+            f"(min {st['ratios'][best]['time_min']:.3f}×) | `{res['command']}` |"
+        )
+    return rows
+
+
 def render() -> str:
     rows: list[str] = []
     optim = _load("optim_cpu.json")
@@ -70,9 +100,15 @@ def render() -> str:
     ddp = _load("ddp_cpu.json")
     if ddp:
         rows += _ddp_rows(ddp)
+    zero = _load("zero_cpu.json")
+    if zero:
+        rows += _zero_rows(zero)
     tp = _load("tp_cpu.json")
     if tp:
         rows += _tp_rows(tp)
+    pipeline = _load("pipeline_cpu.json")
+    if pipeline:
+        rows += _pipeline_rows(pipeline)
     header = [
         "| what | shardkit (median) | fastest peer (median) | ratio (<1 faster) | command |",
         "|---|---|---|---|---|",
