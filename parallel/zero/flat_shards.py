@@ -355,15 +355,20 @@ class FlatShards:
     @torch.no_grad()
     def all_gather_params(self) -> None:
         """Every rank's updated shard back into every rank's full params (one all-gather per bucket)."""
-        works = []
+        works: list[tuple[Any, torch.Tensor]] = []
         for sb in self.buckets:
+            while len(works) >= MAX_IN_FLIGHT:  # bound transient memory, as the reduce-scatters; oldest first
+                self._finish_gather(*works.pop(0))
             # a separate input: all-gather into the buffer its input lives in is not portable
             src = sb.master_shard().to(sb.flat_param.dtype, copy=True)
             self._hold(src.numel() * src.element_size())
             works.append((all_gather(sb.flat_param, src, group=self.group, async_op=True, stats=self.stats), src))
         for work, src in works:
-            work.wait()
-            self._release(src.numel() * src.element_size())
+            self._finish_gather(work, src)
+
+    def _finish_gather(self, work: Any, src: torch.Tensor) -> None:
+        work.wait()
+        self._release(src.numel() * src.element_size())
 
     @torch.no_grad()
     def refresh_master(self) -> None:

@@ -168,8 +168,8 @@ def _zero12_transient(
     Backward: ``in_flight`` consecutive buckets reducing at once, each holding its
     reduce-scatter input (stage 2: a packed full bucket, G·T) or output (stage 1: G·T/N; the
     full gradient is persistent). Epilogue: an fp32 copy of every reduced shard when G ≠ 4.
-    All-gather: every bucket's P·T/N input copy at once (docs/planner.md). Without a model
-    the buckets are the caps (first 1 MiB) and the shards ⌈Ψ_t/N⌉.
+    All-gather: ``in_flight`` consecutive buckets' P·T/N input copies (docs/planner.md). Without
+    a model the buckets are the caps (first 1 MiB) and the shards ⌈T/N⌉ of each.
     """
     if layout is not None:
         totals, shards = list(layout.totals), sum(layout.shards)
@@ -183,7 +183,9 @@ def _zero12_transient(
     held = [gb * (t if stage == 2 else _shard(t, dp)) for t in totals]
     backward = max((sum(held[i : i + in_flight]) for i in range(len(held))), default=0)
     epilogue = 4 * shards if gb != 4 else 0
-    return max(backward, epilogue, pb * shards)
+    inputs = [pb * (t // dp) for t in totals] if layout is not None else [pb * _shard(t, dp) for t in totals]
+    gather = max((sum(inputs[i : i + in_flight]) for i in range(len(inputs))), default=0)
+    return max(backward, epilogue, gather)
 
 
 @dataclass(frozen=True)
