@@ -47,10 +47,17 @@ def _ddp_rows(res: dict) -> list[str]:
 def _tp_rows(res: dict) -> list[str]:
     st, rows = res["step"], []
     rows.append(
-        f"| TP step, TinyGPT {res['params'] / 1e6:.1f}M params, tp={res['nproc']} {res['backend']} "
+        f"| TP step, TinyGPT {res['params'] / 1e6:.2f}M params, tp={res['nproc']} {res['backend']} "
         f"| {st['shardkit']['median_ms']:.1f} ms | DTensor parallelize_module {st['dtensor']['median_ms']:.1f} ms "
         f"| **{st['ratio_median']:.3f}×** (min {st['ratio_min']:.3f}×) | `{res['command']}` |"
     )
+    b = res["blocks"]
+    for mode, what in (("tp", "TP"), ("sp", "TP + sequence parallel")):
+        rows.append(
+            f"| {what} step, {b['model'].split(',')[0]}, tp={res['nproc']} "
+            f"| {b[f'shardkit_{mode}']['median_ms']:.1f} ms | DTensor {b[f'dtensor_{mode}']['median_ms']:.1f} ms "
+            f"| **{b[f'ratio_median_{mode}']:.3f}×** (min {b[f'ratio_min_{mode}']:.3f}×) | `{res['command']}` |"
+        )
     for e in res["cross_entropy"].values():
         ours, peer = "shardkit", "gather_F_cross_entropy"
         rows.append(

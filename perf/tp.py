@@ -48,11 +48,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
+from torch import nn
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT, lm_loss
-from shardkit.parallel.tensor import gpt_plan, tensor_parallelize, vocab_parallel_cross_entropy
+from shardkit.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelNorm,
+    gpt_plan,
+    tensor_parallelize,
+    vocab_parallel_cross_entropy,
+)
 
 MEMORY_METHOD = (
     "torch.profiler(profile_memory=True) records every allocation and free of torch's CPU allocator "
@@ -162,6 +176,127 @@ def step_bench(ctx: ParallelContext, args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# 1b. a stack of pre-LN blocks, with and without sequence parallelism
+
+
+class _Attention(nn.Module):
+    """Causal self-attention taking its sequence length from the qkv output, so the same module
+    runs on a sequence chunk under sequence parallelism (the column layer gathers the sequence)."""
+
+    def __init__(self, d: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.qkv, self.proj = n_heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), _Attention(d, n_heads), nn.LayerNorm(d), _MLP(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def ours_blocks(dense: nn.Sequential, ctx: ParallelContext, sp: bool) -> nn.Sequential:
+    """Our layers on a copy of ``dense`` (``gpt_plan``'s split; ``sp``: sequence parallel,
+    LayerNorms wrapped in SequenceParallelNorm). Built by hand: plans have no SP option."""
+    model = copy.deepcopy(dense)
+    tp = ctx.size("tp")
+    for blk in model:
+        a, m = blk.attn, blk.mlp
+        a.n_heads //= tp
+        a.qkv = ColumnParallelLinear.from_dense(a.qkv, ctx=ctx, fused_chunks=3, sequence_parallel=sp)
+        a.proj = RowParallelLinear.from_dense(a.proj, ctx=ctx, sequence_parallel=sp)
+        m.fc = ColumnParallelLinear.from_dense(m.fc, ctx=ctx, sequence_parallel=sp)
+        m.proj = RowParallelLinear.from_dense(m.proj, ctx=ctx, sequence_parallel=sp)
+        if sp:
+            blk.ln1, blk.ln2 = SequenceParallelNorm(blk.ln1, ctx=ctx), SequenceParallelNorm(blk.ln2, ctx=ctx)
+    return model
+
+
+def dtensor_blocks(dense: nn.Sequential, mesh: Any, sp: bool) -> nn.Sequential:
+    """DTensor on a copy of ``dense``: Colwise/Rowwise, and with ``sp`` torchtitan's sequence
+    parallel layout (SequenceParallel norms, Colwise input Shard(1), Rowwise output Shard(1))."""
+    model = copy.deepcopy(dense)
+    tp = mesh.size()
+    with torch.no_grad():
+        for blk in model:  # whole heads per rank under a contiguous Shard(0), as in dtensor_tinygpt
+            qkv, d = blk.attn.qkv, blk.attn.qkv.out_features // 3
+            order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)
+            qkv.weight.copy_(qkv.weight[order])
+            qkv.bias.copy_(qkv.bias[order])
+            blk.attn.n_heads //= tp
+    col = ColwiseParallel(input_layouts=Shard(1)) if sp else ColwiseParallel()
+    row = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
+    plan: dict[str, Any] = {"*.attn.qkv": col, "*.attn.proj": row, "*.mlp.fc": col, "*.mlp.proj": row}
+    if sp:
+        plan.update({"*.ln1": SequenceParallel(), "*.ln2": SequenceParallel()})
+    return parallelize_module(model, mesh, plan, src_data_rank=None)
+
+
+def blocks_bench(ctx: ParallelContext, args: argparse.Namespace) -> dict:
+    tp, r = ctx.size("tp"), ctx.rank("tp")
+    torch.manual_seed(0)
+    dense = nn.Sequential(*(_Block(args.d_model, args.heads) for _ in range(args.layers)))
+    x = torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1))
+    x_sp = x.chunk(tp, 1)[r].contiguous()
+    models = {
+        "shardkit_tp": (ours_blocks(dense, ctx, False), x),
+        "dtensor_tp": (dtensor_blocks(dense, ctx.mesh["tp"], False), x),
+        "shardkit_sp": (ours_blocks(dense, ctx, True), x_sp),
+        "dtensor_sp": (dtensor_blocks(dense, ctx.mesh["tp"], True), x_sp),
+    }
+    with torch.no_grad():
+        ref = dense(x).square().mean().item()
+        l0 = {}
+        for k, (m, inp) in models.items():
+            loss = _local(m(inp)).square().mean()
+            if k.endswith("_sp"):  # equal chunks: the full mean is the mean of the chunk means
+                dist.all_reduce(loss, group=ctx.group("tp"))
+                loss /= tp
+            l0[k] = loss.item()
+    for k, v in l0.items():
+        assert abs(v - ref) <= 1e-4 * abs(ref), f"{k} output at step 0 gives {v}, dense block stack {ref}"
+    del dense
+
+    def make_step(model: nn.Module, inp: torch.Tensor) -> Callable[[], None]:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            _local(model(inp)).square().mean().backward()
+            opt.step()
+
+        return step
+
+    steps = {k: make_step(m, inp) for k, (m, inp) in models.items()}
+    for s in steps.values():
+        _time_steps(s, args.warmup)
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.repeats):  # interleaved
+        for k, s in steps.items():
+            samples[k] += _time_steps(s, args.steps)
+    return {"step0_loss": {**l0, "dense": ref}, "samples": samples}
+
+
+# ---------------------------------------------------------------------------------------------
 # 2. cross-entropy
 
 
@@ -268,7 +403,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     ctx = ParallelContext.from_env(tp=world, backend="gloo")
     try:
-        results = {"step": step_bench(ctx, args), "ce": ce_bench(ctx, args) if args.vocabs else {}}
+        results = {
+            "step": step_bench(ctx, args),
+            "blocks": blocks_bench(ctx, args),
+            "ce": ce_bench(ctx, args) if args.vocabs else {},
+        }
         if rank == 0:
             queue.put(results)
         dist.barrier()
@@ -278,6 +417,20 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
         raise
     finally:
         dist.destroy_process_group()
+
+
+def _blocks_report(raw: dict, args: argparse.Namespace) -> dict:
+    t = {k: summarize(v) for k, v in raw["samples"].items()}
+    out: dict[str, Any] = {
+        "model": f"{args.layers} pre-LN attention+MLP blocks d={args.d_model} heads={args.heads} seq={args.seq} batch={args.batch}, loss mean(y^2)",
+        **t,
+        "step0_loss": raw["step0_loss"],
+    }
+    for mode in ("tp", "sp"):
+        ours, peer = t[f"shardkit_{mode}"], t[f"dtensor_{mode}"]
+        out[f"ratio_median_{mode}"] = ours["median_ms"] / peer["median_ms"]
+        out[f"ratio_min_{mode}"] = ours["min_ms"] / peer["min_ms"]
+    return out
 
 
 def summarize(samples: list[float]) -> dict[str, float]:
@@ -360,8 +513,9 @@ def main(argv: list[str] | None = None) -> dict:
             "ratio_min": ours["min_ms"] / peer["min_ms"],
             "step0_loss": st["step0_loss"],
             "last_loss": st["last_loss"],
-            "sequence_parallel": "not compared: gpt_plan has no sequence-parallel variant",
+            "sequence_parallel": "see blocks: gpt_plan has no sequence-parallel variant",
         },
+        "blocks": _blocks_report(raw["blocks"], args),
         "cross_entropy": ce,
         "memory_method": MEMORY_METHOD,
         "torch": torch.__version__,
@@ -377,6 +531,12 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"  shardkit TP   min {ours['min_ms']:8.1f} ms  median {ours['median_ms']:8.1f} ms")
     print(f"  DTensor TP    min {peer['min_ms']:8.1f} ms  median {peer['median_ms']:8.1f} ms")
     print(f"  ratio shardkit/DTensor  median {report['step']['ratio_median']:.3f}  min {report['step']['ratio_min']:.3f}")
+    b = report["blocks"]
+    for mode in ("tp", "sp"):
+        print(
+            f"  blocks {mode.upper()}: shardkit {b[f'shardkit_{mode}']['median_ms']:8.1f} ms, DTensor {b[f'dtensor_{mode}']['median_ms']:8.1f} ms, "
+            f"ratio median {b[f'ratio_median_{mode}']:.3f} min {b[f'ratio_min_{mode}']:.3f}"
+        )
     for v, e in ce.items():
         t, m = e["time"], e["peak_bytes"]
         print(

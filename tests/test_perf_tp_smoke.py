@@ -68,6 +68,13 @@ def test_quick_run_writes_consistent_json(tmp_path: Path) -> None:
         assert st["last_loss"][k] == pytest.approx(st["last_loss"]["shardkit"], rel=1e-4)
     assert st["ratio_median"] == st["shardkit"]["median_ms"] / st["dtensor"]["median_ms"]
     assert st["ratio_min"] == st["shardkit"]["min_ms"] / st["dtensor"]["min_ms"]
+    b = res["blocks"]
+    for mode in ("tp", "sp"):
+        ours, peer = b[f"shardkit_{mode}"], b[f"dtensor_{mode}"]
+        assert b["step0_loss"][f"shardkit_{mode}"] == pytest.approx(b["step0_loss"]["dense"], rel=1e-4)
+        assert b["step0_loss"][f"dtensor_{mode}"] == pytest.approx(b["step0_loss"]["dense"], rel=1e-4)
+        assert b[f"ratio_median_{mode}"] == ours["median_ms"] / peer["median_ms"]
+        assert b[f"ratio_min_{mode}"] == ours["min_ms"] / peer["min_ms"]
     ce = res["cross_entropy"]
     assert sorted(int(v) for v in ce) == [1024, 2048]
     methods = {"shardkit", "gather_F_cross_entropy", "dtensor_loss_parallel"}
@@ -82,4 +89,4 @@ def test_quick_run_writes_consistent_json(tmp_path: Path) -> None:
     assert "profiler" in res["memory_method"]
     assert (tmp_path / "tp_cpu_quick.png").stat().st_size > 1000
     report = _load("perf_report", REPO / "perf" / "report.py")
-    assert len(report._tp_rows(res)) == 1 + len(ce)
+    assert len(report._tp_rows(res)) == 3 + len(ce)  # TinyGPT TP, blocks TP and SP, one per vocabulary
