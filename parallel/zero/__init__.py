@@ -11,12 +11,10 @@ Example:
     >>> plan_memory(model, dp=ctx.size("dp"), stage=2).memory_report()  # vs sdp.memory_report()
 """
 
-# planner before plan_table: planner.py re-exports plan_table's names at its end, so it must be
-# the one that starts the import cycle (importing plan_table first would meet a half-built module).
-from .planner import MemoryPlan, plan_memory  # isort: skip
 from .flat_shards import paper_comm_bytes
 from .optimizer import ZeroOptimizer
 from .plan_table import plan_table
+from .planner import MemoryPlan, plan_memory
 from .sharded import ShardedDataParallel
 
 __all__ = ["MemoryPlan", "ShardedDataParallel", "ZeroOptimizer", "paper_comm_bytes", "plan_memory", "plan_table"]

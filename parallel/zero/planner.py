@@ -39,16 +39,14 @@ from torch import nn
 
 from ..buckets import FIRST_BUCKET_BYTES
 from .flat_shards import MAX_IN_FLIGHT
+from .plan_format import _unit, format_gb  # format_gb: MemoryPlan.__str__
 from .plan_layout import FlatLayout, flat_layout
 
 __all__ = [
     "MemoryPlan",
-    "StageTable",
     "count_parameters",
-    "format_gb",
     "optimizer_state_bytes",
     "plan_memory",
-    "plan_table",
     "unit_sizes",
 ]
 
@@ -313,8 +311,6 @@ class MemoryPlan:
             f"dp={self.dp}, {self.precision}, {self.optimizer} K={self.optimizer_bytes_per_param}, "
             f"offload={self.offload or 'none'}"
         )
-        from .plan_table import _unit, format_gb
-
         scale, name = _unit(max(v for _, v in rows))
         lines = [head] + [f"  {k:<24}{format_gb(v, scale):>10} {name}" for k, v in rows]
         if self.device_bytes is not None:
@@ -495,7 +491,3 @@ def plan_memory(
         comm=tuple(comm),
         device_bytes=device_bytes,
     )
-
-
-# The table (CLI-facing) half lives in plan_table.py; re-exported here for `shardkit plan`.
-from .plan_table import StageTable, format_gb, plan_table  # noqa: E402
