@@ -12,11 +12,12 @@ implementations are timed repeat by repeat, interleaved, so machine noise hits b
 | ``zb-h1`` | ``ScheduleInterleavedZeroBubble`` (ZB1P; with one stage per rank, ZB-H1) | 1 |
 
 Per schedule the JSON has the step time (min/median over repeats; a step starts after a barrier
-and lasts until the slowest pp rank returns), the measured bubble of both (per rank: time in the
-step's action loop that is not compute, over compute, as
-:meth:`PipelineParallel.timeline_summary`; for torch the compute is timed around its stages'
-``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk`` and the loop ends
-with the last of them), the formula's bubble (docs/reference.md, "Pipeline bubbles"; for zb-h1
+and lasts until the slowest pp rank returns), the measured bubble of both, defined as the
+simulator's: the pipeline's compute window (first compute start to last compute end, over all
+ranks, on the host's shared monotonic clock) minus the busiest rank's compute, over that compute
+(compute is timed around ``PipelineParallel.forward/backward/backward_weight`` and around torch's
+``forward_one_chunk/backward_one_chunk/backward_weight_one_chunk``; the time before and after the
+window, e.g. our finalize, is ``outside_loop_ms_per_rank``), the formula's bubble (docs/reference.md, "Pipeline bubbles"; for zb-h1
 with measured T_F, T_B, T_W, or the simulator's with those times where the formula's T_W <= T_F,
 T_B does not hold) and the ratio measured/formula, the ratios ours/torch (< 1 is faster), the step-0 loss of both (must agree) and
 one timeline picture per schedule (per rank: compute bars by kind, P2P wait bars) from our
@@ -108,6 +109,32 @@ def summarize(samples: list[float]) -> dict[str, float]:
 
 
 # ---- per-rank worker ---------------------------------------------------------------------------
+class _ComputeClock:
+    """Times every call of some compute methods of an object (instance attributes shadow them):
+    the step's compute total and its first start / last end, on the clock every process of the
+    host shares (``perf_counter`` is CLOCK_MONOTONIC on Linux), so windows compare across ranks."""
+
+    def __init__(self, obj: object, names: tuple[str, ...]) -> None:
+        self.reset()
+        for name in names:
+            setattr(obj, name, self._timed(getattr(obj, name)))
+
+    def reset(self) -> None:
+        self.total, self.first, self.last = 0.0, float("inf"), 0.0
+
+    def _timed(self, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.last = time.perf_counter()
+                self.first = min(self.first, t)
+                self.total += self.last - t
+
+        return wrapper
+
+
 class _TorchPeer:
     """A torch.distributed.pipelining schedule over this rank's stages, with its compute timed."""
 
@@ -123,27 +150,17 @@ class _TorchPeer:
             if s % p == rank
         ]
         self.first, self.last = rank == 0, (S - 1) % p == rank
-        self.compute = 0.0
-        self.last_end = 0.0
-        for st in self.stages:  # instance attributes: time every compute call of this stage
-            for meth in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(st, meth, self._timed(getattr(st, meth)))
+        self.clocks = [_ComputeClock(st, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")) for st in self.stages]
         cls = getattr(tp, TORCH_PEERS[name])
         if name in ("gpipe", "1f1b"):
             self.sched = cls(self.stages[0], n_microbatches=m, loss_fn=loss_fn)
         else:
             self.sched = cls(self.stages, n_microbatches=m, loss_fn=loss_fn)
 
-    def _timed(self, fn):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.last_end = time.perf_counter()
-                self.compute += self.last_end - t
-
-        return wrapper
+    def clock(self) -> tuple[float, float, float]:
+        """This step's (compute, first start, last end) over this rank's stages."""
+        c = self.clocks
+        return sum(k.total for k in c), min(k.first for k in c), max(k.last for k in c)
 
     def parameters(self) -> list[nn.Parameter]:
         return [q for st in self.stages for q in st.submod.parameters()]
@@ -151,7 +168,8 @@ class _TorchPeer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
         losses: list[torch.Tensor] = []
         kwargs = {"target": y, "losses": losses} if self.last else {}
-        self.compute = 0.0
+        for c in self.clocks:
+            c.reset()
         if self.first:
             self.sched.step(x, **kwargs)
         else:
@@ -214,50 +232,60 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
         )
         res["step0"] = {"loss_ours": ours_loss, "loss_torch": float(t_loss), "grad_max_rel_diff": max_over_ranks(diff)}
     impls = {"ours": pipe} if peer is None else {"ours": pipe, "torch": peer}
+    our_clock = _ComputeClock(pipe, ("forward", "backward", "backward_weight"))
     params = {"ours": pipe.parameters(), "torch": peer.parameters() if peer else []}
     times: dict[str, list[float]] = {k: [] for k in impls}
-    bubbles: dict[str, list[float]] = {k: [] for k in impls}
-    compute: dict[str, list[float]] = {k: [] for k in impls}
+    clocks: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}  # (compute, first, last)
+    loop_bubbles: list[float] = []
     waits: list[float] = []
     tails: dict[str, list[float]] = {k: [] for k in impls}  # step time outside the action loop
     for it in range(args.warmup + args.repeats):
         for k, impl in impls.items():  # interleaved repeat by repeat
             for q in params[k]:
                 q.grad = None
+            our_clock.reset()
             dist.barrier(group=group)
             t0 = time.perf_counter()
             impl.step(x, y)
             dt = time.perf_counter() - t0
             if k == "ours":
                 summ = pipe.timeline_summary()
-                c, b = summ["compute"], summ["bubble_fraction"]
-                waits.append(summ["p2p_wait"])
-                tail = dt - summ["wall"]  # input split, the per-step agreement, finalize
+                clock = (our_clock.total, our_clock.first, our_clock.last)
+                tail = t0 + dt - our_clock.last  # the per-step agreement, finalize
             else:
-                c = peer.compute
-                b = (peer.last_end - t0 - c) / c
-                tail = t0 + dt - peer.last_end  # sends, gradient scaling, output merge
+                clock = peer.clock()
+                tail = t0 + dt - clock[2]  # sends, gradient scaling, output merge
             step_s = max_over_ranks(dt)
             if it >= args.warmup:
                 times[k].append(step_s)
                 tails[k].append(tail)
-                bubbles[k].append(b)
-                compute[k].append(c)
+                clocks[k].append(clock)
+                if k == "ours":
+                    waits.append(summ["p2p_wait"])
+                    loop_bubbles.append(summ["bubble_fraction"])
     rows = _timeline_rows(pipe)  # last timed step
     gathered: list = [None] * p
-    dist.all_gather_object(gathered, {"bubble": bubbles, "compute": compute, "wait": waits, "tail": tails, "rows": rows}, group=group)
+    dist.all_gather_object(gathered, {"clock": clocks, "loop": loop_bubbles, "wait": waits, "tail": tails, "rows": rows}, group=group)
     if ctx.rank("pp") != 0:
         return {}
     for k in impls:
-        per_rank = [statistics.median(g["bubble"][k]) for g in gathered]
+        # The simulator's bubble: the pipeline's compute window (first compute start to last
+        # compute end over all ranks) minus the busiest rank's compute, over that compute.
+        per_rep = []
+        for rep in range(args.repeats):
+            c = [g["clock"][k][rep] for g in gathered]
+            window = max(x[2] for x in c) - min(x[1] for x in c)
+            per_rep.append([(window - x[0]) / x[0] for x in c])
+        per_rank = [statistics.median(b[r] for b in per_rep) for r in range(p)]
         res[k] = {
             **summarize(times[k]),
+            "bubble": statistics.median(min(b) for b in per_rep),  # busiest rank: least idle
             "bubble_per_rank": per_rank,
-            "bubble": statistics.mean(per_rank),
-            "compute_ms_per_rank": [1e3 * statistics.median(g["compute"][k]) for g in gathered],
+            "compute_ms_per_rank": [1e3 * statistics.median(x[0] for x in g["clock"][k]) for g in gathered],
             "outside_loop_ms_per_rank": [1e3 * statistics.median(g["tail"][k]) for g in gathered],
         }
     res["ours"]["p2p_wait_ms_per_rank"] = [1e3 * statistics.median(g["wait"]) for g in gathered]
+    res["ours"]["timeline_summary_bubble_per_rank"] = [statistics.median(g["loop"]) for g in gathered]
     # zb-h1's formula needs T_F, T_B, T_W: from the ranks > 0 (rank 0's BI is empty: no input grad)
     kinds = [_kind_means(g["rows"]) for g in gathered]
     src = kinds[1:] or kinds
@@ -397,12 +425,13 @@ def _plot(report: dict, out: Path, stem: str) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("ms from the step's start")
         handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in ("F", "B", "BW", "wait")]
-        ax.legend(handles, ["F", "B / BI", "BW", "P2P wait"], fontsize=6, loc="upper right", ncol=4)
+        ax.legend(handles, ["F", "B / BI", "BW", "P2P wait"], fontsize=6, loc="lower right", bbox_to_anchor=(1, 1), ncol=4, frameon=False)
         ax.set_title(
             f"{name}: bubble measured {r['ours']['bubble']:.3f}, {r['bubble_reference']} "
             f"{r['bubble_formula'] if r['bubble_reference'] == 'formula' else r['bubble_simulated']:.3f} "
             f"(pp={report['pp']}, m={report['microbatches']})",
             fontsize=8,
+            loc="left",
         )
         fig.tight_layout()
         fig.savefig(out / f"{stem}_{name}.png", dpi=120)

@@ -43,7 +43,9 @@ def test_quick_pipeline_benchmark_writes_consistent_json(tmp_path: Path) -> None
         for k in ("ours", "torch"):
             res = r[k]
             assert res["n"] == 2 and 0 < res["min_ms"] <= res["median_ms"]
-            assert len(res["bubble_per_rank"]) == p and res["bubble"] == pytest.approx(sum(res["bubble_per_rank"]) / p)
+            # the busiest rank's idle share of the cross-rank compute window: >= 0 by construction,
+            # and (a median of per-repeat minima over ranks) at most every rank's median
+            assert len(res["bubble_per_rank"]) == p and 0 <= res["bubble"] <= min(res["bubble_per_rank"]) + 1e-12
             ref = r["bubble_formula"] if r["bubble_reference"] == "formula" else r["bubble_simulated"]
             assert res["bubble_over_formula"] == pytest.approx(res["bubble"] / ref)
         assert r["ratio_median"] == pytest.approx(r["ours"]["median_ms"] / r["torch"]["median_ms"])
