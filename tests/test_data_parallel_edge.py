@@ -169,9 +169,7 @@ def test_grad_of_unexpected_dtype_names_the_parameter(dist_pool) -> None:
 # ---- channels_last --------------------------------------------------------------------------------
 def _conv_model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 3)
-    )
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh(), nn.Conv2d(4, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(64, 3))
     return model.to(memory_format=torch.channels_last)
 
 
@@ -265,3 +263,32 @@ def test_different_models_raise_on_every_rank(dist_pool, case: str) -> None:
     assert messages[0] == messages[1]
     assert ("number of parameters" in messages[0]) == (case == "count"), messages[0]
     assert "shapes" in messages[0], messages[0]
+
+
+def _eager_copy_body() -> list[tuple[int, int]]:
+    """At each bucket's all-reduce on the CPU (torch) path: (params already copied, params in bucket)."""
+    import shardkit.parallel.data_parallel as dp_module
+
+    with ParallelContext.from_world() as ctx:
+        model = DataParallel(make_model(0), ctx, bucket_mb=0.001)
+        seen: list[tuple[int, int]] = []
+        real = dp_module.all_reduce
+
+        def spy(tensor, *args, **kwargs):
+            for b in model.buckets:
+                if b.buffer.data_ptr() == tensor.data_ptr():
+                    seen.append((len(b.copied), len(b.params)))
+            return real(tensor, *args, **kwargs)
+
+        with mock.patch.object(dp_module, "all_reduce", spy):
+            x, y = batches(0)
+            nn.functional.mse_loss(model(x), y).backward()
+        assert len(seen) == len(model.buckets)
+        return seen
+
+
+def test_cpu_path_copies_each_grad_into_its_bucket_as_it_arrives(dist_pool) -> None:
+    # [Note: eager vs batched grad copies]: on the torch path every grad is copied while cache-hot,
+    # before its bucket launches; a bucket launched with uncopied grads packs them in a second pass.
+    for seen in dist_pool.run(_eager_copy_body, world_size=2, timeout=60):
+        assert seen and all(copied == n for copied, n in seen), seen
