@@ -82,19 +82,23 @@ MEMORY_METHOD = (
 # 1. step time
 
 
+@torch.no_grad()
+def _whole_heads_per_rank(attns: list[nn.Module], tp: int) -> None:
+    """Permute each fused qkv's rows ``[chunk, rank, per] -> [rank, chunk, per]`` so that
+    DTensor's contiguous ``Shard(0)`` gives rank r its q, k and v heads; each rank runs
+    ``n_heads / tp`` heads."""
+    for attn in attns:
+        qkv, d = attn.qkv, attn.qkv.out_features // 3
+        order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)
+        qkv.weight.copy_(qkv.weight[order])
+        qkv.bias.copy_(qkv.bias[order])
+        attn.n_heads //= tp
+
+
 def dtensor_tinygpt(dense: TinyGPT, mesh: Any) -> TinyGPT:
     """``dense`` (a copy) parallelized with DTensor's ColwiseParallel / RowwiseParallel."""
     model = copy.deepcopy(dense)
-    tp = mesh.size()
-    with torch.no_grad():
-        for block in model.blocks:
-            qkv = block.attn.qkv
-            d = qkv.out_features // 3
-            # rows [chunk, rank, per] -> [rank, chunk, per]: contiguous Shard(0) = this rank's q, k, v heads
-            order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)
-            qkv.weight.copy_(qkv.weight[order])
-            qkv.bias.copy_(qkv.bias[order])
-            block.attn.n_heads //= tp
+    _whole_heads_per_rank([b.attn for b in model.blocks], mesh.size())
     plan = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "blocks.*.attn.qkv": ColwiseParallel(),
@@ -235,14 +239,7 @@ def dtensor_blocks(dense: nn.Sequential, mesh: Any, sp: bool) -> nn.Sequential:
     """DTensor on a copy of ``dense``: Colwise/Rowwise, and with ``sp`` torchtitan's sequence
     parallel layout (SequenceParallel norms, Colwise input Shard(1), Rowwise output Shard(1))."""
     model = copy.deepcopy(dense)
-    tp = mesh.size()
-    with torch.no_grad():
-        for blk in model:  # whole heads per rank under a contiguous Shard(0), as in dtensor_tinygpt
-            qkv, d = blk.attn.qkv, blk.attn.qkv.out_features // 3
-            order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)
-            qkv.weight.copy_(qkv.weight[order])
-            qkv.bias.copy_(qkv.bias[order])
-            blk.attn.n_heads //= tp
+    _whole_heads_per_rank([b.attn for b in model], mesh.size())
     col = ColwiseParallel(input_layouts=Shard(1)) if sp else ColwiseParallel()
     row = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
     plan: dict[str, Any] = {"*.attn.qkv": col, "*.attn.proj": row, "*.mlp.fc": col, "*.mlp.proj": row}
