@@ -164,9 +164,14 @@ def all_reduce(
     red, divide = _reduce_op(op, tensor, group)
     post = (lambda: tensor.div_(n)) if divide else None
     return _launch(
-        "all_reduce", group, tensor,
+        "all_reduce",
+        group,
+        tensor,
         lambda: dist.all_reduce(tensor, op=red, group=group, async_op=True),
-        async_op=async_op, stats=stats, nbytes=_nbytes(tensor), post=post,
+        async_op=async_op,
+        stats=stats,
+        nbytes=_nbytes(tensor),
+        post=post,
     )
 
 
@@ -211,8 +216,7 @@ def reduce_scatter(
     n = group.size()
     if output.numel() * n != input.numel():
         raise ValueError(
-            f"{fn}: output.numel() * group size must equal input.numel(); got "
-            f"{output.numel()} * {n} != {input.numel()}"
+            f"{fn}: output.numel() * group size must equal input.numel(); got {output.numel()} * {n} != {input.numel()}"
         )
     if n == 1:
         output.copy_(input.view_as(output))
@@ -220,9 +224,14 @@ def reduce_scatter(
     red, divide = _reduce_op(op, input, group)
     post = (lambda: output.div_(n)) if divide else None
     return _launch(
-        fn, group, output,
+        fn,
+        group,
+        output,
         lambda: dist.reduce_scatter_single(output.view(-1), input.view(-1), red, group, True),
-        async_op=async_op, stats=stats, nbytes=_nbytes(input), post=post,
+        async_op=async_op,
+        stats=stats,
+        nbytes=_nbytes(input),
+        post=post,
     )
 
 
@@ -264,16 +273,19 @@ def all_gather(
     n = group.size()
     if input.numel() * n != output.numel():
         raise ValueError(
-            f"{fn}: input.numel() * group size must equal output.numel(); got "
-            f"{input.numel()} * {n} != {output.numel()}"
+            f"{fn}: input.numel() * group size must equal output.numel(); got {input.numel()} * {n} != {output.numel()}"
         )
     if n == 1:
         output.copy_(input.view_as(output))
         return CommHandle(fn, output)
     return _launch(
-        fn, group, output,
+        fn,
+        group,
+        output,
         lambda: dist.all_gather_single(output.view(-1), input.view(-1), group=group, async_op=True),
-        async_op=async_op, stats=stats, nbytes=_nbytes(output),
+        async_op=async_op,
+        stats=stats,
+        nbytes=_nbytes(output),
     )
 
 
@@ -309,9 +321,13 @@ def broadcast(
     if group.size() == 1:
         return CommHandle("broadcast", tensor)
     return _launch(
-        "broadcast", group, tensor,
+        "broadcast",
+        group,
+        tensor,
         lambda: dist.broadcast(tensor, group=group, group_src=src, async_op=True),
-        async_op=async_op, stats=stats, nbytes=_nbytes(tensor),
+        async_op=async_op,
+        stats=stats,
+        nbytes=_nbytes(tensor),
     )
 
 
@@ -343,9 +359,13 @@ def send(
     tensor = _check_tensor("send", "tensor", tensor)
     _check_peer("send", "dst", dst, group, allow_self=False)
     return _launch(
-        "send", group, tensor,
+        "send",
+        group,
+        tensor,
         lambda: dist.isend(tensor, group=group, group_dst=dst),
-        async_op=async_op, stats=stats, nbytes=_nbytes(tensor),
+        async_op=async_op,
+        stats=stats,
+        nbytes=_nbytes(tensor),
     )
 
 
@@ -377,7 +397,11 @@ def recv(
     tensor = _check_tensor("recv", "tensor", tensor)
     _check_peer("recv", "src", src, group, allow_self=False)
     return _launch(
-        "recv", group, tensor,
+        "recv",
+        group,
+        tensor,
         lambda: dist.irecv(tensor, group=group, group_src=src),
-        async_op=async_op, stats=stats, nbytes=_nbytes(tensor),
+        async_op=async_op,
+        stats=stats,
+        nbytes=_nbytes(tensor),
     )

@@ -196,10 +196,7 @@ class ParallelContext:
         dp = _check_axis_size("dp", dp, allow_rest=True)
         if dp == -1:
             if world_size % (pp * tp):
-                raise ValueError(
-                    f"dp=-1 needs the world size {world_size} to be divisible by "
-                    f"pp*tp = {pp}*{tp} = {pp * tp}"
-                )
+                raise ValueError(f"dp=-1 needs the world size {world_size} to be divisible by pp*tp = {pp}*{tp} = {pp * tp}")
             dp = world_size // (pp * tp)
         if pp * dp * tp != world_size:
             raise ValueError(
@@ -279,7 +276,11 @@ class ParallelContext:
             else:
                 # env:// (not tcp://) so torchrun's agent store is reused when it provides one.
                 dist.init_process_group(
-                    backend, init_method="env://", rank=rank, world_size=world_size, timeout=timeout,
+                    backend,
+                    init_method="env://",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timeout,
                     device_id=device_id,
                 )
         return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout, blocking_wait=blocking_wait)
@@ -466,9 +467,7 @@ class ParallelContext:
     def __enter__(self) -> ParallelContext:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.destroy()
 
     def __repr__(self) -> str:

@@ -60,9 +60,7 @@ def _group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta 
         return None
 
 
-def as_timeout_error(
-    exc: BaseException, op: str, group: dist.ProcessGroup, device: torch.device
-) -> CommTimeoutError | None:
+def as_timeout_error(exc: BaseException, op: str, group: dist.ProcessGroup, device: torch.device) -> CommTimeoutError | None:
     if not isinstance(exc, RuntimeError) or isinstance(exc, CommTimeoutError):
         return None
     if not _TIMEOUT_RE.search(str(exc)):

@@ -93,9 +93,7 @@ class CommStats:
         label = None if group is None else (group if isinstance(group, str) else group_label(group))
         with self._lock:
             return sum(
-                v[index]
-                for (o, g), v in self._counts.items()
-                if (op is None or o == op) and (label is None or g == label)
+                v[index] for (o, g), v in self._counts.items() if (op is None or o == op) and (label is None or g == label)
             )
 
     def calls(self, op: str | None = None, *, group: dist.ProcessGroup | str | None = None) -> int:

@@ -262,10 +262,12 @@ class DataParallel(nn.Module):
         )
         self.buckets = [self._make_bucket(i, [params[j] for j in idx]) for i, idx in enumerate(plan)]
         self._reducer = GradReducer(
-            self.buckets, launch=self._launch, finish=self._finish,
+            self.buckets,
+            launch=self._launch,
+            finish=self._finish,
             agree_used=self._agree_used if self.find_unused_parameters else None,
             on_ready=self._copy_one if self._eager_copy else None,
-        )  # fmt: skip
+        )
 
     # -- construction ------------------------------------------------------------------------
     def _make_bucket(self, index: int, params: list[nn.Parameter]) -> GradBucket:
@@ -336,16 +338,18 @@ class DataParallel(nn.Module):
         if self.loss_scaler is not None:  # [Note: fused unscale] one pass: average + unscale + stats
             if bucket.index == 0:
                 device = bucket.buffer.device
-                self._unscaled = UnscaledGrads(self.loss_scaler.scale, {}, torch.zeros(1, device=device),
-                                               torch.zeros(1, device=device))  # fmt: skip
+                self._unscaled = UnscaledGrads(
+                    self.loss_scaler.scale, {}, torch.zeros(1, device=device), torch.zeros(1, device=device)
+                )
             record = self._unscaled
             scale = 1.0 / (self._dp * record.loss_scale)
         if self.gradient_as_bucket_view:
             if record is None:
                 bucket.buffer.mul_(scale)
             else:  # the zero gaps add nothing to the flag or the norm
-                unscale_and_norm_([bucket.buffer], inv_scale=scale, found_inf=record.found_inf,
-                                  sumsq=record.sumsq, backend=self.backend)  # fmt: skip
+                unscale_and_norm_(
+                    [bucket.buffer], inv_scale=scale, found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend
+                )
             for j, p in enumerate(bucket.params):
                 if used is not None and used[j] and p.grad is None:  # used elsewhere only
                     p.grad = bucket.views[j]
@@ -389,8 +393,9 @@ class DataParallel(nn.Module):
             odd.append(g)
         if record is not None and dsts and not self._eager_copy:
             # Triton: one launch reads the bucket and writes the grads, flag and Σg² included
-            unscale_and_norm_(srcs, out=dsts, inv_scale=scale, found_inf=record.found_inf,
-                              sumsq=record.sumsq, backend=self.backend)  # fmt: skip
+            unscale_and_norm_(
+                srcs, out=dsts, inv_scale=scale, found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend
+            )
         elif dsts:
             # torch (CPU): the one-pass scaled copy, then a read-only norm pass over the result
             # (the epilogue's torch path with ``out=`` goes through a temporary: slower here)
@@ -398,8 +403,7 @@ class DataParallel(nn.Module):
             if record is not None:
                 unscale_and_norm_(dsts, found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend)
         if record is not None and odd:
-            unscale_and_norm_([g.contiguous() for g in odd], found_inf=record.found_inf, sumsq=record.sumsq,
-                              backend=self.backend)  # fmt: skip
+            unscale_and_norm_([g.contiguous() for g in odd], found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend)
 
     def _agree_used(self, local: torch.Tensor) -> torch.Tensor:
         flags = local.to(self.buckets[0].buffer.device)

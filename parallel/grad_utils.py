@@ -199,9 +199,12 @@ def unscale_grads_(
         nonfinite += [n for n, p in done if not bool(torch.isfinite(p.grad).all())]
     for items in todo.values():
         stats = unscale_and_norm_(
-            _grads(items), inv_scale=None if inv_scale == 1.0 else float(inv_scale),
-            found_inf=found_inf, sumsq=sumsq, backend=backend,
-        )  # fmt: skip
+            _grads(items),
+            inv_scale=None if inv_scale == 1.0 else float(inv_scale),
+            found_inf=found_inf,
+            sumsq=sumsq,
+            backend=backend,
+        )
         if report_nonfinite:
             nonfinite += [items[i][0] for i in stats.nonfinite_indices()]
     if group is not None:

@@ -43,9 +43,13 @@ class LossScaleAtMinimumError(RuntimeError):
 #: The ``"fp16"`` config keys :meth:`DynamicLossScaler.from_config` passes on; their defaults
 #: are the constructor's (DeepSpeed's, checked in tests/test_loss_scaler_deepspeed.py).
 _CONFIG_KEYS = (
-    "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
     "min_loss_scale",
-)  # fmt: skip
+)
 
 
 class DynamicLossScaler:
@@ -192,9 +196,14 @@ class DynamicLossScaler:
                 f"is now {self.cur_scale}: call update() only after unscale_()"
             )
         return unscale_grads_(
-            _named(params), inv_scale=1.0 / self.cur_scale, group=group, max_norm=max_norm,
-            report_nonfinite=report_nonfinite, backend=backend, unscaled=unscaled,
-        )  # fmt: skip
+            _named(params),
+            inv_scale=1.0 / self.cur_scale,
+            group=group,
+            max_norm=max_norm,
+            report_nonfinite=report_nonfinite,
+            backend=backend,
+            unscaled=unscaled,
+        )
 
     def expect_unscaled(self, record: UnscaledGrads) -> None:
         """Note that a strategy already unscaled these grads (for the next :meth:`unscale_`).
@@ -209,12 +218,17 @@ class DynamicLossScaler:
     def state_dict(self) -> dict[str, Any]:
         """The scaler's full state (for checkpoints)."""
         return dict(
-            cur_scale=self.cur_scale, cur_hysteresis=self.cur_hysteresis, cur_iter=self.cur_iter,
-            last_overflow_iter=self.last_overflow_iter, dynamic=self.dynamic,
-            loss_scale_window=self.loss_scale_window, hysteresis=self.hysteresis,
-            consecutive_hysteresis=self.consecutive_hysteresis, min_loss_scale=self.min_loss_scale,
+            cur_scale=self.cur_scale,
+            cur_hysteresis=self.cur_hysteresis,
+            cur_iter=self.cur_iter,
+            last_overflow_iter=self.last_overflow_iter,
+            dynamic=self.dynamic,
+            loss_scale_window=self.loss_scale_window,
+            hysteresis=self.hysteresis,
+            consecutive_hysteresis=self.consecutive_hysteresis,
+            min_loss_scale=self.min_loss_scale,
             raise_error_at_min_scale=self.raise_error_at_min_scale,
-        )  # fmt: skip
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""

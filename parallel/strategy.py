@@ -361,9 +361,12 @@ class DataParallelStrategy(Strategy):
         # With a loss scaler, DataParallel fuses the unscale (and the inf/nan flag and Σg²) into
         # its post-all-reduce copy back; clip()'s scaler.unscale_ then only agrees the overflow.
         self.model = DataParallel(
-            model, self.ctx, bucket_mb=self.bucket_mb, gradient_as_bucket_view=self.grad_buckets == "view",
+            model,
+            self.ctx,
+            bucket_mb=self.bucket_mb,
+            gradient_as_bucket_view=self.grad_buckets == "view",
             loss_scaler=self.loss_scaler,
-        )  # fmt: skip
+        )
         return self.model
 
     def overflow_group(self) -> Any:

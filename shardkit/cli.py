@@ -80,21 +80,39 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     what.add_argument("--model", choices=["tinygpt"], help="count the demo's TinyGPT (built on the meta device)")
     plan.add_argument("--dp", type=int, default=1, metavar="N", help="data-parallel ranks (default %(default)s)")
     plan.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="also print this stage's breakdown")
-    plan.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="bf16/fp16: 2-byte params "
-                      "and grads + fp32 master and moments (default %(default)s)")  # fmt: skip
-    plan.add_argument("--optimizer", default="adamw", metavar="NAME|K",
-                      help="adamw, adam, lamb, lion, sgd_momentum, sgd, adagrad, or K bytes/param (default %(default)s)")  # fmt: skip
+    plan.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="bf16/fp16: 2-byte params and grads + fp32 master and moments (default %(default)s)",
+    )
+    plan.add_argument(
+        "--optimizer",
+        default="adamw",
+        metavar="NAME|K",
+        help="adamw, adam, lamb, lion, sgd_momentum, sgd, adagrad, or K bytes/param (default %(default)s)",
+    )
     plan.add_argument("--offload", choices=["cpu", "nvme"], help="optimizer state off the device (stages 1-3)")
     plan.add_argument("--offload-params", action="store_true", help="stage 3: parameter shard off the device too")
     plan.add_argument("--device-gb", type=float, metavar="GB", help="device memory (1e9 bytes) to check fits against")
     plan.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB", help="gradient bucket MiB (default %(default)s)")
-    plan.add_argument("--unit-params", type=_count, metavar="N",
-                      help="largest ZeRO-3 unit (default: the whole model; --model tinygpt: its largest block)")  # fmt: skip
+    plan.add_argument(
+        "--unit-params",
+        type=_count,
+        metavar="N",
+        help="largest ZeRO-3 unit (default: the whole model; --model tinygpt: its largest block)",
+    )
     model = plan.add_argument_group("--model tinygpt (the demo's flags and defaults)")
     for f in fields(TrainConfig):
         if f.name in _PLAN_MODEL_FLAGS:
-            model.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=int, default=f.default,
-                               metavar=f.metadata["metavar"], help=f"{f.metadata['help']} (default %(default)s)")  # fmt: skip
+            model.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                dest=f.name,
+                type=int,
+                default=f.default,
+                metavar=f.metadata["metavar"],
+                help=f"{f.metadata['help']} (default %(default)s)",
+            )
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -119,10 +137,15 @@ def run_plan(args: argparse.Namespace) -> int:
         unit = unit if unit is not None else max(unit_sizes(what, {Block}))
     optimizer: str | int = int(args.optimizer) if args.optimizer.isdigit() else args.optimizer
     kw = dict(
-        dp=args.dp, precision=args.precision, optimizer=optimizer, offload=args.offload,
-        offload_params=args.offload_params, bucket_mb=args.bucket_mb, largest_unit_params=unit,
+        dp=args.dp,
+        precision=args.precision,
+        optimizer=optimizer,
+        offload=args.offload,
+        offload_params=args.offload_params,
+        bucket_mb=args.bucket_mb,
+        largest_unit_params=unit,
         device_bytes=None if args.device_gb is None else int(args.device_gb * 1e9),
-    )  # fmt: skip
+    )
     if args.stage is not None and args.stage != 3 and args.offload_params:
         raise ValueError("--offload-params needs --stage 3 (or no --stage)")
     table = plan_table(what, **kw)  # type: ignore[arg-type]
@@ -163,11 +186,18 @@ def launch(cfg: TrainConfig) -> int:
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // cfg.nproc)))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cfg.nproc}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={cfg.nproc}",
         # Workers get no --nproc (so each trains in process); torchrun's parser also scans the
         # script's flags and would reject --nproc as an ambiguous prefix of --nproc-per-node.
-        "-m", "shardkit.cli", "train", *to_argv(cfg, skip={"nproc"}),
-    ]  # fmt: skip
+        "-m",
+        "shardkit.cli",
+        "train",
+        *to_argv(cfg, skip={"nproc"}),
+    ]
     return subprocess.run(cmd, env=env, check=False).returncode
 
 

@@ -67,9 +67,7 @@ def _load_fn(module: str, path: str | None, qualname: str) -> Callable[..., Any]
     return obj
 
 
-def _worker_main(
-    rank: int, world_size: int, store_port: int, pg_timeout_s: float, dump_path: str, conn: Any
-) -> None:
+def _worker_main(rank: int, world_size: int, store_port: int, pg_timeout_s: float, dump_path: str, conn: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -135,9 +133,7 @@ class WorkerPool:
         grace: seconds the other ranks get to finish once one rank has failed.
     """
 
-    def __init__(
-        self, world_size: int, *, pg_timeout: float = 60.0, start_timeout: float = 180.0, grace: float = 2.0
-    ) -> None:
+    def __init__(self, world_size: int, *, pg_timeout: float = 60.0, start_timeout: float = 180.0, grace: float = 2.0) -> None:
         self.world_size = world_size
         self.pg_timeout = pg_timeout
         self.start_timeout = start_timeout
@@ -170,8 +166,13 @@ class WorkerPool:
         listener = socket.create_server(("127.0.0.1", 0))
         port = listener.getsockname()[1]
         self._store = dist.TCPStore(
-            "127.0.0.1", port, None, True, wait_for_workers=False,
-            timeout=timedelta(seconds=self.start_timeout), master_listen_fd=listener.detach(),
+            "127.0.0.1",
+            port,
+            None,
+            True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=self.start_timeout),
+            master_listen_fd=listener.detach(),
         )
         self._tmpdir = tempfile.TemporaryDirectory(prefix="shardkit-dist-")
         for rank in range(self.world_size):
@@ -342,9 +343,7 @@ class DistPool:
             self._pools[world_size] = WorkerPool(world_size, **self._pool_kwargs)
         return self._pools[world_size]
 
-    def run(
-        self, fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 60.0, **kwargs: Any
-    ) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 60.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; see :meth:`WorkerPool.run`."""
         return self.pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
 

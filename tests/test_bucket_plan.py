@@ -158,7 +158,14 @@ def test_reducer_launches_in_bucket_order_when_grads_arrive_reversed() -> None:
     # the next backward starts from a clean slate: the same sequence again
     rec.events.clear()
     (a * (b * (c * x))).sum().backward()
-    assert [e[:2] for e in rec.events] == [("launch", 0), ("launch", 1), ("launch", 2), ("finish", 0), ("finish", 1), ("finish", 2)]
+    assert [e[:2] for e in rec.events] == [
+        ("launch", 0),
+        ("launch", 1),
+        ("launch", 2),
+        ("finish", 0),
+        ("finish", 1),
+        ("finish", 2),
+    ]
 
 
 def test_reducer_launches_a_bucket_as_soon_as_its_grads_are_ready() -> None:
@@ -219,9 +226,11 @@ def test_reducer_used_flags_include_disabled_backwards() -> None:
     rec = _Recorder()
     flags: list[list[int]] = []
     reducer = BucketedGradReducer(
-        _buckets([[c], [b], [a]]), launch=rec.launch, finish=rec.finish,
+        _buckets([[c], [b], [a]]),
+        launch=rec.launch,
+        finish=rec.finish,
         agree_used=lambda f: (flags.append(f.tolist()), f)[1],
-    )  # fmt: skip
+    )
     with reducer.disabled():
         (c * x).sum().backward()
     (a * (b * x)).sum().backward()
@@ -256,7 +265,14 @@ def test_reducer_reset_after_a_failed_backward() -> None:
     for p in (a, b, c):
         p.grad = None
     (a * (b * (c * x))).sum().backward()
-    assert [e[:2] for e in rec.events] == [("launch", 0), ("launch", 1), ("launch", 2), ("finish", 0), ("finish", 1), ("finish", 2)]
+    assert [e[:2] for e in rec.events] == [
+        ("launch", 0),
+        ("launch", 1),
+        ("launch", 2),
+        ("finish", 0),
+        ("finish", 1),
+        ("finish", 2),
+    ]
 
 
 def test_reducer_on_ready_sees_each_param_once_before_its_launch() -> None:

@@ -553,8 +553,7 @@ def test_from_env_nccl_with_fewer_gpus_than_ranks_names_both(monkeypatch, local_
     """Two ranks on a one-GPU node with NCCL: a ValueError naming the local rank, the ranks per
     node and torch.cuda.device_count(), on every rank (rank 0 too, via LOCAL_WORLD_SIZE), before
     set_device or any process group (both patched to fail: no GPU here)."""
-    env = dict(RANK=str(local_rank), WORLD_SIZE="4", LOCAL_RANK=str(local_rank), MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29500")  # fmt: skip
+    env = dict(RANK=str(local_rank), WORLD_SIZE="4", LOCAL_RANK=str(local_rank), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     if local_world is None:
@@ -574,8 +573,7 @@ def test_from_env_nccl_with_fewer_gpus_than_ranks_names_both(monkeypatch, local_
 
 def test_from_env_nccl_with_enough_gpus_sets_the_local_device(monkeypatch):
     """The check lets a node with a GPU per rank through: rank 1 of 2 on 2 GPUs sets device 1."""
-    env = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29500")  # fmt: skip
+    env = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
 

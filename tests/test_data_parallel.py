@@ -116,9 +116,7 @@ def _unused_param(as_view: bool) -> dict:
     per = GLOBAL_BATCH // world
     mask = (torch.arange(GLOBAL_BATCH) < per).float()  # the rows that use `extra`: rank 0's
     rows = slice(rank * per, (rank + 1) * per)
-    model = DataParallel(
-        _WithUnused(), ctx, bucket_mb=0.001, gradient_as_bucket_view=as_view, find_unused_parameters=True
-    )
+    model = DataParallel(_WithUnused(), ctx, bucket_mb=0.001, gradient_as_bucket_view=as_view, find_unused_parameters=True)
     ref = _WithUnused()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -202,8 +200,14 @@ def _fp16_fused_unscale(backend: str, as_view: bool) -> dict:
 
     def step(fused: bool, *, poison: bool = False, max_norm: float | None = None, touch: bool = False):
         scaler = DynamicLossScaler(initial_scale_power=10, hysteresis=1)
-        model = DataParallel(make_model(0).half(), ctx, bucket_mb=0.001, backend=backend,
-                             gradient_as_bucket_view=as_view, loss_scaler=scaler if fused else None)  # fmt: skip
+        model = DataParallel(
+            make_model(0).half(),
+            ctx,
+            bucket_mb=0.001,
+            backend=backend,
+            gradient_as_bucket_view=as_view,
+            loss_scaler=scaler if fused else None,
+        )
         if poison and rank == 1:  # an inf in one rank's local grad, before DataParallel sees it
             model.module[2].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([3]), float("inf")))
         rows = slice(rank * per, (rank + 1) * per)
@@ -211,8 +215,9 @@ def _fp16_fused_unscale(backend: str, as_view: bool) -> dict:
         after_backward = [p.grad.clone() for p in model.parameters()]
         if touch:
             model.module[0].bias.grad.mul_(2.0)
-        report = scaler.unscale_(list(model.module.named_parameters()), group=ctx.group("dp"),
-                                 max_norm=max_norm, report_nonfinite=True)  # fmt: skip
+        report = scaler.unscale_(
+            list(model.module.named_parameters()), group=ctx.group("dp"), max_norm=max_norm, report_nonfinite=True
+        )
         scaler.update(report.overflow)
         return [p.grad.clone() for p in model.parameters()], after_backward, report, scaler.scale
 
@@ -234,8 +239,9 @@ def _fp16_fused_unscale(backend: str, as_view: bool) -> dict:
     out = dict(
         fused_exact=all(torch.equal(a, b) for a, b in zip(fused, expected)),
         fused_unscaled_in_backward=all(torch.equal(a, b) for a, b in zip(fused_bw, fused)),
-        unfused_dev=max(((a.float() - b.float()).abs() / (b.float().abs() + 1e-3)).max().item()
-                        for a, b in zip(unfused, expected)),
+        unfused_dev=max(
+            ((a.float() - b.float()).abs() / (b.float().abs() + 1e-3)).max().item() for a, b in zip(unfused, expected)
+        ),
         unfused_scaled_in_backward=max((a.float() / S - b.float()).abs().max().item() for a, b in zip(unfused_bw, unfused)),
         norms=(fused_rep.grad_norm, unfused_rep.grad_norm, want_norm),
         overflow=(fused_rep.overflow, unfused_rep.overflow),
@@ -243,7 +249,7 @@ def _fp16_fused_unscale(backend: str, as_view: bool) -> dict:
         clipped_norm=torch.stack([g.float().norm() for g in clipped]).norm().item(),
         poisoned=[(r.overflow, r.nonfinite, scale) for _, _, r, scale in (bad_fused, bad_unfused)],
         touched_error=touched_error,
-    )  # fmt: skip
+    )
     ctx.destroy()
     return out
 

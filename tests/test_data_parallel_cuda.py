@@ -24,9 +24,7 @@ from tolerances import FP32
 
 pytestmark = [
     pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
-    ),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
 WORLD = 2
@@ -47,8 +45,9 @@ def _model(device: torch.device) -> nn.Module:
 
 def _worker(rank: int, port: int, grad_buckets: str, fp16: bool, queue: mp.SimpleQueue) -> None:
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                          WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))  # fmt: skip
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
+        )
         from shardkit.comm import ParallelContext
         from shardkit.parallel import DynamicLossScaler
         from shardkit.parallel.strategy import make_strategy

@@ -223,8 +223,10 @@ def _dp1() -> dict:
     x, y = batches(0)
     no_copy = mock.patch.multiple(
         "shardkit.parallel.data_parallel",
-        flatten_into=mock.DEFAULT, unflatten_from=mock.DEFAULT, all_reduce=mock.DEFAULT,
-    )  # fmt: skip
+        flatten_into=mock.DEFAULT,
+        unflatten_from=mock.DEFAULT,
+        all_reduce=mock.DEFAULT,
+    )
     with no_copy as patched, mock.patch("torch.distributed.all_reduce") as dist_all_reduce:
         with model.no_sync():
             mse(model(x[:4]), y[:4]).backward()

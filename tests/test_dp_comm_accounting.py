@@ -26,10 +26,24 @@ GLOBAL_BATCH = 8
 
 # torch.distributed entry points a collective could go through (those this torch has)
 _DIST_OPS = (
-    "all_reduce", "broadcast", "reduce_scatter_single", "all_gather_single", "reduce_scatter_tensor",
-    "all_gather_into_tensor", "all_gather", "reduce_scatter", "reduce", "isend", "irecv", "send", "recv",
-    "batch_isend_irecv", "barrier", "all_to_all_single", "all_reduce_coalesced",
-)  # fmt: skip
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter_single",
+    "all_gather_single",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "all_gather",
+    "reduce_scatter",
+    "reduce",
+    "isend",
+    "irecv",
+    "send",
+    "recv",
+    "batch_isend_irecv",
+    "barrier",
+    "all_to_all_single",
+    "all_reduce_coalesced",
+)
 
 
 @contextlib.contextmanager

@@ -181,10 +181,16 @@ def test_failed_update_leaves_state_unchanged() -> None:
 def test_matches_written_out_rules(
     pattern: str, power: int, window: int, hysteresis: int, consecutive: bool, min_scale: float
 ) -> None:
-    s = DynamicLossScaler(initial_scale_power=power, loss_scale_window=window, hysteresis=hysteresis,
-                          consecutive_hysteresis=consecutive, min_loss_scale=min_scale)  # fmt: skip
-    expected = reference_scales(pattern, scale=2.0**power, window=window, hysteresis=hysteresis,
-                                consecutive=consecutive, min_scale=min_scale)  # fmt: skip
+    s = DynamicLossScaler(
+        initial_scale_power=power,
+        loss_scale_window=window,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive,
+        min_loss_scale=min_scale,
+    )
+    expected = reference_scales(
+        pattern, scale=2.0**power, window=window, hysteresis=hysteresis, consecutive=consecutive, min_scale=min_scale
+    )
     assert run_or_raise(s, pattern) == expected
 
 
@@ -195,20 +201,30 @@ def test_static_scale_never_changes() -> None:
 
 
 def test_from_config_deepspeed_keys_and_typos() -> None:
-    cfg = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 500,
-           "hysteresis": 3, "consecutive_hysteresis": True, "min_loss_scale": 2}  # fmt: skip
+    cfg = {
+        "enabled": True,
+        "loss_scale": 0,
+        "initial_scale_power": 8,
+        "loss_scale_window": 500,
+        "hysteresis": 3,
+        "consecutive_hysteresis": True,
+        "min_loss_scale": 2,
+    }
     s = DynamicLossScaler.from_config(cfg)
-    assert (s.scale, s.loss_scale_window, s.hysteresis, s.consecutive_hysteresis, s.min_loss_scale) == (
-        256.0, 500, 3, True, 2.0)  # fmt: skip
+    assert (s.scale, s.loss_scale_window, s.hysteresis, s.consecutive_hysteresis, s.min_loss_scale) == (256.0, 500, 3, True, 2.0)
     with pytest.raises(ValueError, match="loss_scale_windw"):
         DynamicLossScaler.from_config({"loss_scale_windw": 10})
 
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"loss_scale": -1.0}, "loss_scale"), ({"loss_scale_window": 0}, "loss_scale_window"),
-     ({"hysteresis": 0}, "hysteresis"), ({"min_loss_scale": 0.0}, "min_loss_scale")],
-)  # fmt: skip
+    [
+        ({"loss_scale": -1.0}, "loss_scale"),
+        ({"loss_scale_window": 0}, "loss_scale_window"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"min_loss_scale": 0.0}, "min_loss_scale"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         DynamicLossScaler(**kwargs)

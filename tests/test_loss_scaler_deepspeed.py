@@ -32,17 +32,32 @@ def _no_process_group():
 
 
 def make_pair(
-    *, power: int, window: int, hysteresis: int = 2, consecutive: bool = False, min_scale: float = 1.0,
+    *,
+    power: int,
+    window: int,
+    hysteresis: int = 2,
+    consecutive: bool = False,
+    min_scale: float = 1.0,
     raise_at_min: bool = True,
-):  # fmt: skip
-    cfg = {"loss_scale": 0, "initial_scale_power": power, "loss_scale_window": window,
-           "hysteresis": hysteresis, "consecutive_hysteresis": consecutive, "min_loss_scale": min_scale}  # fmt: skip
+):
+    cfg = {
+        "loss_scale": 0,
+        "initial_scale_power": power,
+        "loss_scale_window": window,
+        "hysteresis": hysteresis,
+        "consecutive_hysteresis": consecutive,
+        "min_loss_scale": min_scale,
+    }
     ours = DynamicLossScaler.from_config(cfg)
     ours.raise_error_at_min_scale = raise_at_min
     theirs = ds_loss_scaler.DynamicLossScaler(
-        init_scale=2**power, scale_window=window, min_scale=min_scale, delayed_shift=hysteresis,
-        consecutive_hysteresis=consecutive, raise_error_at_min_scale=raise_at_min,
-    )  # fmt: skip
+        init_scale=2**power,
+        scale_window=window,
+        min_scale=min_scale,
+        delayed_shift=hysteresis,
+        consecutive_hysteresis=consecutive,
+        raise_error_at_min_scale=raise_at_min,
+    )
     return ours, theirs
 
 
@@ -79,11 +94,17 @@ def drive(ours: DynamicLossScaler, theirs, overflows: list[bool]) -> list[float]
     raise_at_min=st.booleans(),
 )
 def test_random_sequences_match_deepspeed(
-    overflows: list[bool], power: int, window: int, hysteresis: int, consecutive: bool, min_scale: float,
+    overflows: list[bool],
+    power: int,
+    window: int,
+    hysteresis: int,
+    consecutive: bool,
+    min_scale: float,
     raise_at_min: bool,
-) -> None:  # fmt: skip
-    ours, theirs = make_pair(power=power, window=window, hysteresis=hysteresis, consecutive=consecutive,
-                             min_scale=min_scale, raise_at_min=raise_at_min)  # fmt: skip
+) -> None:
+    ours, theirs = make_pair(
+        power=power, window=window, hysteresis=hysteresis, consecutive=consecutive, min_scale=min_scale, raise_at_min=raise_at_min
+    )
     drive(ours, theirs, overflows)
 
 
@@ -95,8 +116,7 @@ def test_random_sequences_match_deepspeed(
     hysteresis=st.integers(1, 3),
     consecutive=st.booleans(),
 )
-def test_long_clean_runs_match_deepspeed(runs: list[tuple[int, int]], window: int, hysteresis: int,
-                                         consecutive: bool) -> None:  # fmt: skip
+def test_long_clean_runs_match_deepspeed(runs: list[tuple[int, int]], window: int, hysteresis: int, consecutive: bool) -> None:
     overflows: list[bool] = []
     for clean, bad in runs:
         overflows += [False] * clean + [True] * bad
@@ -168,5 +188,12 @@ def test_constructor_defaults_are_deepspeeds() -> None:
     assert defaults["consecutive_hysteresis"] == c.FP16_CONSECUTIVE_HYSTERESIS_DEFAULT
     assert defaults["min_loss_scale"] == c.FP16_MIN_LOSS_SCALE_DEFAULT
     s = DynamicLossScaler.from_config({"enabled": True})
-    assert (s.scale, s.loss_scale_window, s.hysteresis, s.cur_hysteresis, s.consecutive_hysteresis,
-            s.min_loss_scale, s.dynamic) == (2.0**16, 1000, 2, 2, False, 1.0, True)  # fmt: skip
+    assert (
+        s.scale,
+        s.loss_scale_window,
+        s.hysteresis,
+        s.cur_hysteresis,
+        s.consecutive_hysteresis,
+        s.min_loss_scale,
+        s.dynamic,
+    ) == (2.0**16, 1000, 2, 2, False, 1.0, True)

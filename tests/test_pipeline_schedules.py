@@ -164,12 +164,15 @@ def test_deadlock_is_detected():
     # rank 0 waits for a gradient before the backward that precedes its activation send
     a = Action
     bad = Schedule(
-        "bad", 2, 1, 1,
+        "bad",
+        2,
+        1,
+        1,
         (
             (a(Kind.F, 0, 0), a(Kind.RECV_B, 0, 0), a(Kind.B, 0, 0), a(Kind.SEND_F, 0, 0)),
             (a(Kind.RECV_F, 1, 0), a(Kind.F, 1, 0), a(Kind.B, 1, 0), a(Kind.SEND_B, 1, 0)),
         ),
-    )  # fmt: skip
+    )
     with pytest.raises(DeadlockError, match="rank 0: RECV_B0.0, rank 1: RECV_F1.0"):
         simulate(bad)
 

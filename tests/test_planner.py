@@ -31,19 +31,43 @@ from shardkit.parallel.zero.planner import count_parameters, optimizer_state_byt
 # Rounding as printed: the 7.5B column rounds half up (41.25 -> 41.3, 1.875 -> 1.88, 0.46875 ->
 # 0.47); the 128B and 1T columns truncate (513.5 -> 513, 257.75 -> 257, 4187.5 -> 4187).
 TABLE_1 = {
-    "7.5B": (7_500_000_000, ROUND_HALF_UP, {
-        1: ("120", "120", "120"), 4: ("52.5", "41.3", "30"), 16: ("35.6", "21.6", "7.5"),
-        64: ("31.4", "16.6", "1.88"), 256: ("30.4", "15.4", "0.47"), 1024: ("30.1", "15.1", "0.12"),
-    }),
-    "128B": (128_000_000_000, ROUND_DOWN, {
-        1: ("2048", "2048", "2048"), 4: ("896", "704", "512"), 16: ("608", "368", "128"),
-        64: ("536", "284", "32"), 256: ("518", "263", "8"), 1024: ("513", "257", "2"),
-    }),
-    "1T": (10**12, ROUND_DOWN, {
-        1: ("16000", "16000", "16000"), 4: ("7000", "5500", "4000"), 16: ("4750", "2875", "1000"),
-        64: ("4187", "2218", "250"), 256: ("4046", "2054", "62.5"), 1024: ("4011", "2013", "15.6"),
-    }),
-}  # fmt: skip
+    "7.5B": (
+        7_500_000_000,
+        ROUND_HALF_UP,
+        {
+            1: ("120", "120", "120"),
+            4: ("52.5", "41.3", "30"),
+            16: ("35.6", "21.6", "7.5"),
+            64: ("31.4", "16.6", "1.88"),
+            256: ("30.4", "15.4", "0.47"),
+            1024: ("30.1", "15.1", "0.12"),
+        },
+    ),
+    "128B": (
+        128_000_000_000,
+        ROUND_DOWN,
+        {
+            1: ("2048", "2048", "2048"),
+            4: ("896", "704", "512"),
+            16: ("608", "368", "128"),
+            64: ("536", "284", "32"),
+            256: ("518", "263", "8"),
+            1024: ("513", "257", "2"),
+        },
+    ),
+    "1T": (
+        10**12,
+        ROUND_DOWN,
+        {
+            1: ("16000", "16000", "16000"),
+            4: ("7000", "5500", "4000"),
+            16: ("4750", "2875", "1000"),
+            64: ("4187", "2218", "250"),
+            256: ("4046", "2054", "62.5"),
+            1024: ("4011", "2013", "15.6"),
+        },
+    ),
+}
 CELLS = [
     (model, n, stage, printed)
     for model, (_, _, rows) in TABLE_1.items()
@@ -87,9 +111,19 @@ def test_adam_formulas_per_stage(n: int, precision: str) -> None:
 
 @pytest.mark.parametrize(
     "optimizer,precision,k",
-    [("adamw", "fp16", 12), ("adam", "fp32", 8), ("lamb", "bf16", 12), ("lion", "bf16", 8), ("lion", "fp32", 4),
-     ("sgd_momentum", "fp32", 4), ("sgd_momentum", "fp16", 8), ("sgd", "fp32", 0), ("sgd", "bf16", 4), (20, "fp16", 20)],
-)  # fmt: skip
+    [
+        ("adamw", "fp16", 12),
+        ("adam", "fp32", 8),
+        ("lamb", "bf16", 12),
+        ("lion", "bf16", 8),
+        ("lion", "fp32", 4),
+        ("sgd_momentum", "fp32", 4),
+        ("sgd_momentum", "fp16", 8),
+        ("sgd", "fp32", 0),
+        ("sgd", "bf16", 4),
+        (20, "fp16", 20),
+    ],
+)
 def test_optimizer_bytes_per_param(optimizer: str | int, precision: str, k: int) -> None:
     assert optimizer_state_bytes(optimizer, precision) == k
     assert plan_memory(1000, dp=1, stage=0, precision=precision, optimizer=optimizer).optimizer_state == k * 1000
@@ -156,9 +190,15 @@ def test_offload() -> None:
 def test_memory_report_keys_split_the_master_copy() -> None:
     psi, n = 8000, 4
     r = plan_memory(psi, dp=n, stage=2, precision="bf16").memory_report()
-    assert r == {"unit": "bytes", "params": 2 * psi, "grads": 2 * psi // n, "master_params": 4 * psi // n,
-                 "optimizer_state": 8 * psi // n, "model_state": 2 * psi + 14 * psi // n,
-                 "peak_transient": max(2 * psi, 4 * psi // n)}  # fmt: skip
+    assert r == {
+        "unit": "bytes",
+        "params": 2 * psi,
+        "grads": 2 * psi // n,
+        "master_params": 4 * psi // n,
+        "optimizer_state": 8 * psi // n,
+        "model_state": 2 * psi + 14 * psi // n,
+        "peak_transient": max(2 * psi, 4 * psi // n),
+    }
     assert plan_memory(psi, dp=n, stage=2, precision="fp32").memory_report()["master_params"] == 0
 
 
@@ -173,12 +213,18 @@ def test_fits() -> None:
 
 @pytest.mark.parametrize(
     "kwargs,name",
-    [({"dp": 0, "stage": 1}, "dp"), ({"dp": 2, "stage": 4}, "stage"), ({"dp": 2, "stage": 0, "offload": "cpu"}, "offload"),
-     ({"dp": 2, "stage": 2, "offload": "disk"}, "offload"), ({"dp": 2, "stage": 2, "offload": "cpu", "offload_params": True},
-     "offload_params"), ({"dp": 2, "stage": 1, "precision": "fp8"}, "precision"), ({"dp": 2, "stage": 1, "optimizer": "rmsprop"},
-     "optimizer"), ({"dp": 2, "stage": 1, "bucket_mb": 0}, "bucket_mb"), ({"dp": 2, "stage": 3, "largest_unit_params": 11},
-     "largest_unit_params")],
-)  # fmt: skip
+    [
+        ({"dp": 0, "stage": 1}, "dp"),
+        ({"dp": 2, "stage": 4}, "stage"),
+        ({"dp": 2, "stage": 0, "offload": "cpu"}, "offload"),
+        ({"dp": 2, "stage": 2, "offload": "disk"}, "offload"),
+        ({"dp": 2, "stage": 2, "offload": "cpu", "offload_params": True}, "offload_params"),
+        ({"dp": 2, "stage": 1, "precision": "fp8"}, "precision"),
+        ({"dp": 2, "stage": 1, "optimizer": "rmsprop"}, "optimizer"),
+        ({"dp": 2, "stage": 1, "bucket_mb": 0}, "bucket_mb"),
+        ({"dp": 2, "stage": 3, "largest_unit_params": 11}, "largest_unit_params"),
+    ],
+)
 def test_bad_arguments_name_the_argument(kwargs: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         plan_memory(10, **kwargs)
@@ -208,8 +254,9 @@ def test_model_states_non_increasing_in_stage(psi: int, dp: int, precision: str,
 
 
 @settings(**settings_kw)
-@given(psi=st.integers(0, 10**13), dp=st.integers(1, 4096), extra=st.integers(1, 4096), stage=st.integers(0, 3),
-       precision=precisions)  # fmt: skip
+@given(
+    psi=st.integers(0, 10**13), dp=st.integers(1, 4096), extra=st.integers(1, 4096), stage=st.integers(0, 3), precision=precisions
+)
 def test_model_states_non_increasing_in_dp_and_stage_0_independent_of_it(
     psi: int, dp: int, extra: int, stage: int, precision: str
 ) -> None:
@@ -236,8 +283,7 @@ def _gpt(d: int, layers: int, heads: int, t: int, tie: bool = True) -> TinyGPT:
 
 
 @settings(max_examples=12, deadline=None)
-@given(heads=st.integers(1, 4), head_dim=st.integers(1, 8), layers=st.integers(1, 3), t=st.integers(1, 16),
-       tie=st.booleans())  # fmt: skip
+@given(heads=st.integers(1, 4), head_dim=st.integers(1, 8), layers=st.integers(1, 3), t=st.integers(1, 16), tie=st.booleans())
 def test_meta_model_counts_equal_real_model_counts(heads: int, head_dim: int, layers: int, t: int, tie: bool) -> None:
     real = _gpt(heads * head_dim, layers, heads, t, tie)
     with torch.device("meta"):
@@ -358,9 +404,13 @@ def test_cli_plan_tinygpt_counts_the_demo_model(capsys: pytest.CaptureFixture[st
 
 @pytest.mark.parametrize(
     "argv,message",
-    [(["--params", "7.5x"], "not a parameter count"), (["--params", "10", "--dp", "0"], "dp must be"),
-     (["--params", "10", "--stage", "1", "--offload-params", "--offload", "cpu"], "offload-params"), ([], "required")],
-)  # fmt: skip
+    [
+        (["--params", "7.5x"], "not a parameter count"),
+        (["--params", "10", "--dp", "0"], "dp must be"),
+        (["--params", "10", "--stage", "1", "--offload-params", "--offload", "cpu"], "offload-params"),
+        ([], "required"),
+    ],
+)
 def test_cli_plan_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli_main(["plan", *argv])

@@ -70,8 +70,13 @@ def test_every_phase_runs_under_its_profiler_label() -> None:
         reducer.post_forward()
         loss.backward()
     names = [e.name for e in prof.events()]
-    for phase, count in [("pre_forward", 1), ("post_forward", 1), ("pre_backward", 1), ("post_backward", 2),
-                         ("finalize_backward", 1)]:  # fmt: skip
+    for phase, count in [
+        ("pre_forward", 1),
+        ("post_forward", 1),
+        ("pre_backward", 1),
+        ("post_backward", 2),
+        ("finalize_backward", 1),
+    ]:
         assert names.count(f"shardkit::{phase}") == count, (phase, sorted(set(names)))
 
 

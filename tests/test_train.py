@@ -382,8 +382,14 @@ def _check_planned_memory(out: str, ranks: list[dict], strategy: str, *, stage: 
     grads = plan.grads + (0 if stage else plan.transient)  # DDP's report counts its buckets as grads
     transient = plan.transient if stage else None
     total = plan.params + grads + plan.optimizer_state + (transient or 0)
-    expected = {"stage": plan.name, "param_bytes": plan.params, "grad_bytes": grads,
-                "optim_state_bytes": plan.optimizer_state, "transient_bytes": transient, "total_bytes": total}  # fmt: skip
+    expected = {
+        "stage": plan.name,
+        "param_bytes": plan.params,
+        "grad_bytes": grads,
+        "optim_state_bytes": plan.optimizer_state,
+        "transient_bytes": transient,
+        "total_bytes": total,
+    }
     lines = [line for line in out.splitlines() if f"memory measured (planner {plan.name})" in line]
     assert len(lines) == len(ranks) == 2, out
     for r, line in zip(ranks, lines):
@@ -399,8 +405,26 @@ def _check_planned_memory(out: str, ranks: list[dict], strategy: str, *, stage: 
 
 @pytest.mark.parametrize("strategy,stage", [("zero1", 1), ("zero2", 2)])
 def test_cli_train_zero_summary_prints_planner_memory(tmp_path: Path, strategy: str, stage: int) -> None:
-    args = ["train", "--nproc", "2", "--strategy", strategy, "--steps", "3", "--eval-every", "3", *TINY[:6],
-            "--batch-size", "4", "--seq-len", "32", "--device", "cpu", "--log-json", "zero.json"]  # fmt: skip
+    args = [
+        "train",
+        "--nproc",
+        "2",
+        "--strategy",
+        strategy,
+        "--steps",
+        "3",
+        "--eval-every",
+        "3",
+        *TINY[:6],
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--device",
+        "cpu",
+        "--log-json",
+        "zero.json",
+    ]
     proc = _run_cli(args, tmp_path)
     assert proc.returncode == 0, proc.stderr
     ranks = json.loads((tmp_path / "zero.json").read_text())["ranks"]

@@ -80,9 +80,13 @@ def test_plan_agrees_with_memory_report(
     precision = "fp32" if dtype == torch.float32 else "bf16"
     # ShardedDataParallel reduces and keeps gradients in fp32 by default (grad_dtype=None): G = 4.
     plan = plan_memory(
-        _meta_model(kind, dtype), dp=world_size, stage=stage, precision=precision, bucket_mb=bucket_mb,
+        _meta_model(kind, dtype),
+        dp=world_size,
+        stage=stage,
+        precision=precision,
+        bucket_mb=bucket_mb,
         grad_dtype_bytes=4,
-    ).memory_report()  # fmt: skip
+    ).memory_report()
     for rank, measured in enumerate(reports):
         bad = {k: (measured[k], plan[k]) for k in CATEGORIES if not _close(measured[k], plan[k])}
         assert not bad, f"rank {rank}: (measured, planned) outside {REL:.0%}: {bad}"
@@ -116,9 +120,12 @@ def _ddp_report(kind: str, grad_buckets: str) -> dict:
 def test_plan_agrees_with_ddp_strategy_report(dist_pool, kind: str, world_size: int, grad_buckets: str) -> None:
     reports = dist_pool.run(_ddp_report, kind, grad_buckets, world_size=world_size, timeout=90)
     plan = plan_memory(
-        _meta_model(kind, torch.float32), dp=world_size, stage=0, bucket_mb=0.02,
+        _meta_model(kind, torch.float32),
+        dp=world_size,
+        stage=0,
+        bucket_mb=0.02,
         gradient_as_bucket_view=grad_buckets == "view",
-    )  # fmt: skip
+    )
     # The strategy report counts gradient storages, flat buckets included: the plan's grads plus
     # its transient (DDP's buckets; none beyond the grads themselves when grads are views).
     planned = {"params": plan.params, "grads": plan.grads + plan.transient, "optimizer_state": plan.optimizer_state}

@@ -83,13 +83,13 @@ def test_zero_strategy_matches_single_process_on_the_global_batch(dist_pool, nam
 
 def _run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "shardkit.cli", *args], capture_output=True, text=True,
-                          timeout=180, env=env, cwd=tmp_path)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *args], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
+    )
 
 
 def test_cli_train_zero2_two_processes_matches_ddp_and_single_process(tmp_path: Path) -> None:
-    common = ["--steps", "5", "--eval-every", "5", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-              "--seq-len", "32"]  # fmt: skip
+    common = ["--steps", "5", "--eval-every", "5", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32"]
     losses = {}
     for name, args in {
         "zero2": ["--nproc", "2", "--strategy", "zero2", "--batch-size", "4"],

@@ -85,10 +85,15 @@ def _copy_repo(dest: Path, rev: str | None) -> None:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
         return
-    listed = subprocess.run(
-        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        check=True, capture_output=True,
-    ).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            check=True,
+            capture_output=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for rel in filter(None, listed):
         src = REPO / rel
         if src.is_file():
@@ -123,7 +128,13 @@ def _parse_module(spec: str) -> tuple[str, tuple[int, int] | None]:
 
 
 def run_module(
-    spec: str, *, rev: str | None, sample: int | None, seed: int, timeout: float | None, keep: bool,
+    spec: str,
+    *,
+    rev: str | None,
+    sample: int | None,
+    seed: int,
+    timeout: float | None,
+    keep: bool,
     tests: list[str] | None = None,
 ) -> dict:
     """Mutate one module in a fresh copy; return the counts and the surviving diffs."""
@@ -229,7 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = [
         run_module(
-            m, rev=args.rev, sample=args.sample, seed=args.seed, timeout=args.timeout, keep=args.keep,
+            m,
+            rev=args.rev,
+            sample=args.sample,
+            seed=args.seed,
+            timeout=args.timeout,
+            keep=args.keep,
             tests=args.tests,
         )
         for m in (args.modules or DEFAULT_MODULES)

@@ -170,9 +170,12 @@ def backward_weight(work: WeightWork) -> tuple[torch.Tensor | None, ...]:
                 handles = [n.register_prehook(lambda _go, gs=work.captured[n]: gs) for n in group.nodes]
             try:
                 got = torch.autograd.grad(
-                    edges, [work.params[i] for i in group.params], grad_outputs=grads,
-                    retain_graph=n_group < len(work.groups) - 1, allow_unused=True,
-                )  # fmt: skip
+                    edges,
+                    [work.params[i] for i in group.params],
+                    grad_outputs=grads,
+                    retain_graph=n_group < len(work.groups) - 1,
+                    allow_unused=True,
+                )
             finally:
                 for h in handles:
                     h.remove()

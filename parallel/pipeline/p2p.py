@@ -24,9 +24,17 @@ MAX_NDIM = 8
 #: Length of a metadata message: [status, failed stage, dtype code, ndim, dims...].
 META_LEN = 4 + MAX_NDIM
 _DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
 
 
 def p2p_tag(sender_stage: int, mb: int, backward: bool, num_stages: int) -> int:

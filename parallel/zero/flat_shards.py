@@ -169,8 +169,9 @@ class FlatShards:
             p.data = flat.narrow(0, o, p.numel()).view(p.shape)  # the param now lives in the bucket
         master = None if dtype == torch.float32 else flat.narrow(0, start, shard).float()
         gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
-        sb = ShardedBucket(gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard),
-                           flat, master)  # fmt: skip
+        sb = ShardedBucket(
+            gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard), flat, master
+        )
         if self.stage == 1:
             self._new_grad_full(sb)
             if self.grad_dtype != dtype:  # autograd then accumulates straight into the views
@@ -331,8 +332,7 @@ class FlatShards:
                 continue
             self._bind_opt_grad(sb, torch.empty(sb.shard, dtype=torch.float32, device=device))  # transient fp32
             self._hold(sb.shard * 4)
-            unscale_and_norm_([g], inv_scale=inv_scale, out=[sb.opt_grad], found_inf=found_inf, sumsq=sumsq,
-                              backend=self.backend)  # fmt: skip
+            unscale_and_norm_([g], inv_scale=inv_scale, out=[sb.opt_grad], found_inf=found_inf, sumsq=sumsq, backend=self.backend)
         self.finalized = True
         return found_inf, sumsq
 

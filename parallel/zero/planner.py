@@ -453,8 +453,9 @@ def plan_memory(
             # DDP allocates every bucket up front: a flat copy of all grads unless grads are views.
             transient = 0 if gradient_as_bucket_view else gb * psi_t
         elif stage in (1, 2):
-            transient = _zero12_transient(layout, psi_t, dp=dp, stage=stage, pb=pb, gb=gb, bucket=bucket,
-                                          in_flight=buckets_in_flight)  # fmt: skip
+            transient = _zero12_transient(
+                layout, psi_t, dp=dp, stage=stage, pb=pb, gb=gb, bucket=bucket, in_flight=buckets_in_flight
+            )
         else:
             unit = psi if largest_unit_params is None else largest_unit_params
             gathered = psi if not reshard_after_forward else min(psi, (1 + prefetch) * unit)

@@ -122,8 +122,7 @@ class ShardedDataParallel(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        params = _validate(module, ctx, stage, bucket_mb, wrap, reshard_after_forward, offload, nvme_dir,
-                           grad_dtype, loss_scaler)  # fmt: skip
+        params = _validate(module, ctx, stage, bucket_mb, wrap, reshard_after_forward, offload, nvme_dir, grad_dtype, loss_scaler)
         self.module = module
         self.ctx = ctx
         self.stage = stage
@@ -142,12 +141,19 @@ class ShardedDataParallel(nn.Module):
         plan = plan_buckets(
             [p.numel() * self.grad_dtype.itemsize for p in trainable],
             [(p.device, p.dtype) for p in trainable],
-            cap_bytes=cap, first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
-        )  # fmt: skip
+            cap_bytes=cap,
+            first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
+        )
         self._shards = FlatShards(
-            [[trainable[i] for i in idx] for idx in plan], group=self._group, rank=ctx.rank("dp"), size=self._dp,
-            stage=stage, grad_dtype=self.grad_dtype, stats=self.comm_stats, backend=backend,
-        )  # fmt: skip
+            [[trainable[i] for i in idx] for idx in plan],
+            group=self._group,
+            rank=ctx.rank("dp"),
+            size=self._dp,
+            stage=stage,
+            grad_dtype=self.grad_dtype,
+            stats=self.comm_stats,
+            backend=backend,
+        )
         self._reducer = GradReducer(
             [sb.grad_bucket for sb in self._shards.buckets], launch=self._shards.launch, finish=self._shards.finish
         )
@@ -274,8 +280,18 @@ class ShardedDataParallel(nn.Module):
         self._optimizer = weakref.ref(optimizer)
 
 
-def _validate(module: Any, ctx: Any, stage: Any, bucket_mb: Any, wrap: Any, reshard_after_forward: Any, offload: Any,
-              nvme_dir: Any, grad_dtype: Any, loss_scaler: Any) -> list[nn.Parameter]:  # fmt: skip
+def _validate(
+    module: Any,
+    ctx: Any,
+    stage: Any,
+    bucket_mb: Any,
+    wrap: Any,
+    reshard_after_forward: Any,
+    offload: Any,
+    nvme_dir: Any,
+    grad_dtype: Any,
+    loss_scaler: Any,
+) -> list[nn.Parameter]:
     """Every argument check, before any collective (ValueError/TypeError naming the argument)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")

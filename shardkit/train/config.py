@@ -50,9 +50,11 @@ class TrainConfig:
         25.0, "ddp/zero1/zero2: gradient bucket size in MiB", _LAUNCH, metavar="MB", strategies=("ddp", "zero1", "zero2")
     )
     grad_buckets: Literal["copy", "view"] = _opt(
-        "copy", "ddp: 'view' makes each grad a view of its bucket (gradients held once, no copy back); "
-        "'copy' keeps separate grads", _LAUNCH, strategies=("ddp",),
-    )  # fmt: skip
+        "copy",
+        "ddp: 'view' makes each grad a view of its bucket (gradients held once, no copy back); 'copy' keeps separate grads",
+        _LAUNCH,
+        strategies=("ddp",),
+    )
     device: Literal["auto", "cpu", "cuda"] = _opt(
         "auto", "auto: cuda when available; cpu forces the gloo backend even where CUDA exists", _LAUNCH
     )
@@ -70,10 +72,11 @@ class TrainConfig:
     weight_decay: float = _opt(0.1, "decoupled, on matrices only", _OPTIM, metavar="WD")
     clip: float = _opt(1.0, "max global grad norm, 0 disables", _OPTIM, metavar="NORM")
     precision: Precision = _opt(
-        "fp32", "", _OPTIM,
-        flags={"fp32": "full precision (default)", "bf16": "bf16 autocast",
-               "fp16": "fp16 autocast with dynamic loss scaling"},
-    )  # fmt: skip
+        "fp32",
+        "",
+        _OPTIM,
+        flags={"fp32": "full precision (default)", "bf16": "bf16 autocast", "fp16": "fp16 autocast with dynamic loss scaling"},
+    )
     eval_every: int = _opt(50, "steps between eval-loss estimates", _LOG, metavar="N")
     eval_iters: int = _opt(8, "fixed validation batches per estimate", _LOG, metavar="N")
     sample: int = _opt(0, "print a generated sample of CHARS characters at the end", _LOG, metavar="CHARS")
@@ -149,10 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices = _choices(f.name)
         default_note = "" if f.default is None or f.default is MISSING else " (default %(default)s)"
         group.add_argument(
-            f"--{f.name.replace('_', '-')}", dest=f.name, type=_scalar_type(f.name), default=f.default,
-            choices=list(choices) or None, metavar=None if choices else meta.get("metavar"),
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=_scalar_type(f.name),
+            default=f.default,
+            choices=list(choices) or None,
+            metavar=None if choices else meta.get("metavar"),
             help=meta["help"] + default_note,
-        )  # fmt: skip
+        )
 
 
 def from_args(ns: argparse.Namespace) -> TrainConfig:

@@ -141,10 +141,15 @@ def planned_memory(cfg: TrainConfig, model: nn.Module, dp: int) -> dict[str, Any
         return None
     opts = cfg.strategy_options()
     plan = plan_memory(
-        model, dp=dp, stage=stage, precision=_PRECISION[next(model.parameters()).dtype], optimizer="adamw",
-        bucket_mb=opts.get("bucket_mb", 25.0), gradient_as_bucket_view=opts.get("grad_buckets") == "view",
+        model,
+        dp=dp,
+        stage=stage,
+        precision=_PRECISION[next(model.parameters()).dtype],
+        optimizer="adamw",
+        bucket_mb=opts.get("bucket_mb", 25.0),
+        gradient_as_bucket_view=opts.get("grad_buckets") == "view",
         grad_dtype_bytes=4 if stage else None,
-    )  # fmt: skip
+    )
     out: dict[str, Any] = {
         "stage": plan.name,
         "param_bytes": plan.params,
@@ -268,9 +273,15 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch(
-            "train", cfg.batch_size, cfg.seq_len, data_gen,
-            rank=dp_rank, world_size=dp_size, corpus=corpus, device=device,
-        )  # fmt: skip
+            "train",
+            cfg.batch_size,
+            cfg.seq_len,
+            data_gen,
+            rank=dp_rank,
+            world_size=dp_size,
+            corpus=corpus,
+            device=device,
+        )
         optimizer.zero_grad(set_to_none=True)
         with _autocast(cfg.precision, device):
             loss = lm_loss(model(x), y)

@@ -12,8 +12,7 @@ import torch
 __all__ = ["ProgressBar", "fmt_bytes", "fmt_comm", "fmt_memory_vs_plan", "fmt_time"]
 
 #: summary keys compared with the planner, and their printed names
-_MEMORY = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_state_bytes", "optim"),
-           ("transient_bytes", "transient"))  # fmt: skip
+_MEMORY = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optim_state_bytes", "optim"), ("transient_bytes", "transient"))
 
 
 def fmt_time(seconds: float) -> str:
