@@ -16,8 +16,9 @@ collective). The configurations of all stages are built side by side and timed i
 repeat by repeat, so background load hits them alike; min/median over ``repeats x steps``
 samples after ``warmup`` steps; ratio = ours / peer (< 1 is faster).
 
-Memory per rank (bytes, rank 0), one extra step after timing, each category as distinct tensor
-storages: ``params`` (after the step), ``grads`` (after backward, before the step: the peers
+Memory per rank (bytes; the JSON's ``memory`` is the rank holding the most model state, the one
+that runs out first; ``memory_per_rank`` has every rank), measured in one extra step after
+timing, each category as distinct tensor storages: ``params`` (after the step), ``grads`` (after backward, before the step: the peers
 may free theirs in the step), ``master_params`` (fp32 copies of the params kept by the
 optimizer: DeepSpeed keeps one even for fp32 models), ``optimizer_state`` (the optimizer's
 state tensors on this rank), ``model_state`` = their sum, and ``params_in_step`` (parameter
@@ -308,7 +309,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
                 t0 = time.perf_counter()
                 r.step(x, y)
                 samples[f"{stage}/{kind}"].append(time.perf_counter() - t0)
-    memory = {f"{s}/{k}": r.memory(x, y) for (s, k), r in runners.items()}
+    mine = {f"{s}/{k}": r.memory(x, y) for (s, k), r in runners.items()}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)  # partitions differ by rank (ZeroRedundancyOptimizer's greedy split)
+    memory = {key: [every[r][key] for r in range(world)] for key in mine}
     if rank == 0:
         queue.put({"samples": samples, "memory": memory, "unavailable": unavailable,
                    "n_params": sum(p.numel() for p in _model(args).parameters())})  # fmt: skip
@@ -372,7 +376,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for kind in (SHARDKIT, *PEERS[stage]):
             key = f"{stage}/{kind}"
             if key in raw["samples"]:
-                configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": raw["memory"][key]}
+                per_rank = raw["memory"][key]
+                worst = max(per_rank, key=lambda m: m["model_state"])  # the rank that runs out first
+                configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": worst,
+                                 "memory_per_rank": per_rank}  # fmt: skip
             else:
                 configs[kind] = {"available": False, "reason": raw["unavailable"].get(key, "not run")}
         ours = configs[SHARDKIT]
@@ -408,7 +415,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                       **HYPER},  # fmt: skip
         "settings": {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
                      "threads_per_rank": args.threads or max(1, (os.cpu_count() or 2) // args.nproc)},  # fmt: skip
-        "units": {"time": "ms per step (zero_grad + forward + backward + step)", "memory": "bytes, rank 0"},
+        "units": {"time": "ms per step (zero_grad + forward + backward + step)", "memory": "bytes per rank: `memory` is the rank with the most model state, `memory_per_rank` all"},
         "formulas_bytes": {"ddp": 16 * n, "stage1": 4 * n + 4 * n + 8 * n // args.nproc,
                            "stage2": 4 * n + 12 * n // args.nproc, "stage3": 16 * n // args.nproc},  # fmt: skip
         "stages": stages,
@@ -434,7 +441,8 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:  # optional: the JSON carries everything
         return
-    bars = [(f"ZeRO-{s}\n{k.replace('torch.', '')}", c) for s, st in report["stages"].items() if st["built"]
+    short = {"torch.ZeroRedundancyOptimizer": "ZRO+DDP", "torch.fully_shard": "FSDP2"}
+    bars = [(f"ZeRO-{s}\n{short.get(k, k)}", c) for s, st in report["stages"].items() if st["built"]
             for k, c in st["configs"].items() if c["available"]]  # fmt: skip
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.8))
     labels = [b[0] for b in bars]
@@ -445,9 +453,10 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     ax_m.scatter(labels, [c["memory"]["params_in_step"] / 2**20 for _, c in bars], color="tab:red", marker="_",
                  s=300, label="params during step")  # fmt: skip
     ax_m.set_ylabel("MiB per rank")
+    ax_m.set_ylim(top=1.3 * max(c["memory"]["model_state"] for _, c in bars) / 2**20)  # room for the legend
     ax_m.legend(fontsize=7)
     for ax in (ax_t, ax_m):
-        ax.tick_params(axis="x", labelsize=6)
+        ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{report['model']}, {report['params'] / 1e6:.1f}M params, {report['nproc']} ranks gloo", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
