@@ -30,6 +30,7 @@ and communication".
 Example:
     $ shardkit bench zero                         # -> perf/results/zero_cpu.json + .png
     $ python perf/zero.py --quick --out /tmp/zq   # smoke run (tiny model; used by the tests)
+    $ python perf/zero.py --profile --repeats 2   # + phase times and top ops per configuration
 """
 
 from __future__ import annotations
@@ -309,15 +310,36 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
                 t0 = time.perf_counter()
                 r.step(x, y)
                 samples[f"{stage}/{kind}"].append(time.perf_counter() - t0)
+    profiles = {f"{s}/{k}": _profile(r, x, y, args.steps) for (s, k), r in runners.items()} if args.profile else None
     mine = {f"{s}/{k}": r.memory(x, y) for (s, k), r in runners.items()}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)  # partitions differ by rank (ZeroRedundancyOptimizer's greedy split)
     memory = {key: [every[r][key] for r in range(world)] for key in mine}
     if rank == 0:
-        queue.put({"samples": samples, "memory": memory, "unavailable": unavailable,
+        queue.put({"samples": samples, "memory": memory, "unavailable": unavailable, "profiles": profiles,
                    "n_params": sum(p.numel() for p in _model(args).parameters())})  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _profile(r: _Runner, x: torch.Tensor, y: torch.Tensor, steps: int, top: int = 12) -> dict[str, Any]:
+    """ms per step of the ``shardkit::<phase>`` labels (total) and of the top ops (self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            r.step(x, y)
+    events = prof.key_averages(group_by_input_shape=True)
+    phases = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key.startswith("shardkit::")}
+    ops = sorted((e for e in events if not e.key.startswith("shardkit::")), key=lambda e: -e.self_cpu_time_total)
+    return {
+        "phases_ms_per_step": phases,
+        "top_self_ms_per_step": [
+            {"op": e.key, "shapes": str(e.input_shapes)[:80], "calls_per_step": e.count / steps,
+             "self_ms": e.self_cpu_time_total / 1e3 / steps}  # fmt: skip
+            for e in ops[:top]
+        ],
+    }
 
 
 def _summary(samples: list[float]) -> dict[str, Any]:
@@ -380,6 +402,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 worst = max(per_rank, key=lambda m: m["model_state"])  # the rank that runs out first
                 configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": worst,
                                  "memory_per_rank": per_rank}  # fmt: skip
+                if raw["profiles"]:
+                    configs[kind]["profile_rank0"] = raw["profiles"][key]
             else:
                 configs[kind] = {"available": False, "reason": raw["unavailable"].get(key, "not run")}
         ours = configs[SHARDKIT]
@@ -479,6 +503,9 @@ def format_table(report: dict[str, Any]) -> str:
                 f"ZeRO-{s} {k:<32} median {c['median_ms']:9.1f} ms  min {c['min_ms']:9.1f} ms  "
                 f"model state {m['model_state'] / 2**20:8.1f} MiB  params in step {m['params_in_step'] / 2**20:8.1f} MiB"
             )
+            if "profile_rank0" in c:
+                phases = c["profile_rank0"]["phases_ms_per_step"]
+                lines.append("    " + "  ".join(f"{k.split('::')[-1]} {v:.1f} ms" for k, v in phases.items()))
         for peer, r in st["ratios"].items():
             lines.append(
                 f"ZeRO-{s} ours/{peer:<28} time {r['time_median']:.3f}x (min {r['time_min']:.3f}x)  "
@@ -508,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", action="store_true",
+                   help="also record per-phase times and the top ops of every configuration (rank 0)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     p.add_argument("--out", type=Path, default=Path("perf/results"), help="output directory")
