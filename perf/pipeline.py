@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
     if args.quick:
-        args.width, args.hidden, args.depth, args.mb_rows, args.microbatches = 64, 64, 4, 2, 4
+        args.width, args.hidden, args.mb_rows, args.microbatches = 64, 64, 2, 4
+        args.depth = max(4, args.pp * args.virtual)  # interleaved needs a block per stage
         args.warmup, args.repeats = 1, 2
     args.threads = args.threads or max(1, (os.cpu_count() or 2) // args.pp)
     with socket.socket() as s:
