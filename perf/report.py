@@ -89,7 +89,10 @@ def _zero_rows(res: dict) -> list[str]:
         if not st.get("built") or not st["ratios"]:
             continue
         ours, best = st["configs"]["shardkit"], st["fastest_peer"]
-        mem = ", ".join(f"{p.replace('torch.', '')} {r['model_state']:.2f}×" for p, r in st["ratios"].items())
+        mem = ", ".join(
+            f"{p.replace('torch.', '')} {r['model_state']:.2f}× at rest, {r.get('model_state_in_step', float('nan')):.2f}× in step"
+            for p, r in st["ratios"].items()
+        )
         rows.append(
             f"| ZeRO-{stage} step, {res['params'] / 1e6:.1f}M-param TinyGPT, {res['nproc']} ranks {res['backend']} "
             f"(memory ours/peer: {mem}) | {ours['median_ms']:.1f} ms "

@@ -71,6 +71,7 @@ def test_quick_run_json_structure_and_ratios(report: tuple[dict, Path]) -> None:
             assert r["time_median"] == ours["median_ms"] / c["median_ms"]
             assert r["time_min"] == ours["min_ms"] / c["min_ms"]
             assert r["model_state"] == ours["memory"]["model_state"] / c["memory"]["model_state"]
+            assert r["model_state_in_step"] == ours["memory"]["model_state_in_step"] / c["memory"]["model_state_in_step"]
         assert st["fastest_peer"] == min(st["ratios"], key=lambda p: live[p]["median_ms"])
 
 
@@ -85,6 +86,8 @@ def test_quick_run_memory_matches_the_layout_formulas(report: tuple[dict, Path])
     fsdp = res["stages"]["2"]["configs"]["torch.fully_shard"]["memory"]
     assert fsdp["params"] == fsdp["grads"] == 4 * psi // n  # sharded at rest (psi is even here)
     assert fsdp["params_in_step"] == 4 * psi // n + 4 * psi  # + the gathered params, forward to backward
+    assert fsdp["model_state_in_step"] == fsdp["model_state"] + 4 * psi
+    assert 0 < fsdp["model_state"] - 16 * psi // n <= 4 * 1024  # + AdamW's fp32 `step` scalar per tensor
     # ZeroRedundancyOptimizer splits whole params greedily: its ranks' Adam states differ but sum to 8Ψ
     per_rank = res["stages"]["1"]["configs"]["torch.ZeroRedundancyOptimizer"]["memory_per_rank"]
     extra = sum(m["optimizer_state"] for m in per_rank) - 8 * psi  # torch AdamW's one `step` scalar per tensor
@@ -95,6 +98,7 @@ def test_quick_run_memory_matches_the_layout_formulas(report: tuple[dict, Path])
         assert formula <= ours["model_state"] <= formula * 1.02, (stage, ours, formula)
         assert ours["master_params"] == 0  # fp32 params are their own master
         assert ours["params_in_step"] == ours["params"]  # stages 1-2 gather nothing
+        assert ours["model_state_in_step"] == ours["model_state"]
 
 
 def test_report_renders_one_row_per_built_stage(report: tuple[dict, Path]) -> None:

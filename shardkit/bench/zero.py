@@ -16,16 +16,17 @@ collective). The configurations of all stages are built side by side and timed i
 repeat by repeat, so background load hits them alike; min/median over ``repeats x steps``
 samples after ``warmup`` steps; ratio = ours / peer (< 1 is faster).
 
-Memory per rank (bytes; the JSON's ``memory`` is the rank holding the most model state, the one
-that runs out first; ``memory_per_rank`` has every rank), measured in one extra step after
-timing, each category as distinct tensor storages: ``params`` (after the step), ``grads`` (after backward, before the step: the peers
-may free theirs in the step), ``master_params`` (fp32 copies of the params kept by the
-optimizer: DeepSpeed keeps one even for fp32 models), ``optimizer_state`` (the optimizer's
-state tensors on this rank), ``model_state`` = their sum, and ``params_in_step`` (parameter
-storages alive right after forward: FSDP2's all-gathered params appear here). Ours come from
-``sdp.memory_report()``; the peers' are counted the same way from their tensors. Memory ratio
-= ours / peer on ``model_state`` (< 1 is smaller). Formulas: docs/reference.md, "ZeRO memory
-and communication".
+Memory per rank (bytes; the JSON's ``memory`` is the rank holding the most model state, the
+one that runs out first; ``memory_per_rank`` has every rank), measured in one extra step after
+timing, each category as distinct tensor storages: ``params`` (after the step), ``grads``
+(after backward, before the step: the peers may free theirs in the step), ``master_params``
+(fp32 copies of the params kept by the optimizer: DeepSpeed keeps one even for fp32 models),
+``optimizer_state`` (the optimizer's state tensors on this rank), ``model_state`` = their sum,
+``params_in_step`` (parameter storages alive right after forward: FSDP2's all-gathered params
+appear here) and ``model_state_in_step`` = ``model_state + params_in_step - params``. Ours come
+from ``sdp.memory_report()``; the peers' are counted the same way from their tensors. Memory
+ratios = ours / peer on ``model_state`` and ``model_state_in_step`` (< 1 is smaller).
+Formulas: docs/reference.md, "ZeRO memory and communication".
 
 Example:
     $ shardkit bench zero                         # -> perf/results/zero_cpu.json + .png
@@ -399,6 +400,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             key = f"{stage}/{kind}"
             if key in raw["samples"]:
                 per_rank = raw["memory"][key]
+                for m in per_rank:  # persistent state plus what is gathered from forward to backward
+                    m["model_state_in_step"] = m["model_state"] + m["params_in_step"] - m["params"]
                 worst = max(per_rank, key=lambda m: m["model_state"])  # the rank that runs out first
                 configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": worst,
                                  "memory_per_rank": per_rank}  # fmt: skip
@@ -416,6 +419,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     "time_min": ours["min_ms"] / c["min_ms"],
                     "model_state": ours["memory"]["model_state"] / c["memory"]["model_state"],
                     "params_in_step": ours["memory"]["params_in_step"] / c["memory"]["params_in_step"],
+                    "model_state_in_step": ours["memory"]["model_state_in_step"] / c["memory"]["model_state_in_step"],
                 }
         live = [p for p in ratios]
         best = min(live, key=lambda p: configs[p]["median_ms"]) if live else None
@@ -444,7 +448,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                            "stage2": 4 * n + 12 * n // args.nproc, "stage3": 16 * n // args.nproc},  # fmt: skip
         "stages": stages,
         "notes": [
-            "ratio = shardkit / peer (< 1: faster or smaller); memory ratios on model_state and params_in_step",
+            "ratio = shardkit / peer (< 1: faster or smaller); memory ratios on model_state (at rest), "
+            "params_in_step and model_state_in_step (= model_state + params_in_step - params: the persistent "
+            "state plus the params gathered from forward to the end of backward; transient buckets excluded)",
             "torch.fully_shard(reshard_after_forward=False) is ZeRO-2's communication, but FSDP2 reshards "
             "after backward: at rest it holds sharded params (stage-3 memory); params_in_step shows the "
             "gathered params it holds from forward to the end of backward",
@@ -474,10 +480,10 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     ax_t.bar(labels, [c["median_ms"] for _, c in bars], color=colors)
     ax_t.set_ylabel("median step time (ms)")
     ax_m.bar(labels, [c["memory"]["model_state"] / 2**20 for _, c in bars], color=colors, label="model state at rest")
-    ax_m.scatter(labels, [c["memory"]["params_in_step"] / 2**20 for _, c in bars], color="tab:red", marker="_",
-                 s=300, label="params during step")  # fmt: skip
+    ax_m.scatter(labels, [c["memory"]["model_state_in_step"] / 2**20 for _, c in bars], color="tab:red",
+                 marker="_", s=300, label="model state during step (+ gathered params)")  # fmt: skip
     ax_m.set_ylabel("MiB per rank")
-    ax_m.set_ylim(top=1.3 * max(c["memory"]["model_state"] for _, c in bars) / 2**20)  # room for the legend
+    ax_m.set_ylim(top=1.3 * max(c["memory"]["model_state_in_step"] for _, c in bars) / 2**20)  # room for the legend
     ax_m.legend(fontsize=7)
     for ax in (ax_t, ax_m):
         ax.tick_params(axis="x", labelsize=7)
@@ -501,7 +507,7 @@ def format_table(report: dict[str, Any]) -> str:
             m = c["memory"]
             lines.append(
                 f"ZeRO-{s} {k:<32} median {c['median_ms']:9.1f} ms  min {c['min_ms']:9.1f} ms  "
-                f"model state {m['model_state'] / 2**20:8.1f} MiB  params in step {m['params_in_step'] / 2**20:8.1f} MiB"
+                f"model state {m['model_state'] / 2**20:8.1f} MiB  in step {m['model_state_in_step'] / 2**20:8.1f} MiB"
             )
             if "profile_rank0" in c:
                 phases = c["profile_rank0"]["phases_ms_per_step"]
@@ -509,7 +515,7 @@ def format_table(report: dict[str, Any]) -> str:
         for peer, r in st["ratios"].items():
             lines.append(
                 f"ZeRO-{s} ours/{peer:<28} time {r['time_median']:.3f}x (min {r['time_min']:.3f}x)  "
-                f"model state {r['model_state']:.3f}x  params in step {r['params_in_step']:.3f}x"
+                f"model state {r['model_state']:.3f}x  in step {r['model_state_in_step']:.3f}x"
             )
     return "\n".join(lines)
 
