@@ -43,8 +43,10 @@ bytes and emits 128-bit accesses; a mask on an arbitrary width would force scala
 Neither pass materializes anything of size ``T x Vs`` besides the logits themselves: the
 kernels stream each row in ``BLOCK``-column pieces (one program per token, an online max/sum-exp
 as in Liger-Kernel's cross-entropy), and the gradient overwrites the logits. The torch fast path
-(CPU) works in fp32, so it processes ``chunk_elements // Vs`` tokens at a time: its temporaries
-never exceed ``chunk_elements`` fp32 values (64 MiB by default) whatever ``T`` is.
+(CPU) works in fp32, so it processes ``chunk_elements // Vs`` tokens at a time, whatever ``T``
+is: the stats pass holds one fp32 temporary of ``chunk_elements`` values (two for bf16 logits:
+the upcast chunk too), the gradient pass none for fp32 logits (it works on the logits in place)
+and one upcast chunk for bf16.
 """
 
 from __future__ import annotations
@@ -269,7 +271,7 @@ def ce_shard_stats(
         else:
             m = x.amax(dim=1)
             stats[0, lo:hi] = m
-            stats[1, lo:hi] = torch.exp(x - m.unsqueeze(1)).sum(dim=1)
+            stats[1, lo:hi] = (x - m.unsqueeze(1)).exp_().sum(dim=1)  # one chunk-sized temporary
             stats[3, lo:hi] = x.sum(dim=1)
         if logits.shape[1] == 0:
             stats[2, lo:hi] = 0.0
@@ -338,11 +340,16 @@ def ce_grad_(
     for lo in range(0, n_rows, step):
         hi = min(lo + step, n_rows)
         c = coef[lo:hi].unsqueeze(1)
-        g = torch.exp(logits[lo:hi, :n_valid].float() - lse[lo:hi].unsqueeze(1))
+        view = logits[lo:hi, :n_valid]
+        # fp32 logits are overwritten in place (no temporary at all); others go through one fp32 chunk
+        g = view if view.dtype == torch.float32 else view.float()
+        g.sub_(lse[lo:hi].unsqueeze(1)).exp_()
         g.mul_(c * (1.0 + 2.0 * z_loss * lse[lo:hi].unsqueeze(1))).sub_(c * (smooth / vocab_size))
         rows = hit[lo:hi].nonzero().squeeze(1)
         g[rows, local[lo:hi][rows]] -= coef[lo:hi][rows] * (1.0 - smooth)
-        logits[lo:hi, :n_valid] = g
+        if g is not view:
+            view.copy_(g)
+        del g  # before the next chunk's copy exists
         logits[lo:hi, n_valid:] = 0
     return logits
 
