@@ -353,7 +353,8 @@ class PipelineParallel:
             if total <= 0:
                 raise ValueError(f"the loss counted {total} tokens over the batch; loss_fn must count >= 1")
             for q, acc in st.grad_acc.items():
-                g = (acc / total).to(q.dtype)
+                acc.div_(total)  # acc is this step's own fp32 buffer: divide in place, no new tensor
+                g = acc if acc.dtype == q.dtype else acc.to(q.dtype)
                 q.grad = g if q.grad is None else q.grad.add_(g)
             self.microbatch_losses = [a / c if c else float("nan") for a, c in zip(sums, counts, strict=True)]
             return sum(sums) / total
