@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.bench.zero import CATEGORIES, PEERS, SHARDKIT, storage_bytes
+from shardkit.bench.zero_peers import CATEGORIES, PEERS, SHARDKIT, storage_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("zero")
     run = subprocess.run(
         [sys.executable, str(REPO / "perf" / "zero.py"), "--quick", "--out", str(out),
-         "--configs", SHARDKIT, "torch.ZeroRedundancyOptimizer", "torch.fully_shard"],  # fmt: skip
+         "--configs", SHARDKIT, "torch.ZeroRedundancyOptimizer", "torch.fully_shard"],
         capture_output=True,
         text=True,
         timeout=300,  # a hang guard only

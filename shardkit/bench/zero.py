@@ -50,225 +50,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["HYPER", "PEERS", "main", "run_benchmark", "storage_bytes"]
+from .zero_peers import HYPER, PEERS, SHARDKIT, Runner, build_model, build_runner
 
-HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-SHARDKIT = "shardkit"
-#: the peers of each built stage (DeepSpeed optional: recorded as unavailable with a reason)
-PEERS = {1: ("torch.ZeroRedundancyOptimizer", "deepspeed"), 2: ("torch.fully_shard", "deepspeed")}
-CATEGORIES = ("params", "grads", "master_params", "optimizer_state")
-
-
-def storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard).
-
-    Views of one flat buffer count once, so a flat bucket and the params viewing it are the
-    same bytes. Non-tensors and None are ignored.
-
-    Example:
-        >>> flat = torch.zeros(10)
-        >>> storage_bytes([flat[:4], flat[4:], None])
-        40
-    """
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-def _state_tensors(state: Any) -> list[torch.Tensor]:
-    return [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-
-
-class _Runner:
-    """One configuration: ``step(x, y)`` runs a full training step; ``memory`` measures one."""
-
-    name: str
-    model: torch.nn.Module
-
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        from shardkit.models import lm_loss
-
-        lm_loss(self.model(x), y).backward()
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.zero_grad()
-        self.forward_backward(x, y)
-        self.opt.step()
-
-    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
-        from shardkit.models import lm_loss
-
-        self.zero_grad()
-        logits = self.model(x)
-        in_step = storage_bytes([*self._params(), *self.model.parameters()])  # FSDP2: shards + gathered
-        lm_loss(logits, y).backward()
-        grads = self._grads()
-        self.opt.step()
-        mem = {"params": storage_bytes(self._params()), "grads": grads, "master_params": self._master(),
-               "optimizer_state": storage_bytes(_state_tensors(self._opt_state()))}  # fmt: skip
-        mem["model_state"] = sum(mem[k] for k in CATEGORIES)
-        mem["params_in_step"] = max(in_step, mem["params"])
-        return mem
-
-    # the peers' tensors (overridden where they live elsewhere)
-    def _params(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
-
-    def _grads(self) -> int:
-        return storage_bytes(p.grad for p in self.model.parameters())
-
-    def _master(self) -> int:
-        return 0
-
-    def _opt_state(self) -> Any:
-        return self.opt.state
-
-
-class _Shardkit(_Runner):
-    def __init__(self, model: torch.nn.Module, ctx: Any, stage: int, bucket_mb: float) -> None:
-        from shardkit.kernels import FusedAdamW
-        from shardkit.parallel import ShardedDataParallel, ZeroOptimizer
-
-        self.name = SHARDKIT
-        self.model = ShardedDataParallel(model, ctx, stage=stage, bucket_mb=bucket_mb)
-        self.opt = ZeroOptimizer(self.model, FusedAdamW, **HYPER)
-
-    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
-        from shardkit.models import lm_loss
-
-        self.zero_grad()
-        lm_loss(self.model(x), y).backward()
-        self.opt.step()
-        rep = self.model.memory_report()
-        mem = {k: rep[k] for k in CATEGORIES}
-        mem["model_state"] = sum(mem.values())
-        assert mem["model_state"] == rep["model_state"], rep  # the report's own sum, nothing left out
-        mem["params_in_step"] = rep["params"]  # stages 1-2 never gather params
-        mem["peak_transient"] = rep["peak_transient"]
-        return mem
-
-
-class _TorchZero(_Runner):
-    def __init__(self, model: torch.nn.Module, bucket_mb: float, fused: bool) -> None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.name = "torch.ZeroRedundancyOptimizer"
-        # grads as views of DDP's buckets: one gradient copy, not two (DDP's lean setting)
-        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-        self.opt = ZeroRedundancyOptimizer(
-            self.model.parameters(), optimizer_class=torch.optim.AdamW, **HYPER, fused=fused
-        )
-
-    def _opt_state(self) -> Any:
-        return self.opt.optim.state  # this rank's partition only
-
-
-class _FSDP2(_Runner):
-    def __init__(self, model: torch.nn.Module, ctx: Any, fused: bool) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        self.name = "torch.fully_shard"
-        mesh = ctx.mesh["dp"]
-        for block in model.blocks:  # one unit per block, the root holds embeddings/head/ln_f
-            fully_shard(block, mesh=mesh, reshard_after_forward=False)
-        self.model = fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), **HYPER, fused=fused)
-        self._sharded = list(self.model.parameters())  # the DTensor shards (stay registered)
-
-    def _params(self) -> list[torch.Tensor]:
-        return self._sharded
-
-    def _grads(self) -> int:
-        return storage_bytes(p.grad for p in self._sharded)
-
-
-class _DeepSpeed(_Runner):
-    def __init__(self, model: torch.nn.Module, stage: int, batch: int, world: int, bucket_mb: float) -> None:
-        import deepspeed
-
-        self.name = "deepspeed"
-        bucket = int(bucket_mb * 2**20 / 4)  # elements, as DeepSpeed counts them
-        config = {
-            "train_micro_batch_size_per_gpu": batch,
-            "train_batch_size": batch * world,
-            "optimizer": {"type": "AdamW", "params": {**HYPER, "torch_adam": True, "adam_w_mode": True}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                  "overlap_comm": False, "contiguous_gradients": True},  # fmt: skip
-            "gradient_clipping": 0.0,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
-        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                           config=config)  # fmt: skip
-        self.model = self.engine
-
-    def zero_grad(self) -> None:
-        self.engine.zero_grad()
-
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        from shardkit.models import lm_loss
-
-        self.engine.backward(lm_loss(self.engine(x), y))
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.forward_backward(x, y)
-        self.engine.step()
-
-    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
-        from shardkit.models import lm_loss
-
-        logits = self.engine(x)
-        in_step = storage_bytes(self.engine.module.parameters())
-        self.engine.backward(lm_loss(logits, y))
-        o = self.opt
-        extra = [getattr(o, "ipg_buffer", None) or [], [getattr(o, "grads_in_partition", None)],
-                 list((getattr(o, "averaged_gradients", None) or {}).values())]  # fmt: skip
-        flat_extra = [t for group in extra for item in group for t in (item if isinstance(item, list) else [item])]
-        grads = storage_bytes([p.grad for p in self.engine.module.parameters()] + flat_extra)
-        self.engine.step()
-        mem = {
-            "params": storage_bytes(self.engine.module.parameters()),
-            "grads": grads,
-            "master_params": storage_bytes(getattr(o, "single_partition_of_fp32_groups", [])),
-            "optimizer_state": storage_bytes(_state_tensors(o.optimizer.state)),
-        }
-        mem["model_state"] = sum(mem[k] for k in CATEGORIES)
-        mem["params_in_step"] = max(in_step, mem["params"])
-        return mem
-
-
-def _model(args: argparse.Namespace) -> torch.nn.Module:
-    from shardkit.models import TinyGPT
-
-    torch.manual_seed(0)  # every configuration starts from the same weights
-    return TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.seq_len)
-
-
-def _build(kind: str, stage: int, args: argparse.Namespace, ctx: Any) -> _Runner:
-    if kind == SHARDKIT:
-        return _Shardkit(_model(args), ctx, stage, args.bucket_mb)
-    if kind == "torch.ZeroRedundancyOptimizer":
-        return _TorchZero(_model(args), args.bucket_mb, fused=args.peer_fused)
-    if kind == "torch.fully_shard":
-        return _FSDP2(_model(args), ctx, fused=args.peer_fused)
-    if kind == "deepspeed":
-        return _DeepSpeed(_model(args), stage, args.batch, args.nproc, args.bucket_mb)
-    raise ValueError(f"unknown configuration {kind!r}")
+__all__ = ["format_table", "main", "run_benchmark", "write_plot"]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")  # fmt: skip
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
     import torch.distributed as dist
 
@@ -278,7 +67,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own batch, the same for every config
     x = torch.randint(args.vocab, (args.batch, args.seq_len), generator=gen)
     y = torch.randint(args.vocab, (args.batch, args.seq_len), generator=gen)
-    runners: dict[tuple[int, str], _Runner] = {}
+    runners: dict[tuple[int, str], Runner] = {}
     unavailable: dict[str, str] = {}
     for stage in args.stages:
         for kind in (SHARDKIT, *PEERS[stage]):
@@ -286,11 +75,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
                 unavailable[f"{stage}/{kind}"] = "not selected (--configs)"
                 continue
             if kind != "deepspeed":
-                runners[(stage, kind)] = _build(kind, stage, args, ctx)
+                runners[(stage, kind)] = build_runner(kind, stage, args, ctx)
                 continue
             ok = torch.ones(1)
             try:  # the optional peer: when it cannot run here, say why and go on
-                runners[(stage, kind)] = _build(kind, stage, args, ctx)
+                runners[(stage, kind)] = build_runner(kind, stage, args, ctx)
             except Exception as exc:
                 ok.zero_()
                 unavailable[f"{stage}/{kind}"] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
@@ -318,12 +107,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     memory = {key: [every[r][key] for r in range(world)] for key in mine}
     if rank == 0:
         queue.put({"samples": samples, "memory": memory, "unavailable": unavailable, "profiles": profiles,
-                   "n_params": sum(p.numel() for p in _model(args).parameters())})  # fmt: skip
+                   "n_params": sum(p.numel() for p in build_model(args).parameters())})
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _profile(r: _Runner, x: torch.Tensor, y: torch.Tensor, steps: int, top: int = 12) -> dict[str, Any]:
+def _profile(r: Runner, x: torch.Tensor, y: torch.Tensor, steps: int, top: int = 12) -> dict[str, Any]:
     """ms per step of the ``shardkit::<phase>`` labels (total) and of the top ops (self time)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -337,7 +126,7 @@ def _profile(r: _Runner, x: torch.Tensor, y: torch.Tensor, steps: int, top: int 
         "phases_ms_per_step": phases,
         "top_self_ms_per_step": [
             {"op": e.key, "shapes": str(e.input_shapes)[:80], "calls_per_step": e.count / steps,
-             "self_ms": e.self_cpu_time_total / 1e3 / steps}  # fmt: skip
+             "self_ms": e.self_cpu_time_total / 1e3 / steps}
             for e in ops[:top]
         ],
     }
@@ -404,7 +193,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     m["model_state_in_step"] = m["model_state"] + m["params_in_step"] - m["params"]
                 worst = max(per_rank, key=lambda m: m["model_state"])  # the rank that runs out first
                 configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": worst,
-                                 "memory_per_rank": per_rank}  # fmt: skip
+                                 "memory_per_rank": per_rank}
                 if raw["profiles"]:
                     configs[kind]["profile_rank0"] = raw["profiles"][key]
             else:
@@ -440,12 +229,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         f"vocab={args.vocab} seq_len={args.seq_len} tied, batch/rank={args.batch}",
         "optimizer": {"ours": "ZeroOptimizer(sdp, FusedAdamW)",
                       "peers": f"torch.optim.AdamW(fused={args.peer_fused}) / DeepSpeed AdamW(torch_adam=True)",
-                      **HYPER},  # fmt: skip
+                      **HYPER},
         "settings": {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
-                     "threads_per_rank": args.threads or max(1, (os.cpu_count() or 2) // args.nproc)},  # fmt: skip
+                     "threads_per_rank": args.threads or max(1, (os.cpu_count() or 2) // args.nproc)},
         "units": {"time": "ms per step (zero_grad + forward + backward + step)", "memory": "bytes per rank: `memory` is the rank with the most model state, `memory_per_rank` all"},
         "formulas_bytes": {"ddp": 16 * n, "stage1": 4 * n + 4 * n + 8 * n // args.nproc,
-                           "stage2": 4 * n + 12 * n // args.nproc, "stage3": 16 * n // args.nproc},  # fmt: skip
+                           "stage2": 4 * n + 12 * n // args.nproc, "stage3": 16 * n // args.nproc},
         "stages": stages,
         "notes": [
             "ratio = shardkit / peer (< 1: faster or smaller); memory ratios on model_state (at rest), "
@@ -473,7 +262,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
         return
     short = {"torch.ZeroRedundancyOptimizer": "ZRO+DDP", "torch.fully_shard": "FSDP2"}
     bars = [(f"ZeRO-{s}\n{short.get(k, k)}", c) for s, st in report["stages"].items() if st["built"]
-            for k, c in st["configs"].items() if c["available"]]  # fmt: skip
+            for k, c in st["configs"].items() if c["available"]]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.8))
     labels = [b[0] for b in bars]
     colors = ["tab:blue" if SHARDKIT in lab else "tab:gray" for lab in labels]
@@ -481,7 +270,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     ax_t.set_ylabel("median step time (ms)")
     ax_m.bar(labels, [c["memory"]["model_state"] / 2**20 for _, c in bars], color=colors, label="model state at rest")
     ax_m.scatter(labels, [c["memory"]["model_state_in_step"] / 2**20 for _, c in bars], color="tab:red",
-                 marker="_", s=300, label="model state during step (+ gathered params)")  # fmt: skip
+                 marker="_", s=300, label="model state during step (+ gathered params)")
     ax_m.set_ylabel("MiB per rank")
     ax_m.set_ylim(top=1.3 * max(c["memory"]["model_state_in_step"] for _, c in bars) / 2**20)  # room for the legend
     ax_m.legend(fontsize=7)
@@ -523,11 +312,11 @@ def format_table(report: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``shardkit bench zero`` / ``python perf/zero.py``: run, print, write JSON + PNG; exit code."""
     p = argparse.ArgumentParser(prog="shardkit bench zero", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     p.add_argument("--configs", nargs="+", default=[SHARDKIT, *sorted({k for v in PEERS.values() for k in v})],
-                   help="configurations to run (default: ours and every peer)")  # fmt: skip
+                   help="configurations to run (default: ours and every peer)")
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--n-layers", type=int, default=6)
     p.add_argument("--n-heads", type=int, default=8)
@@ -536,13 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--peer-fused", type=int, default=1, choices=[0, 1],
-                   help="torch peers use AdamW(fused=...) (1: the fast fused CPU path, as ours)")  # fmt: skip
+                   help="torch peers use AdamW(fused=...) (1: the fast fused CPU path, as ours)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpu_count // nproc)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true",
-                   help="also record per-phase times and the top ops of every configuration (rank 0)")  # fmt: skip
+                   help="also record per-phase times and the top ops of every configuration (rank 0)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     p.add_argument("--out", type=Path, default=Path("perf/results"), help="output directory")

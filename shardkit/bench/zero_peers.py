@@ -1,0 +1,257 @@
+"""The configurations the ZeRO benchmark times (:mod:`shardkit.bench.zero`): ours and its peers.
+
+Each is a small runner with ``step(x, y)`` (``zero_grad`` + forward + loss + backward + step)
+and ``memory(x, y)`` (one step, counting params, grads, master params and optimizer state as
+distinct tensor storages, the same way for every configuration; ours from
+``sdp.memory_report()``). Peers: torch ``ZeroRedundancyOptimizer`` over DDP, FSDP2
+``fully_shard(reshard_after_forward=False)`` and DeepSpeed ZeRO (``deepspeed.initialize`` with
+a config dict, CPU accelerator, gloo).
+
+Example:
+    >>> runner = build_runner("shardkit", 2, args, ctx)  # args as parsed by shardkit.bench.zero
+    >>> runner.step(x, y); runner.memory(x, y)["model_state"]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+__all__ = ["CATEGORIES", "HYPER", "PEERS", "SHARDKIT", "Runner", "build_model", "build_runner", "storage_bytes"]
+
+HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+SHARDKIT = "shardkit"
+#: the peers of each built stage (DeepSpeed optional: recorded as unavailable with a reason)
+PEERS = {1: ("torch.ZeroRedundancyOptimizer", "deepspeed"), 2: ("torch.fully_shard", "deepspeed")}
+CATEGORIES = ("params", "grads", "master_params", "optimizer_state")
+
+
+def storage_bytes(tensors: Any) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard).
+
+    Views of one flat buffer count once, so a flat bucket and the params viewing it are the
+    same bytes. Non-tensors and None are ignored.
+
+    Example:
+        >>> flat = torch.zeros(10)
+        >>> storage_bytes([flat[:4], flat[4:], None])
+        40
+    """
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    return [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+
+class Runner:
+    """One configuration: ``step(x, y)`` runs a full training step; ``memory`` measures one."""
+
+    name: str
+    model: torch.nn.Module
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        from shardkit.models import lm_loss
+
+        lm_loss(self.model(x), y).backward()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.zero_grad()
+        self.forward_backward(x, y)
+        self.opt.step()
+
+    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+        from shardkit.models import lm_loss
+
+        self.zero_grad()
+        logits = self.model(x)
+        in_step = storage_bytes([*self._params(), *self.model.parameters()])  # FSDP2: shards + gathered
+        lm_loss(logits, y).backward()
+        grads = self._grads()
+        self.opt.step()
+        mem = {"params": storage_bytes(self._params()), "grads": grads, "master_params": self._master(),
+               "optimizer_state": storage_bytes(_state_tensors(self._opt_state()))}
+        mem["model_state"] = sum(mem[k] for k in CATEGORIES)
+        mem["params_in_step"] = max(in_step, mem["params"])
+        return mem
+
+    # the peers' tensors (overridden where they live elsewhere)
+    def _params(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def _grads(self) -> int:
+        return storage_bytes(p.grad for p in self.model.parameters())
+
+    def _master(self) -> int:
+        return 0
+
+    def _opt_state(self) -> Any:
+        return self.opt.state
+
+
+class _Shardkit(Runner):
+    def __init__(self, model: torch.nn.Module, ctx: Any, stage: int, bucket_mb: float) -> None:
+        from shardkit.kernels import FusedAdamW
+        from shardkit.parallel import ShardedDataParallel, ZeroOptimizer
+
+        self.name = SHARDKIT
+        self.model = ShardedDataParallel(model, ctx, stage=stage, bucket_mb=bucket_mb)
+        self.opt = ZeroOptimizer(self.model, FusedAdamW, **HYPER)
+
+    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+        from shardkit.models import lm_loss
+
+        self.zero_grad()
+        lm_loss(self.model(x), y).backward()
+        self.opt.step()
+        rep = self.model.memory_report()
+        mem = {k: rep[k] for k in CATEGORIES}
+        mem["model_state"] = sum(mem.values())
+        assert mem["model_state"] == rep["model_state"], rep  # the report's own sum, nothing left out
+        mem["params_in_step"] = rep["params"]  # stages 1-2 never gather params
+        mem["peak_transient"] = rep["peak_transient"]
+        return mem
+
+
+class _TorchZero(Runner):
+    def __init__(self, model: torch.nn.Module, bucket_mb: float, fused: bool) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.name = "torch.ZeroRedundancyOptimizer"
+        # grads as views of DDP's buckets: one gradient copy, not two (DDP's lean setting)
+        self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
+        self.opt = ZeroRedundancyOptimizer(
+            self.model.parameters(), optimizer_class=torch.optim.AdamW, **HYPER, fused=fused
+        )
+
+    def _opt_state(self) -> Any:
+        return self.opt.optim.state  # this rank's partition only
+
+
+class _FSDP2(Runner):
+    def __init__(self, model: torch.nn.Module, ctx: Any, fused: bool) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.name = "torch.fully_shard"
+        mesh = ctx.mesh["dp"]
+        for block in model.blocks:  # one unit per block, the root holds embeddings/head/ln_f
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        self.model = fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), **HYPER, fused=fused)
+        self._sharded = list(self.model.parameters())  # the DTensor shards (stay registered)
+
+    def _params(self) -> list[torch.Tensor]:
+        return self._sharded
+
+    def _grads(self) -> int:
+        return storage_bytes(p.grad for p in self._sharded)
+
+
+class _DeepSpeed(Runner):
+    def __init__(self, model: torch.nn.Module, stage: int, batch: int, world: int, bucket_mb: float) -> None:
+        import deepspeed
+
+        self.name = "deepspeed"
+        bucket = int(bucket_mb * 2**20 / 4)  # elements, as DeepSpeed counts them
+        config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "train_batch_size": batch * world,
+            "optimizer": {"type": "AdamW", "params": {**HYPER, "torch_adam": True, "adam_w_mode": True}},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                  "overlap_comm": False, "contiguous_gradients": True},
+            "gradient_clipping": 0.0,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                           config=config)
+        self.model = self.engine
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        from shardkit.models import lm_loss
+
+        self.engine.backward(lm_loss(self.engine(x), y))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.forward_backward(x, y)
+        self.engine.step()
+
+    def memory(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
+        from shardkit.models import lm_loss
+
+        logits = self.engine(x)
+        in_step = storage_bytes(self.engine.module.parameters())
+        self.engine.backward(lm_loss(logits, y))
+        o = self.opt
+        extra = [getattr(o, "ipg_buffer", None) or [], [getattr(o, "grads_in_partition", None)],
+                 list((getattr(o, "averaged_gradients", None) or {}).values())]
+        flat_extra = [t for group in extra for item in group for t in (item if isinstance(item, list) else [item])]
+        grads = storage_bytes([p.grad for p in self.engine.module.parameters()] + flat_extra)
+        self.engine.step()
+        mem = {
+            "params": storage_bytes(self.engine.module.parameters()),
+            "grads": grads,
+            "master_params": storage_bytes(getattr(o, "single_partition_of_fp32_groups", [])),
+            "optimizer_state": storage_bytes(_state_tensors(o.optimizer.state)),
+        }
+        mem["model_state"] = sum(mem[k] for k in CATEGORIES)
+        mem["params_in_step"] = max(in_step, mem["params"])
+        return mem
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The benchmark's TinyGPT (tied embeddings), seeded so every configuration starts alike.
+
+    Args:
+        args: parsed flags with ``vocab``, ``d_model``, ``n_layers``, ``n_heads``, ``seq_len``.
+
+    Example:
+        >>> build_model(argparse.Namespace(vocab=128, d_model=64, n_layers=2, n_heads=4, seq_len=32))
+    """
+    from shardkit.models import TinyGPT
+
+    torch.manual_seed(0)  # every configuration starts from the same weights
+    return TinyGPT(args.vocab, args.d_model, args.n_layers, args.n_heads, args.seq_len)
+
+
+def build_runner(kind: str, stage: int, args: argparse.Namespace, ctx: Any) -> Runner:
+    """Wrap a fresh :func:`build_model` as configuration ``kind`` at ZeRO ``stage`` (collective).
+
+    Args:
+        kind: ``"shardkit"`` or a name of :data:`PEERS`.
+        stage: 1 or 2 (ours and DeepSpeed; the torch peers have one stage each).
+        args: parsed flags (model sizes, ``bucket_mb``, ``peer_fused``, ``batch``, ``nproc``).
+        ctx: the ``ParallelContext`` over the gloo world.
+
+    Raises:
+        ValueError: unknown ``kind``.
+
+    Example:
+        >>> runner = build_runner("torch.fully_shard", 2, args, ctx)
+    """
+    if kind == SHARDKIT:
+        return _Shardkit(build_model(args), ctx, stage, args.bucket_mb)
+    if kind == "torch.ZeroRedundancyOptimizer":
+        return _TorchZero(build_model(args), args.bucket_mb, fused=args.peer_fused)
+    if kind == "torch.fully_shard":
+        return _FSDP2(build_model(args), ctx, fused=args.peer_fused)
+    if kind == "deepspeed":
+        return _DeepSpeed(build_model(args), stage, args.batch, args.nproc, args.bucket_mb)
+    raise ValueError(f"unknown configuration {kind!r}")
