@@ -349,3 +349,49 @@ def _different_models() -> None:
 
 def test_zero_ranks_that_built_different_models_fail_everywhere(dist_pool) -> None:
     dist_pool.run(_different_models, world_size=2, timeout=60)
+
+
+class _SometimesUsed(nn.Module):
+    """``a`` on every row; ``b`` only on rows whose first feature is positive, so a rank whose rows
+    all miss it gives ``b`` no grad in that backward (its slot of the bucket must read as zeros)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        use = x[:, :1] > 0
+        return self.a(x) + (self.b(x) * use if bool(use.any()) else 0.0)
+
+
+def _partially_used(stage: int) -> int:
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_SometimesUsed(), ctx, stage, bucket_mb=0.002)
+    ref = _SometimesUsed()
+    opt, ref_opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    missed = 0
+    for step in range(4):
+        x, y = _batch(step)
+        per = GLOBAL_BATCH // ctx.size("dp")
+        for r in range(ctx.size("dp")):  # the same global batch on every rank (and the reference)
+            if (step + r) % 2:
+                x[r * per : (r + 1) * per, 0] = -x[r * per : (r + 1) * per, 0].abs()
+        rows = _rows(ctx)
+        missed += int(not bool((x[rows, :1] > 0).any()))
+        opt.zero_grad()
+        nn.functional.mse_loss(sdp(x[rows]), y[rows]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        for p, q in zip(sdp.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, **FP32)
+    ctx.destroy()
+    return missed
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_param_without_grad_on_one_rank_contributes_zeros(dist_pool, stage: int) -> None:
+    # the ranks' rows are made to miss ``b`` on alternate steps: the case must really occur
+    assert sum(dist_pool.run(_partially_used, stage, world_size=2, timeout=60)) > 0

@@ -71,6 +71,22 @@ def paper_comm_bytes(summary: dict[str, dict]) -> int:
     return sum(v["bytes"] * (2 if op == "all_reduce" else 1) for op, v in summary.items())
 
 
+def _unwritten(gb: GradBucket, total: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of a bucket's elements no grad of this backward fills: alignment gaps,
+    the tail padding, and the slots of params that got no grad (they contribute zeros)."""
+    spans = sorted((off, p.numel(), p.grad is None) for off, p in zip(gb.offsets, gb.params))
+    out, end = [], 0
+    for off, n, missing in spans:
+        if off > end:
+            out.append((end, off - end))
+        if missing and n:
+            out.append((off, n))
+        end = max(end, off + n)
+    if total > end:
+        out.append((end, total - end))
+    return out
+
+
 @dataclass(eq=False)
 class ShardedBucket:
     """One bucket's flat parameter buffer and this rank's shard of it.
@@ -231,7 +247,9 @@ class FlatShards:
             self._pack(gb, full, into_views=True)
             sb.reduced = True
         else:
-            full = torch.zeros(sb.total, dtype=self.grad_dtype, device=sb.flat_param.device)
+            # uninitialized: _pack writes every slot and zeroes the rest (gaps, padding, params
+            # without a grad), instead of clearing the whole bucket and then overwriting it
+            full = torch.empty(sb.total, dtype=self.grad_dtype, device=sb.flat_param.device)
             self._hold(full.numel() * full.element_size())
             self._pack(gb, full, into_views=False)
         out = sb.grad_shard if (self.stage == 2 and sb.fresh) else torch.empty_like(full[: sb.shard])
@@ -256,6 +274,9 @@ class FlatShards:
             offsets.append(gb.offsets[j])
         if packed:
             flatten_into(packed, full, offsets, backend=self.backend)
+        if not into_views:  # a fresh uninitialized bucket: zero what no grad wrote
+            for start, length in _unwritten(gb, full.numel()):
+                full.narrow(0, start, length).zero_()
         for j, p in enumerate(gb.params):
             # stage 1: the grad is its slot from now on; stage 2: autograd's grads are freed now
             p.grad = gb.views[j] if into_views else None
