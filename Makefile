@@ -7,6 +7,7 @@ STAMP  := $(VENV)/.shardkit-installed
 export TRITON_DEFAULT_FP_FUSION ?= 1
 export PYTHONUNBUFFERED := 1
 NPROC  ?= 2
+PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py
 STEPS  ?= 200
 
 .PHONY: all test demo bench install clean test-gpu mutate
@@ -23,7 +24,8 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check kernels comm parallel shardkit perf tests notebooks/_build.py
+	$(BIN)/ruff check $(PY_SOURCES)
+	$(BIN)/ruff format --check $(PY_SOURCES)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)

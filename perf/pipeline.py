@@ -150,7 +150,9 @@ class _TorchPeer:
             if s % p == rank
         ]
         self.first, self.last = rank == 0, (S - 1) % p == rank
-        self.clocks = [_ComputeClock(st, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")) for st in self.stages]
+        self.clocks = [
+            _ComputeClock(st, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")) for st in self.stages
+        ]
         cls = getattr(tp, TORCH_PEERS[name])
         if name in ("gpipe", "1f1b"):
             self.sched = cls(self.stages[0], n_microbatches=m, loss_fn=loss_fn)
@@ -267,7 +269,9 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
                     loop_bubbles.append(summ["bubble_fraction"])
     rows = _timeline_rows(pipe)  # last timed step
     gathered: list = [None] * p
-    dist.all_gather_object(gathered, {"clock": clocks, "loop": loop_bubbles, "wait": waits, "tail": tails, "rows": rows}, group=group)
+    dist.all_gather_object(
+        gathered, {"clock": clocks, "loop": loop_bubbles, "wait": waits, "tail": tails, "rows": rows}, group=group
+    )
     if ctx.rank("pp") != 0:
         return {}
     for k in impls:
@@ -391,7 +395,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "pipeline_cpu" + ("_quick" if args.quick else "")
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{report['model']}, {n_params / 1e6:.1f}M params, pp={args.pp}, m={args.microbatches}, gloo, {args.threads} thread(s)/rank")
+    print(
+        f"{report['model']}, {n_params / 1e6:.1f}M params, pp={args.pp}, m={args.microbatches}, gloo, {args.threads} thread(s)/rank"
+    )
     for name, r in raw.items():
         o = r["ours"]
         line = f"  {name:<11} ours {o['median_ms']:8.1f} ms bubble {o['bubble']:.3f} (x{o['bubble_over_formula']:.2f} {r['bubble_reference']} "
@@ -431,7 +437,15 @@ def _plot(report: dict, out: Path, stem: str) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("ms from the step's start")
         handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in ("F", "B", "BW", "wait")]
-        ax.legend(handles, ["F", "B / BI", "BW", "P2P wait"], fontsize=6, loc="lower right", bbox_to_anchor=(1, 1), ncol=4, frameon=False)
+        ax.legend(
+            handles,
+            ["F", "B / BI", "BW", "P2P wait"],
+            fontsize=6,
+            loc="lower right",
+            bbox_to_anchor=(1, 1),
+            ncol=4,
+            frameon=False,
+        )
         ax.set_title(
             f"{name}: bubble measured {r['ours']['bubble']:.3f}, {r['bubble_reference']} "
             f"{r['bubble_formula'] if r['bubble_reference'] == 'formula' else r['bubble_simulated']:.3f} "

@@ -476,7 +476,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     st = raw["step"]
     ours, peer = summarize(st["samples"]["shardkit"]), summarize(st["samples"]["dtensor"])
-    n_params = sum(q.numel() for q in TinyGPT(args.vocab, args.d_model, args.layers, args.heads, args.seq, tie_embeddings=False).parameters())
+    n_params = sum(
+        q.numel() for q in TinyGPT(args.vocab, args.d_model, args.layers, args.heads, args.seq, tie_embeddings=False).parameters()
+    )
     ce = {}
     for v, e in raw["ce"].items():
         times = {k: summarize(s) for k, s in e["samples"].items()}
@@ -558,7 +560,11 @@ def _plot(report: dict, path: Path) -> None:
     if not ce:
         return
     vocabs = sorted(ce, key=int)
-    labels = {"shardkit": "shardkit vocab-parallel CE", "gather_F_cross_entropy": "gather + F.cross_entropy", "dtensor_loss_parallel": "DTensor loss_parallel"}
+    labels = {
+        "shardkit": "shardkit vocab-parallel CE",
+        "gather_F_cross_entropy": "gather + F.cross_entropy",
+        "dtensor_loss_parallel": "DTensor loss_parallel",
+    }
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(9, 3.5))
     for key, label in labels.items():
         x = [int(v) for v in vocabs]

@@ -57,7 +57,8 @@ def test_quick_pipeline_benchmark_writes_consistent_json(tmp_path: Path) -> None
             "gpipe": (p - 1) / m,
             "1f1b": (p - 1) / m,
             "interleaved": (p - 1) / (v * m),
-            "zb-h1": (p - 1) * (t.get("F", 0) + t.get("BI", 0) - t.get("BW", 0))
+            "zb-h1": (p - 1)
+            * (t.get("F", 0) + t.get("BI", 0) - t.get("BW", 0))
             / (m * (t.get("F", 0) + t.get("BI", 0) + t.get("BW", 0))),
         }[name]
         assert r["bubble_formula"] == pytest.approx(expected), name

@@ -34,8 +34,17 @@ def test_storage_bytes_counts_each_storage_once() -> None:
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("zero")
     run = subprocess.run(
-        [sys.executable, str(REPO / "perf" / "zero.py"), "--quick", "--out", str(out),
-         "--configs", SHARDKIT, "torch.ZeroRedundancyOptimizer", "torch.fully_shard"],
+        [
+            sys.executable,
+            str(REPO / "perf" / "zero.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--configs",
+            SHARDKIT,
+            "torch.ZeroRedundancyOptimizer",
+            "torch.fully_shard",
+        ],
         capture_output=True,
         text=True,
         timeout=300,  # a hang guard only

@@ -56,8 +56,15 @@ __all__ = ["format_table", "main", "run_benchmark", "write_plot"]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
     import torch.distributed as dist
 
@@ -93,7 +100,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     samples: dict[str, list[float]] = {f"{s}/{k}": [] for s, k in runners}
     for rep in range(args.repeats):  # interleaved, rotating the order, so load hits all alike
         order = list(runners.items())
-        order = order[rep % len(order):] + order[: rep % len(order)]
+        order = order[rep % len(order) :] + order[: rep % len(order)]
         for (stage, kind), r in order:
             for _ in range(args.steps):
                 dist.barrier()  # every rank starts the step together: time the step, not the skew
@@ -106,8 +113,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: A
     dist.all_gather_object(every, mine)  # partitions differ by rank (ZeroRedundancyOptimizer's greedy split)
     memory = {key: [every[r][key] for r in range(world)] for key in mine}
     if rank == 0:
-        queue.put({"samples": samples, "memory": memory, "unavailable": unavailable, "profiles": profiles,
-                   "n_params": sum(p.numel() for p in build_model(args).parameters())})
+        queue.put(
+            {
+                "samples": samples,
+                "memory": memory,
+                "unavailable": unavailable,
+                "profiles": profiles,
+                "n_params": sum(p.numel() for p in build_model(args).parameters()),
+            }
+        )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -125,8 +139,12 @@ def _profile(r: Runner, x: torch.Tensor, y: torch.Tensor, steps: int, top: int =
     return {
         "phases_ms_per_step": phases,
         "top_self_ms_per_step": [
-            {"op": e.key, "shapes": str(e.input_shapes)[:80], "calls_per_step": e.count / steps,
-             "self_ms": e.self_cpu_time_total / 1e3 / steps}
+            {
+                "op": e.key,
+                "shapes": str(e.input_shapes)[:80],
+                "calls_per_step": e.count / steps,
+                "self_ms": e.self_cpu_time_total / 1e3 / steps,
+            }
             for e in ops[:top]
         ],
     }
@@ -192,8 +210,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 for m in per_rank:  # persistent state plus what is gathered from forward to backward
                     m["model_state_in_step"] = m["model_state"] + m["params_in_step"] - m["params"]
                 worst = max(per_rank, key=lambda m: m["model_state"])  # the rank that runs out first
-                configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": worst,
-                                 "memory_per_rank": per_rank}
+                configs[kind] = {"available": True, **_summary(raw["samples"][key]), "memory": worst, "memory_per_rank": per_rank}
                 if raw["profiles"]:
                     configs[kind]["profile_rank0"] = raw["profiles"][key]
             else:
@@ -227,14 +244,28 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "params": n,
         "model": f"TinyGPT d_model={args.d_model} n_layers={args.n_layers} n_heads={args.n_heads} "
         f"vocab={args.vocab} seq_len={args.seq_len} tied, batch/rank={args.batch}",
-        "optimizer": {"ours": "ZeroOptimizer(sdp, FusedAdamW)",
-                      "peers": f"torch.optim.AdamW(fused={args.peer_fused}) / DeepSpeed AdamW(torch_adam=True)",
-                      **HYPER},
-        "settings": {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "bucket_mb": args.bucket_mb,
-                     "threads_per_rank": args.threads or max(1, (os.cpu_count() or 2) // args.nproc)},
-        "units": {"time": "ms per step (zero_grad + forward + backward + step)", "memory": "bytes per rank: `memory` is the rank with the most model state, `memory_per_rank` all"},
-        "formulas_bytes": {"ddp": 16 * n, "stage1": 4 * n + 4 * n + 8 * n // args.nproc,
-                           "stage2": 4 * n + 12 * n // args.nproc, "stage3": 16 * n // args.nproc},
+        "optimizer": {
+            "ours": "ZeroOptimizer(sdp, FusedAdamW)",
+            "peers": f"torch.optim.AdamW(fused={args.peer_fused}) / DeepSpeed AdamW(torch_adam=True)",
+            **HYPER,
+        },
+        "settings": {
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "bucket_mb": args.bucket_mb,
+            "threads_per_rank": args.threads or max(1, (os.cpu_count() or 2) // args.nproc),
+        },
+        "units": {
+            "time": "ms per step (zero_grad + forward + backward + step)",
+            "memory": "bytes per rank: `memory` is the rank with the most model state, `memory_per_rank` all",
+        },
+        "formulas_bytes": {
+            "ddp": 16 * n,
+            "stage1": 4 * n + 4 * n + 8 * n // args.nproc,
+            "stage2": 4 * n + 12 * n // args.nproc,
+            "stage3": 16 * n // args.nproc,
+        },
         "stages": stages,
         "notes": [
             "ratio = shardkit / peer (< 1: faster or smaller); memory ratios on model_state (at rest), "
@@ -261,16 +292,27 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     except ImportError:  # optional: the JSON carries everything
         return
     short = {"torch.ZeroRedundancyOptimizer": "ZRO+DDP", "torch.fully_shard": "FSDP2"}
-    bars = [(f"ZeRO-{s}\n{short.get(k, k)}", c) for s, st in report["stages"].items() if st["built"]
-            for k, c in st["configs"].items() if c["available"]]
+    bars = [
+        (f"ZeRO-{s}\n{short.get(k, k)}", c)
+        for s, st in report["stages"].items()
+        if st["built"]
+        for k, c in st["configs"].items()
+        if c["available"]
+    ]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 3.8))
     labels = [b[0] for b in bars]
     colors = ["tab:blue" if SHARDKIT in lab else "tab:gray" for lab in labels]
     ax_t.bar(labels, [c["median_ms"] for _, c in bars], color=colors)
     ax_t.set_ylabel("median step time (ms)")
     ax_m.bar(labels, [c["memory"]["model_state"] / 2**20 for _, c in bars], color=colors, label="model state at rest")
-    ax_m.scatter(labels, [c["memory"]["model_state_in_step"] / 2**20 for _, c in bars], color="tab:red",
-                 marker="_", s=300, label="model state during step (+ gathered params)")
+    ax_m.scatter(
+        labels,
+        [c["memory"]["model_state_in_step"] / 2**20 for _, c in bars],
+        color="tab:red",
+        marker="_",
+        s=300,
+        label="model state during step (+ gathered params)",
+    )
     ax_m.set_ylabel("MiB per rank")
     ax_m.set_ylim(top=1.3 * max(c["memory"]["model_state_in_step"] for _, c in bars) / 2**20)  # room for the legend
     ax_m.legend(fontsize=7)
@@ -311,12 +353,17 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``shardkit bench zero`` / ``python perf/zero.py``: run, print, write JSON + PNG; exit code."""
-    p = argparse.ArgumentParser(prog="shardkit bench zero", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="shardkit bench zero", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2], choices=[1, 2])
-    p.add_argument("--configs", nargs="+", default=[SHARDKIT, *sorted({k for v in PEERS.values() for k in v})],
-                   help="configurations to run (default: ours and every peer)")
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=[SHARDKIT, *sorted({k for v in PEERS.values() for k in v})],
+        help="configurations to run (default: ours and every peer)",
+    )
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--n-layers", type=int, default=6)
     p.add_argument("--n-heads", type=int, default=8)
@@ -324,14 +371,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--peer-fused", type=int, default=1, choices=[0, 1],
-                   help="torch peers use AdamW(fused=...) (1: the fast fused CPU path, as ours)")
+    p.add_argument(
+        "--peer-fused",
+        type=int,
+        default=1,
+        choices=[0, 1],
+        help="torch peers use AdamW(fused=...) (1: the fast fused CPU path, as ours)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (0: cpu_count // nproc)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--profile", action="store_true",
-                   help="also record per-phase times and the top ops of every configuration (rank 0)")
+    p.add_argument(
+        "--profile", action="store_true", help="also record per-phase times and the top ops of every configuration (rank 0)"
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     p.add_argument("--out", type=Path, default=Path("perf/results"), help="output directory")

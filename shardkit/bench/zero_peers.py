@@ -82,8 +82,12 @@ class Runner:
         lm_loss(logits, y).backward()
         grads = self._grads()
         self.opt.step()
-        mem = {"params": storage_bytes(self._params()), "grads": grads, "master_params": self._master(),
-               "optimizer_state": storage_bytes(_state_tensors(self._opt_state()))}
+        mem = {
+            "params": storage_bytes(self._params()),
+            "grads": grads,
+            "master_params": self._master(),
+            "optimizer_state": storage_bytes(_state_tensors(self._opt_state())),
+        }
         mem["model_state"] = sum(mem[k] for k in CATEGORIES)
         mem["params_in_step"] = max(in_step, mem["params"])
         return mem
@@ -134,9 +138,7 @@ class _TorchZero(Runner):
         self.name = "torch.ZeroRedundancyOptimizer"
         # grads as views of DDP's buckets: one gradient copy, not two (DDP's lean setting)
         self.model = DistributedDataParallel(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True)
-        self.opt = ZeroRedundancyOptimizer(
-            self.model.parameters(), optimizer_class=torch.optim.AdamW, **HYPER, fused=fused
-        )
+        self.opt = ZeroRedundancyOptimizer(self.model.parameters(), optimizer_class=torch.optim.AdamW, **HYPER, fused=fused)
 
     def _opt_state(self) -> Any:
         return self.opt.optim.state  # this rank's partition only
@@ -171,14 +173,18 @@ class _DeepSpeed(Runner):
             "train_micro_batch_size_per_gpu": batch,
             "train_batch_size": batch * world,
             "optimizer": {"type": "AdamW", "params": {**HYPER, "torch_adam": True, "adam_w_mode": True}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-                                  "overlap_comm": False, "contiguous_gradients": True},
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": bucket,
+                "allgather_bucket_size": bucket,
+                "overlap_comm": False,
+                "contiguous_gradients": True,
+            },
             "gradient_clipping": 0.0,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                           config=config)
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         self.model = self.engine
 
     def zero_grad(self) -> None:
@@ -200,8 +206,11 @@ class _DeepSpeed(Runner):
         in_step = storage_bytes(self.engine.module.parameters())
         self.engine.backward(lm_loss(logits, y))
         o = self.opt
-        extra = [getattr(o, "ipg_buffer", None) or [], [getattr(o, "grads_in_partition", None)],
-                 list((getattr(o, "averaged_gradients", None) or {}).values())]
+        extra = [
+            getattr(o, "ipg_buffer", None) or [],
+            [getattr(o, "grads_in_partition", None)],
+            list((getattr(o, "averaged_gradients", None) or {}).values()),
+        ]
         flat_extra = [t for group in extra for item in group for t in (item if isinstance(item, list) else [item])]
         grads = storage_bytes([p.grad for p in self.engine.module.parameters()] + flat_extra)
         self.engine.step()
