@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -154,7 +154,30 @@ class _ColumnLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
-class ColumnParallelLinear(nn.Module):
+_Linear = TypeVar("_Linear", bound="_ShardedLinear")
+
+
+class _ShardedLinear(nn.Module):
+    """What Column- and RowParallelLinear share: building this rank's slice from a dense layer."""
+
+    @classmethod
+    def from_dense(cls: type[_Linear], linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> _Linear:
+        """This rank's slice of an existing dense ``nn.Linear`` (same dtype and device).
+
+        Example:
+            >>> col = ColumnParallelLinear.from_dense(model.mlp.fc, ctx=ctx)
+            >>> row = RowParallelLinear.from_dense(model.mlp.proj, ctx=ctx)
+        """
+        layer = cls(
+            linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None, init_method=nn.init.zeros_, **kwargs
+        )
+        with torch.no_grad():
+            w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+            layer._set_shards(w, b, w.dtype, w.device)
+        return layer
+
+
+class ColumnParallelLinear(_ShardedLinear):
     """``Y = X Aᵀ + b`` with ``A [out, in]`` split by rows (output features) over tp.
 
     Args:
@@ -227,21 +250,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param(weight[rows.to(weight.device)], dtype, device, 0)
         self.bias = _param(bias[rows.to(bias.device)], dtype, device, 0) if bias is not None else None
 
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> ColumnParallelLinear:
-        """This rank's slice of an existing dense ``nn.Linear`` (same dtype and device).
-
-        Example:
-            >>> col = ColumnParallelLinear.from_dense(model.mlp.fc, ctx=ctx)
-        """
-        layer = cls(
-            linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None, init_method=nn.init.zeros_, **kwargs
-        )
-        with torch.no_grad():
-            w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
-            layer._set_shards(w, b, w.dtype, w.device)
-        return layer
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in]`` (``[..., s/tp, in]`` with sequence parallelism) -> ``[..., out/tp]``
         (``[..., out]`` with ``gather_output``)."""
@@ -264,7 +272,7 @@ class ColumnParallelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features} ({self.out_per_rank}/rank), tp={self.tp}, sequence_parallel={self.sequence_parallel}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ShardedLinear):
     """``Y = X Aᵀ + b`` with ``A [out, in]`` split by columns (input features) over tp.
 
     Each rank multiplies its input slice ``[..., in/tp]`` by its weight columns; the partial
@@ -316,21 +324,6 @@ class RowParallelLinear(nn.Module):
         cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
         self.weight = _param(weight[:, cols], dtype, device, 1)
         self.bias = _param(bias, dtype, device, None) if bias is not None else None
-
-    @classmethod
-    def from_dense(cls, linear: nn.Linear, *, ctx: ParallelContext, **kwargs: Any) -> RowParallelLinear:
-        """This rank's slice of an existing dense ``nn.Linear`` (same dtype and device).
-
-        Example:
-            >>> row = RowParallelLinear.from_dense(model.mlp.proj, ctx=ctx)
-        """
-        layer = cls(
-            linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None, init_method=nn.init.zeros_, **kwargs
-        )
-        with torch.no_grad():
-            w, b = linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
-            layer._set_shards(w, b, w.dtype, w.device)
-        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in/tp]`` (``[..., in]`` unless ``input_is_parallel``) -> ``[..., out]``
