@@ -31,7 +31,9 @@ examples:
   shardkit train --steps 300                         train on this process
   shardkit train --nproc 2 --strategy ddp --bf16     2 processes, data parallel, bf16 autocast
   shardkit train --steps 50 --log-json run.json      write loss curves and per-rank summaries
+  shardkit train --nproc 2 --strategy zero2          2 processes, ZeRO-2 (the `make demo` run)
   shardkit bench optim                               fused AdamW vs torch.optim
+  shardkit bench zero                                ZeRO-1/2 vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed
   shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32
                                                      per-rank memory of DDP and ZeRO-1/2/3
 
