@@ -183,11 +183,19 @@ def reduce_scatter(
     op: ReduceOpName = "sum",
     async_op: bool = False,
     stats: CommStats | None = None,
+    input_is_scratch: bool = False,
 ) -> CommHandle:
     """Reduce ``input`` across ``group`` and leave chunk ``group.rank()`` of it in ``output``.
 
     Both tensors are treated as flat: with ``n = output.numel()``, rank ``r`` (within the group)
     receives ``reduce(input.view(-1)[r*n:(r+1)*n])`` over all ranks.
+
+    gloo implements reduce-scatter as a copy of the whole input, an all-reduce of that copy and a
+    copy of the chunk out (measured: 34.5 ms vs 21.0 ms for an all-reduce of a 25 MiB bucket on 2
+    ranks). A caller that does not need ``input`` afterwards (a transient gradient bucket) passes
+    ``input_is_scratch=True``: on gloo ``input`` is then all-reduced in place and the chunk copied
+    out, which skips the full-size copy; other backends ignore the flag. ``stats`` records the
+    same payload either way (the operation asked for is a reduce-scatter).
 
     Args:
         output: ``[n]`` (any shape with ``n`` elements), contiguous.
@@ -197,6 +205,7 @@ def reduce_scatter(
         op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"`` (see :func:`all_reduce`).
         async_op: see [Note: comm handles and ordering].
         stats: optional :class:`CommStats`; records ``input``'s bytes.
+        input_is_scratch: ``input``'s contents may be overwritten (see above).
 
     Returns:
         A :class:`CommHandle` whose ``output`` is ``output``.
@@ -222,6 +231,24 @@ def reduce_scatter(
         output.copy_(input.view_as(output))
         return CommHandle(fn, output)
     red, divide = _reduce_op(op, input, group)
+    if input_is_scratch and dist.get_backend(group) == "gloo":
+        chunk = input.view(-1).narrow(0, group.rank() * output.numel(), output.numel())
+
+        def post_in_place() -> None:
+            output.view(-1).copy_(chunk)
+            if divide:
+                output.div_(n)
+
+        return _launch(
+            fn,
+            group,
+            output,
+            lambda: dist.all_reduce(input, red, group, True),
+            async_op=async_op,
+            stats=stats,
+            nbytes=_nbytes(input),
+            post=post_in_place,
+        )
     post = (lambda: output.div_(n)) if divide else None
     return _launch(
         fn,

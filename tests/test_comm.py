@@ -90,23 +90,34 @@ def test_all_reduce_matches_reference(dist_pool, world_size, op):
     assert checked == [len(_dtypes_for(op)) * len(NUMELS)] * world_size
 
 
-def _reduce_scatter_body(op: str) -> None:
+def _reduce_scatter_body(op: str, scratch: bool) -> None:
     with ParallelContext.from_world() as ctx:
         group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        stats = CommStats()
         for dtype in _dtypes_for(op):
             for numel in NUMELS:
                 inp = _input(me, n * numel, dtype)
                 # stack form ([n, numel] input) must behave as the flat concatenation
                 out = torch.empty(numel, dtype=dtype)
-                reduce_scatter(out, inp.view(n, numel), group=group, op=op)
+                h = reduce_scatter(
+                    out, inp.view(n, numel), group=group, op=op, async_op=True, stats=stats, input_is_scratch=scratch
+                )
+                h.wait()
                 full = _reference([_input(r, n * numel, dtype) for r in range(n)], op, dtype)
                 torch.testing.assert_close(out, full[me * numel : (me + 1) * numel], **TOL[dtype])
+                if not scratch:
+                    torch.testing.assert_close(inp, _input(me, n * numel, dtype), rtol=0, atol=0)  # input kept
+        # the payload asked for, whichever way gloo carries it
+        assert stats.bytes("reduce_scatter") == sum(
+            n * numel * torch.empty((), dtype=d).element_size() for d in _dtypes_for(op) for numel in NUMELS
+        )
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["input-kept", "input-is-scratch"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_reduce_scatter_matches_reference(dist_pool, world_size, op):
-    dist_pool.run(_reduce_scatter_body, op, world_size=world_size)
+def test_reduce_scatter_matches_reference(dist_pool, world_size, op, scratch):
+    dist_pool.run(_reduce_scatter_body, op, scratch, world_size=world_size)
 
 
 def _all_gather_body() -> None:

@@ -255,7 +255,9 @@ class FlatShards:
         out = sb.grad_shard if (self.stage == 2 and sb.fresh) else torch.empty_like(full[: sb.shard])
         if out is not sb.grad_shard:
             self._hold(out.numel() * out.element_size())
-        work = reduce_scatter(out, full, group=self.group, op="sum", async_op=True, stats=self.stats)
+        # the packed bucket is dead once reduced (stage 2: transient; stage 1: only this rank's
+        # shard of it is read again), so gloo may reduce it in place (see comm.reduce_scatter)
+        work = reduce_scatter(out, full, group=self.group, op="sum", async_op=True, stats=self.stats, input_is_scratch=True)
         self._in_flight.append((sb, work, full if self.stage == 2 else None, out))
         return work
 
