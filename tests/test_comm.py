@@ -362,6 +362,48 @@ def test_from_env_validates_before_creating_a_process_group(monkeypatch):
     assert not init.called and not dist.is_initialized()
 
 
+def test_from_env_rejects_a_zero_timeout_and_tp_rest(monkeypatch):
+    # a zero timeout would make every collective time out at once; only dp may be -1 ("the rest")
+    init = mock.Mock(side_effect=AssertionError("must not initialize"))
+    monkeypatch.setattr(dist, "init_process_group", init)
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        ParallelContext.from_env(timeout=timedelta(0))
+    with pytest.raises(ValueError, match="tp must be >= 1"):
+        ParallelContext.resolve_sizes(8, tp=-1)
+    with pytest.raises(ValueError, match="pp must be >= 1"):
+        ParallelContext.resolve_sizes(8, pp=-1)
+    assert not init.called
+
+
+@pytest.mark.parametrize("present", ["RANK", "WORLD_SIZE"])
+def test_from_env_with_half_of_torchruns_variables_is_an_error(monkeypatch, present):
+    """RANK without WORLD_SIZE (or the reverse) is a broken launch, not a single process: the error
+    names the missing variable instead of silently training alone."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(present, "1")
+    init = mock.Mock(side_effect=AssertionError("must not initialize"))
+    monkeypatch.setattr(dist, "init_process_group", init)
+    missing = "WORLD_SIZE" if present == "RANK" else "RANK"
+    with pytest.raises((KeyError, ValueError, RuntimeError), match=missing):
+        ParallelContext.from_env()
+    assert not init.called
+
+
+def test_from_env_takes_the_local_rank_from_local_rank_not_rank(monkeypatch):
+    """Rank 5 of a multi-node job is local rank 1: the GPU check (and set_device) must see 1."""
+    env = dict(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    forbidden = mock.Mock(side_effect=AssertionError("must fail before this"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", forbidden)
+    monkeypatch.setattr(torch.cuda, "set_device", forbidden)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"local rank 1 of 4 ranks per node"):
+        ParallelContext.from_env(backend="nccl")
+
+
 def _bad_context_body() -> str:
     new_group = mock.Mock(side_effect=AssertionError("no group may be created"))
     with mock.patch.object(dist, "new_group", new_group):
