@@ -677,3 +677,24 @@ def test_timeout_message_survives_an_unreadable_group_timeout():
         err = as_timeout_error(RuntimeError("Timed out waiting 2000ms"), "all_reduce", group, torch.device("cpu"))
     assert isinstance(err, CommTimeoutError)
     assert "timed out after the group timeout (rank 1 of 2 in that group)" in str(err)
+
+
+def _p2p_defaults_body() -> None:
+    with ParallelContext.from_world() as ctx:
+        group, me = ctx.group("dp"), ctx.rank("dp")
+        with pytest.raises(ValueError, match="src"):
+            recv(torch.empty(4), src=me, group=group)  # from itself: an error, never a hang
+        with pytest.raises(ValueError, match="dst"):
+            send(torch.ones(4), dst=me, group=group)
+        if me == 0:
+            t = torch.arange(4.0)
+            handle = send(t, dst=1, group=group)  # default: synchronous
+            assert handle.is_completed()  # the caller may reuse ``t`` right away
+        elif me == 1:
+            handle = recv(torch.empty(4), src=0, group=group)
+            assert handle.is_completed()
+            torch.testing.assert_close(handle.output, torch.arange(4.0), rtol=0, atol=0)
+
+
+def test_send_recv_default_to_blocking_and_refuse_self(dist_pool):
+    dist_pool.run(_p2p_defaults_body, world_size=2)
