@@ -287,6 +287,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return  # overflow: skip, params and state untouched
         if grad_scale is not None:
             grad_scale = grad_scale.to(torch.float32).reshape(1)
+        work = []  # (group, device, launch group, has masters), every group planned first
         for index, group in enumerate(self.param_groups):
             params = group["params"]
             grads = [p.grad for p in params]
@@ -301,13 +302,18 @@ class FusedOptimizer(torch.optim.Optimizer):
             if plan is None or plan[0] is not params or plan[1] != signature:
                 plan = (params, signature, self._plan(group))
                 self._plans[index] = plan
-            for device, launch_group, master in plan[2]:
-                scale = grad_scale.to(device) if grad_scale is not None else None
-                if master:
-                    self._resync_written_masters(launch_group)
-                self._update(group, launch_group, scale)
-                if master:
-                    self._record_written(launch_group)
+            work += [(group, *entry) for entry in plan[2]]
+        # Every re-sync before any update, every record after all of them: params that are views
+        # of one tensor share its version counter, so updating one launch group would otherwise
+        # look like a user write to a sibling group (and reset its master from the rounded param).
+        for _, _, launch_group, master in work:
+            if master:
+                self._resync_written_masters(launch_group)
+        for group, device, launch_group, _ in work:
+            self._update(group, launch_group, grad_scale.to(device) if grad_scale is not None else None)
+        for _, _, launch_group, master in work:
+            if master:
+                self._record_written(launch_group)
 
     def _resync_written_masters(self, params: LaunchGroup) -> None:
         """Copy into its master every param written since the optimizer wrote it.

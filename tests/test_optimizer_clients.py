@@ -285,3 +285,24 @@ def test_hf_model_bf16_master_weights_track_fp32_reference(kind: str) -> None:
     for p, r in pairs:
         assert_close(opt.state[p]["master_param"], r.detach(), **MASTER)
         assert_close(p.detach().float(), r.detach(), **rounded_param(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_master_weights_of_sibling_views_in_two_groups_are_not_reset(backend: str) -> None:
+    """Params that are views of one tensor share its version counter: the optimizer's own write to
+    one launch group must not look like a user write to the other (which would reset that group's
+    fp32 master from the bf16 param every step and lose every sub-ulp update)."""
+    from shardkit.kernels import FusedAdamW
+
+    base = torch.ones(64, dtype=torch.bfloat16)
+    a, b = nn.Parameter(base[:32]), nn.Parameter(base[32:])
+    opt = FusedAdamW([{"params": [a]}, {"params": [b]}], lr=1e-4, master_weights=True, backend=backend)
+    ref = torch.ones(32, dtype=torch.float32, requires_grad=True)  # the fp32 path the master follows
+    ref_opt = torch.optim.AdamW([ref], lr=1e-4)
+    for _ in range(20):
+        a.grad, b.grad, ref.grad = torch.ones_like(a), torch.ones_like(b), torch.ones(32)
+        opt.step()
+        ref_opt.step()
+    for p in (a, b):
+        assert_close(opt.state[p]["master_param"], ref.detach(), **MASTER)
+        assert_close(p.float(), ref.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
