@@ -395,3 +395,21 @@ def _partially_used(stage: int) -> int:
 def test_zero_param_without_grad_on_one_rank_contributes_zeros(dist_pool, stage: int) -> None:
     # the ranks' rows are made to miss ``b`` on alternate steps: the case must really occur
     assert sum(dist_pool.run(_partially_used, stage, world_size=2, timeout=60)) > 0
+
+
+def _clip_without_scaler_has_no_host_sync(stage: int) -> None:
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, stage, bucket_mb=0.002)
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.1)
+    x, y = _batch(0)
+    nn.functional.mse_loss(sdp(x[_rows(ctx)]), y[_rows(ctx)]).backward()
+    # a GPU step would block the host here: clipping alone never needs a value on the host
+    with mock.patch.object(torch.Tensor, "item", side_effect=AssertionError("host sync in clip")):
+        sdp.clip_grad_norm_(1.0)
+    opt.step()
+    ctx.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_clip_without_a_loss_scaler_reads_nothing_on_the_host(dist_pool, stage: int) -> None:
+    dist_pool.run(_clip_without_scaler_has_no_host_sync, stage, world_size=2, timeout=60)

@@ -61,8 +61,10 @@ class ShardedDataParallel(nn.Module):
     Contract (differences from DataParallel):
 
     * ``p.grad`` is not the averaged gradient: stage 2 frees it as each bucket launches; stage 1
-      keeps it as a view of the full gradient buffer, reduced only in this rank's shard. Read
-      gradients through :meth:`clip_grad_norm_` (global norm) or the optimizer.
+      keeps it as a view of the full gradient buffer, reduced only in this rank's shard (outside
+      it: the local gradient on NCCL, the unaveraged sum over ranks on gloo, which reduces the
+      buffer in place). Read gradients through :meth:`clip_grad_norm_` (global norm) or the
+      optimizer, never ``torch.nn.utils.clip_grad_norm_(model.parameters())``.
     * Call ``opt.zero_grad()`` after every ``opt.step()``; a backward between them raises.
     * ``no_sync()``: stage 1 accumulates locally in the full gradient (no communication) and
       reduces once, in the first backward outside the block — stage 1 reduces once per step, a
@@ -208,9 +210,12 @@ class ShardedDataParallel(nn.Module):
         if self.loss_scaler is not None or max_norm is not None:
             both = torch.cat([found_inf, sumsq])
             all_reduce(both, group=self._group, op="sum", stats=self.comm_stats)
-            overflow = bool(both[0].item() > 0)
             sumsq = both[1:2]
-            norm = torch.tensor(float("inf")) if overflow else sumsq.sqrt().reshape(())
+            # Read the flag on the host only with a loss scaler (the step must be skipped): a
+            # clip-only step stays free of host syncs, and, as torch's clip_grad_norm_ and our
+            # DataParallel path, a non-finite norm then simply propagates.
+            overflow = self.loss_scaler is not None and bool(both[0].item() > 0)
+            norm = torch.full((), float("inf"), device=sumsq.device) if overflow else sumsq.sqrt().reshape(())
             if max_norm is not None and not overflow:
                 self._shards.clip_(sumsq, max_norm)
         self._step_state = (overflow, norm)
