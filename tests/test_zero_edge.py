@@ -64,7 +64,6 @@ def _bad_arguments() -> None:
         (dict(stage=2, bucket_mb=0), ValueError, "bucket_mb"),
         (dict(stage=2, grad_dtype=torch.int32), ValueError, "grad_dtype"),
         (dict(stage=3), NotImplementedError, "stage=3"),
-        (dict(stage=2, offload="cpu"), NotImplementedError, "offload"),
     ]
     patch = _no_collective()
     try:

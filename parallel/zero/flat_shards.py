@@ -128,7 +128,12 @@ class ShardedBucket:
 
     def master_shard(self) -> torch.Tensor:
         """The fp32 weights the optimizer updates (``[shard]``)."""
-        return self.flat_param.narrow(0, self.start, self.shard) if self.master is None else self.master
+        return self.local_param_shard() if self.master is None else self.master
+
+    def local_param_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters (``[shard]``, param dtype, on the params' device):
+        the persistent storage the post-step write-back and all-gather read."""
+        return self.flat_param.narrow(0, self.start, self.shard)
 
 
 class FlatShards:
@@ -141,6 +146,10 @@ class FlatShards:
         grad_dtype: dtype of the gradient reduction and storage.
         stats: CommStats for the collectives.
         backend: kernel backend for the flatten copies and the epilogue.
+        offload: the optimizer keeps the fp32 masters and steps elsewhere (CPU/NVMe): no
+            device masters and no device shard params are built; the optimizer reads
+            ``sb.opt_grad`` after the epilogue and writes ``sb.local_param_shard()`` before
+            :meth:`all_gather_params`.
 
     Example:
         >>> shards = FlatShards([[w, b]], group=dp, rank=0, size=2, stage=2,
@@ -160,8 +169,10 @@ class FlatShards:
         grad_dtype: torch.dtype,
         stats: CommStats,
         backend: str = "auto",
+        offload: bool = False,
     ) -> None:
         self.group, self.rank, self.size, self.stage = group, rank, size, stage
+        self.offload = offload
         self.grad_dtype = grad_dtype
         self.stats = stats
         self.backend = backend
@@ -183,7 +194,7 @@ class FlatShards:
         flatten_into([p.detach().contiguous() for p in params], flat, offsets, backend=self.backend)
         for p, o in zip(params, offsets):
             p.data = flat.narrow(0, o, p.numel()).view(p.shape)  # the param now lives in the bucket
-        master = None if dtype == torch.float32 else flat.narrow(0, start, shard).float()
+        master = None if (dtype == torch.float32 or self.offload) else flat.narrow(0, start, shard).float()
         gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
         sb = ShardedBucket(
             gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard), flat, master
@@ -196,7 +207,7 @@ class FlatShards:
         else:
             sb.grad_shard = torch.zeros(shard, dtype=self.grad_dtype, device=device)
         weights = sb.master_shard()
-        for seg in sb.segments:  # views: the optimizer's in-place updates write the shard
+        for seg in [] if self.offload else sb.segments:  # views: the optimizer's in-place updates write the shard
             sb.shard_params.append(nn.Parameter(weights.narrow(0, seg.flat_offset - start, seg.numel)))
         if self.grad_dtype == torch.float32:
             self._bind_opt_grad(sb, sb.reduced_shard)
@@ -215,8 +226,13 @@ class FlatShards:
             sp.grad = None if grad is None else grad.narrow(0, seg.flat_offset - sb.start, seg.numel)
 
     def shard_param_of(self) -> dict[nn.Parameter, nn.Parameter]:
-        """Original param -> its 1-D shard param on this rank (params with no element here are absent)."""
+        """Original param -> its 1-D shard param on this rank (params with no element here are absent;
+        empty with ``offload``: the offloaded optimizer builds its own, see :meth:`segment_of`)."""
         return {sb.grad_bucket.params[seg.index]: sp for sb in self.buckets for seg, sp in zip(sb.segments, sb.shard_params)}
+
+    def segment_of(self) -> dict[nn.Parameter, tuple[ShardedBucket, Segment]]:
+        """Original param -> (its bucket, its segment of this rank's shard); absent when no element here."""
+        return {sb.grad_bucket.params[seg.index]: (sb, seg) for sb in self.buckets for seg in sb.segments}
 
     # ---- transient accounting -----------------------------------------------------------------
     def _hold(self, nbytes: int) -> None:
@@ -382,8 +398,10 @@ class FlatShards:
         for sb in self.buckets:
             while len(works) >= MAX_IN_FLIGHT:  # bound transient memory, as the reduce-scatters; oldest first
                 self._finish_gather(*works.pop(0))
-            # a separate input: all-gather into the buffer its input lives in is not portable
-            src = sb.master_shard().to(sb.flat_param.dtype, copy=True)
+            # a separate input: all-gather into the buffer its input lives in is not portable;
+            # copy_ also casts the fp32 master and brings it from another device (offload)
+            src = torch.empty(sb.shard, dtype=sb.flat_param.dtype, device=sb.flat_param.device)
+            src.copy_(sb.master_shard())
             self._hold(src.numel() * src.element_size())
             works.append((all_gather(sb.flat_param, src, group=self.group, async_op=True, stats=self.stats), src))
         for work, src in works:

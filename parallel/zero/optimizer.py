@@ -83,6 +83,8 @@ class ZeroOptimizer:
                 "statistics (trust ratio / factored moments / global history); on a ZeRO shard it would "
                 "see fragments of tensors. Use an elementwise optimizer (AdamW, SGD, Lion) or DataParallel"
             )
+        if sdp.offload is not None:
+            raise NotImplementedError(f"ZeroOptimizer: offload={sdp.offload!r} is being built (parallel/zero/offload.py)")
         groups = self._resolve_groups(sdp, params)
         shard_of = sdp._shards.shard_param_of()
         inner = [{**g, "params": [shard_of[p] for p in g["params"] if p in shard_of]} for g in groups]
@@ -182,6 +184,26 @@ class ZeroOptimizer:
                 if isinstance(v, torch.Tensor):
                     seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
         return sum(seen.values())
+
+    def offloaded_bytes(self) -> dict[str, int]:
+        """Bytes of optimizer state and masters held off the device (``{"cpu": n, "nvme": n}``)."""
+        return {}
+
+    def shard_slots(self) -> list[tuple[str, int, int]]:
+        """``(param name, first element, numel)`` of each inner shard parameter, in the inner
+        optimizer's parameter order (the integer keys of ``state_dict()["optimizer"]["state"]``):
+        which piece of which flattened original parameter each state entry holds.
+
+        Example:
+            >>> opt.shard_slots()[0]
+            ('blocks.0.attn.qkv.weight', 0, 4096)
+        """
+        names = {p: n for n, p in reversed(list(self.sdp.module.named_parameters(remove_duplicate=False)))}
+        where = {}
+        for p, (_, seg) in self.sdp._shards.segment_of().items():
+            where[p] = (names[p], seg.tensor_offset, seg.numel)
+        origin = {sp: p for p, sp in self.sdp._shards.shard_param_of().items()}
+        return [where[origin[sp]] for g in self.optimizer.param_groups for sp in g["params"]]
 
     def _layout(self) -> dict[str, Any]:
         sdp = self.sdp

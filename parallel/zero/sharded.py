@@ -132,6 +132,8 @@ class ShardedDataParallel(nn.Module):
         self.backend = backend
         self.comm_stats = stats if stats is not None else CommStats()
         self.grad_dtype = grad_dtype or torch.float32
+        self.offload = offload
+        self.nvme_dir = nvme_dir
         self._group = ctx.group("dp")
         self._dp = ctx.size("dp")
         self._optimizer: Any = None  # weakref to the ZeroOptimizer, set by it
@@ -155,6 +157,7 @@ class ShardedDataParallel(nn.Module):
             grad_dtype=self.grad_dtype,
             stats=self.comm_stats,
             backend=backend,
+            offload=offload is not None,
         )
         self._reducer = GradReducer(
             [sb.grad_bucket for sb in self._shards.buckets], launch=self._shards.launch, finish=self._shards.finish
@@ -272,7 +275,9 @@ class ShardedDataParallel(nn.Module):
         mem["optimizer_state"] = opt.state_bytes() if opt is not None else 0
         mem["model_state"] = sum(mem.values())
         mem["peak_transient"] = self._shards.peak_transient_bytes
-        return {"unit": "bytes", **mem}
+        # bytes held off the device by offload (``{"cpu": n, "nvme": n}``; {} without offload)
+        offloaded = opt.offloaded_bytes() if opt is not None else {}
+        return {"unit": "bytes", **mem, "offloaded": offloaded}
 
     @property
     def sharded_buckets(self) -> list[ShardedBucket]:
@@ -339,10 +344,5 @@ def _validate(
         raise NotImplementedError(
             "stage=3 (parameters sharded and gathered per `wrap` unit, prefetch, reshard_after_forward) "
             "is not built yet; use stage=1 or 2 (see docs/zero.md, 'What is next')"
-        )
-    if offload is not None:
-        raise NotImplementedError(
-            f"offload={offload!r} (optimizer state and step on the CPU / in NVMe files) is not built yet; "
-            "see docs/zero.md, 'What is next'"
         )
     return params
