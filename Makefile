@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.shardkit-installed
 export TRITON_DEFAULT_FP_FUSION ?= 1
 export PYTHONUNBUFFERED := 1
 NPROC  ?= 2
-PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py
+PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py notebooks/_src
 STEPS  ?= 200
 
 .PHONY: all test demo bench install clean test-gpu mutate
