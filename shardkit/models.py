@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "TinyGPT", "lm_loss"]
+__all__ = ["GPTConfig", "TinyGPT", "gpt_blocks", "lm_loss"]
 
 
 @dataclass(frozen=True)
@@ -249,3 +249,47 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         tensor(4.0775)
     """
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class _Embed(nn.Module):
+    """TinyGPT's input side as a pipeline block: token + position embeddings, dropout."""
+
+    def __init__(self, model: TinyGPT) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))
+
+
+class _Head(nn.Module):
+    """TinyGPT's output side as a pipeline block: final LayerNorm and the LM head."""
+
+    def __init__(self, model: TinyGPT) -> None:
+        super().__init__()
+        self.ln_f, self.head = model.ln_f, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def gpt_blocks(model: TinyGPT) -> list[nn.Module]:
+    """``model`` as a sequence of blocks whose composition is ``model.forward``: embedding, the
+    transformer blocks, head — the cut points for pipeline parallelism and activation checkpointing.
+
+    The blocks share ``model``'s modules (no copies), so a tied head still shares the embedding's
+    Parameter (the pipeline keeps one copy per stage and synchronizes them).
+
+    Example:
+        >>> model = TinyGPT(59, n_layers=4)
+        >>> x = torch.randint(59, (2, 8))
+        >>> out = x
+        >>> for block in gpt_blocks(model):
+        ...     out = block(out)
+        >>> torch.equal(out, model(x))
+        True
+    """
+    if not isinstance(model, TinyGPT):
+        raise TypeError(f"model must be a TinyGPT, got {type(model).__name__}")
+    return [_Embed(model), *model.blocks, _Head(model)]

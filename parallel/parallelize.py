@@ -1,0 +1,407 @@
+"""``parallelize``: data × tensor × pipeline parallelism on one ParallelContext, in one order.
+
+A training loop written against the returned :class:`ParallelModel` reads the same whatever the
+parallelism::
+
+    par = parallelize(model, ctx, tp_plan=gpt_plan(), pp={"microbatches": 4}, dp="ddp",
+                      blocks=gpt_blocks)
+    opt = par.make_optimizer(FusedAdamW, par.parameters(), lr=3e-4)
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = par.forward_backward(x, y)   # every micro-batch, every stage, dp reduction
+        par.clip(1.0)                       # the GLOBAL norm over tp shards, pp stages (and dp)
+        par.step(opt)
+
+[Note: the order of parallelize]
+As torchtitan's ``parallelize_llama``, the strategies are applied in one fixed order, each on
+what the previous one produced:
+
+1. **Tensor parallel** (``tp_plan`` over ctx's tp axis) converts modules in place. It comes
+   first because the plan's patterns name modules of the user's (unsplit) model, and because
+   the pipeline and data-parallel steps must see the final, TP-sharded parameters.
+2. **Pipeline split** (``pp`` over ctx's pp axis): ``blocks(model)`` cuts the model into a
+   sequence of blocks (embedding first, head last) and each pp rank keeps its stages.
+3. **Activation checkpointing** per block: inside the stages (PipelineParallel's
+   ``checkpointing=``) or, without a pipeline, on the blocks ``blocks(model)`` names.
+4. **Data parallel** on the dp axis, last: it buckets exactly the parameters this rank ends up
+   holding (TP shards of its stages). Without a pipeline the gradients are reduced by autograd
+   hooks during backward (DataParallel / ZeRO, via :mod:`~shardkit.parallel.strategy`). With a
+   pipeline, gradients reach ``p.grad`` in the pipeline's finalize rather than through autograd
+   hooks, so the dp reduction is one coalesced all-reduce per dtype after the pipeline step.
+
+[Note: the global gradient norm]
+Every element of the model's gradient must be counted exactly once: a tp-sharded parameter's
+squares add over tp, a tp-replicated one is identical on every tp rank (counted ``1/tp`` per
+rank, as :func:`~shardkit.parallel.tensor.clip_grad_norm_tp_`), stages add over pp, and after the
+dp reduction the replicas are equal (no dp sum). One fp32 all-reduce over tp and one over pp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.profiler import record_function
+
+from shardkit.comm import CommStats, ParallelContext, all_reduce
+from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
+
+from .loss_scaler import DynamicLossScaler
+from .pipeline import PipelineParallel
+from .strategy import Strategy, StrategyReport, make_strategy
+from .tensor import tensor_parallelize, vocab_parallel_cross_entropy
+from .tensor.layers import is_tp_sharded
+from .tensor.plan import VocabParallelLMHead
+
+__all__ = ["ParallelModel", "PipelineOptions", "parallelize"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BlocksFn = Callable[[nn.Module], Sequence[nn.Module]]
+_DP = ("none", "ddp", "zero1", "zero2", "zero3")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How to pipeline (the arguments of :class:`~shardkit.parallel.PipelineParallel`).
+
+    Attributes:
+        microbatches: micro-batches per step (any value >= 1).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
+        virtual_stages: stages per rank (interleaved only).
+        split: ``"layers"``, ``"params"`` or explicit stage sizes.
+
+    Example:
+        >>> PipelineOptions(microbatches=8, schedule="interleaved", virtual_stages=2)
+    """
+
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    split: Any = "layers"
+
+
+def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+class ParallelModel:
+    """What :func:`parallelize` returns: this rank's part of the model and one training step.
+
+    Attributes:
+        module: the module this rank trains (the DataParallel/ZeRO wrapper, or without dp the
+            TP-converted model; with a pipeline the :class:`PipelineParallel`'s stages).
+        pipeline: the :class:`PipelineParallel`, or None.
+        strategy: the dp :class:`~shardkit.parallel.strategy.Strategy` (no pipeline), or None.
+        loss_fn: the loss of logits and targets (vocab-parallel when the head is).
+        stats: CommStats of the dp reduction and the norm all-reduces (pipeline and TP layers
+            record into their own).
+    """
+
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        *,
+        module: nn.Module,
+        loss_fn: LossFn,
+        strategy: Strategy | None,
+        pipeline: PipelineParallel | None,
+        dp: str,
+        autocast: Callable[[], Any] | None,
+    ) -> None:
+        self.ctx, self.module, self.loss_fn = ctx, module, loss_fn
+        self.strategy, self.pipeline, self.dp = strategy, pipeline, dp
+        self.stats = CommStats()
+        self._autocast = autocast
+        # tp/pp: the norm spans shards and stages, which the dp strategies' clip does not know
+        self._composite = ctx.size("tp") > 1 or ctx.size("pp") > 1
+
+    # ---- the step ------------------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's trainable parameters (TP shards of its stages), for the optimizer."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> Any:
+        """The optimizer over ``params`` (from :meth:`parameters`; ZeRO: a sharded ZeroOptimizer).
+
+        Example:
+            >>> opt = par.make_optimizer(FusedAdamW, par.parameters(), lr=3e-4)
+        """
+        if self.strategy is not None:
+            return self.strategy.make_optimizer(optimizer_class, params, **kwargs)
+        return optimizer_class(params, **kwargs)
+
+    def forward_backward(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
+        """Forward, loss and backward of this dp rank's batch; gradients reduced over dp.
+
+        Args:
+            inputs: ``(B, ...)`` model inputs (read on the first pipeline stage only).
+            targets: ``(B, ...)`` targets (read on the last pipeline stage only).
+
+        Returns:
+            The batch's mean loss, 0-d fp32 (detached; with a pipeline, the same on every pp rank).
+        """
+        if self.pipeline is not None:
+            with record_function("shardkit::pipeline_step"):
+                loss = torch.tensor(self.pipeline.step(inputs, targets))
+            if self.ctx.size("dp") > 1:
+                self._reduce_over_dp()
+            return loss
+        with self._autocast() if self._autocast is not None else _nullcontext():
+            loss = self.loss_fn(self.module(inputs), targets)
+        if self.strategy is not None:
+            self.strategy.backward(loss)
+        else:
+            loss.backward()
+        return loss.detach()
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """Mean loss of a batch without gradients (eval mode), the same on every rank of a replica.
+
+        With a pipeline, one forward runs stage by stage (:meth:`PipelineParallel.evaluate`).
+        """
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(inputs, targets)
+        was = self.module.training
+        self.module.eval()
+        try:
+            with self._autocast() if self._autocast is not None else _nullcontext():
+                return float(self.loss_fn(self.module(inputs), targets))
+        finally:
+            self.module.train(was)
+
+    def clip(self, max_norm: float | None) -> torch.Tensor | None:
+        """Clip to the GLOBAL gradient norm (see [Note: the global gradient norm]).
+
+        Returns:
+            The pre-clip norm (0-d fp32), or None when nothing was computed.
+        """
+        if self.strategy is not None and not self._composite:
+            return self.strategy.clip(max_norm)
+        if max_norm is None:
+            return None
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
+        params = [p for p in self.parameters() if p.grad is not None]
+        device = params[0].grad.device if params else self.ctx.device
+        sharded, replicated = torch.zeros(1, device=device), torch.zeros(1, device=device)
+        for acc, want in ((sharded, True), (replicated, False)):
+            for grads in _by_dtype([p.grad for p in params if is_tp_sharded(p) == want and not _tie_copy(p)]):
+                unscale_and_norm_(grads, sumsq=acc)
+        sumsq = sharded + replicated / self.ctx.size("tp")
+        for axis in ("tp", "pp"):
+            if self.ctx.size(axis) > 1:
+                all_reduce(sumsq, group=self.ctx.group(axis), stats=self.stats)
+        for grads in _by_dtype([p.grad for p in params]):
+            clip_grads_(grads, sumsq, max_norm=max_norm)
+        return sumsq.sqrt().reshape(())
+
+    def step(self, optimizer: Any) -> bool:
+        """Step the optimizer (skipped on an fp16 overflow agreed over dp). Returns whether it stepped."""
+        if self.strategy is not None:
+            return self.strategy.step(optimizer)
+        with record_function("shardkit::step"):
+            optimizer.step()
+        return True
+
+    def report(self, optimizer: Any = None) -> StrategyReport:
+        """This rank's memory by category and communication so far."""
+        if self.strategy is not None:
+            return self.strategy.report(optimizer)
+        params = self.parameters()
+        state = optimizer.state.values() if optimizer is not None else ()
+        memory = {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            "optimizer_state": sum(v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v)),
+        }
+        return StrategyReport(memory=memory, comm=self.stats.summary(), loss_scale=None, skipped_steps=0)
+
+    @torch.no_grad()
+    def _reduce_over_dp(self) -> None:
+        """Average the stage gradients over dp: one all-reduce of a flat buffer per dtype."""
+        with record_function("shardkit::all_reduce"):
+            for grads in _by_dtype([p.grad for p in self.parameters() if p.grad is not None]):
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                all_reduce(flat, group=self.ctx.group("dp"), stats=self.stats)
+                flat.div_(self.ctx.size("dp"))
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+
+def parallelize(
+    model: nn.Module,
+    ctx: ParallelContext,
+    *,
+    loss_fn: LossFn | None = None,
+    tp_plan: Mapping[str, Any] | None = None,
+    pp: PipelineOptions | Mapping[str, Any] | None = None,
+    dp: str = "ddp",
+    blocks: BlocksFn | None = None,
+    checkpointing: bool | str = False,
+    loss_scaler: DynamicLossScaler | None = None,
+    autocast: Callable[[], Any] | None = None,
+    dp_options: Mapping[str, Any] | None = None,
+) -> ParallelModel:
+    """Apply TP → pipeline split → activation checkpointing → DP (see [Note: the order of parallelize]).
+
+    Args:
+        model: the full model, built identically (same seed) on every rank, on ``ctx.device``.
+        ctx: the context whose ``dp``/``tp``/``pp`` axes to use.
+        loss_fn: ``loss_fn(logits, targets) -> 0-d mean loss``; default token cross-entropy
+            (logits ``(..., V)``, integer targets ``(...)``), vocab-parallel when the plan turns
+            the head into a :class:`~shardkit.parallel.tensor.plan.VocabParallelLMHead`.
+        tp_plan: a TP plan (:func:`~shardkit.parallel.tensor_parallelize`); required when tp > 1.
+        pp: :class:`PipelineOptions` or a dict of its fields; required when pp > 1.
+        dp: ``"none"``, ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (ZeRO needs tp = pp = 1
+            for now).
+        blocks: ``blocks(model) -> [embedding, *blocks, head]`` (a sequence whose composition is
+            the model); needed for pp > 1 unless ``model`` is an ``nn.Sequential``, and used by
+            ``checkpointing`` without a pipeline.
+        checkpointing: False, True (recompute each block in backward) or ``"cpu"`` (also keep
+            the saved block inputs on the CPU).
+        loss_scaler: fp16 loss scaler (dp-only runs for now).
+        autocast: a context-manager factory for forward + loss (e.g. bf16 autocast); dp-only.
+        dp_options: the dp strategy's options (``bucket_mb``, ``grad_buckets``...).
+
+    Returns:
+        A :class:`ParallelModel`.
+
+    Raises:
+        ValueError / TypeError: a bad or unsupported combination, named, before any collective.
+
+    Example:
+        >>> ctx = ParallelContext.from_env(tp=2, pp=2)                     # world 8: dp = 2
+        >>> par = parallelize(TinyGPT(59), ctx, tp_plan=gpt_plan(), pp={"microbatches": 4},
+        ...                   blocks=gpt_blocks)
+    """
+    opts = _validate(model, ctx, loss_fn, tp_plan, pp, dp, blocks, checkpointing, loss_scaler, autocast)
+    tp, pp_size = ctx.size("tp"), ctx.size("pp")
+    # 1. tensor parallel (the plan names modules of the unsplit model)
+    if tp_plan is not None and tp > 1:
+        tensor_parallelize(model, ctx, dict(tp_plan))
+    if loss_fn is None:
+        heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
+        loss_fn = _vocab_parallel_loss(ctx, heads[0].vocab_size) if heads else _token_cross_entropy
+    # 2. pipeline split, 3. activation checkpointing inside the stages
+    if pp_size > 1:
+        seq = list(blocks(model)) if blocks is not None else list(model)
+        pipe = PipelineParallel(
+            seq,
+            ctx,
+            schedule=opts.schedule,
+            microbatches=opts.microbatches,
+            loss_fn=loss_fn,
+            virtual_stages=opts.virtual_stages,
+            split=opts.split,
+            **({"checkpointing": checkpointing} if checkpointing else {}),
+        )
+        # 4. data parallel: a coalesced all-reduce after each pipeline step (ParallelModel)
+        stages = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
+        return ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=None, pipeline=pipe, dp=dp, autocast=None)
+    # 3. activation checkpointing on the blocks (no pipeline)
+    if checkpointing:
+        from .activation_checkpointing import checkpoint_blocks
+
+        checkpoint_blocks(list(blocks(model)), offload_to_cpu=checkpointing == "cpu")
+    # 4. data parallel
+    if dp == "none" or (ctx.size("dp") == 1 and tp > 1):  # nothing to replicate over
+        return ParallelModel(ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast)
+    strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
+    module = strategy.wrap(model)
+    return ParallelModel(ctx, module=module, loss_fn=loss_fn, strategy=strategy, pipeline=None, dp=dp, autocast=autocast)
+
+
+def _validate(
+    model: Any,
+    ctx: Any,
+    loss_fn: Any,
+    tp_plan: Any,
+    pp: Any,
+    dp: Any,
+    blocks: Any,
+    checkpointing: Any,
+    loss_scaler: Any,
+    autocast: Any,
+) -> PipelineOptions:
+    """Every check, before any collective (ValueError/TypeError naming the argument)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(ctx, ParallelContext):
+        raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+    if dp not in _DP:
+        raise ValueError(f"dp must be one of {list(_DP)}, got {dp!r}")
+    if checkpointing not in (False, True, "cpu"):
+        raise ValueError(f"checkpointing must be False, True or 'cpu', got {checkpointing!r}")
+    if blocks is not None and not callable(blocks):
+        raise TypeError(f"blocks must be callable (model -> sequence of blocks) or None, got {type(blocks).__name__}")
+    tp, pp_size = ctx.size("tp"), ctx.size("pp")
+    if tp > 1 and tp_plan is None:
+        raise ValueError(f"tp_plan is required: ctx has a tp axis of size {tp}")
+    if tp_plan is not None and not isinstance(tp_plan, Mapping):
+        raise TypeError(f"tp_plan must be a mapping of module patterns to styles, got {type(tp_plan).__name__}")
+    if pp_size > 1 and pp is None:
+        raise ValueError(f"pp is required (PipelineOptions or a dict): ctx has a pp axis of size {pp_size}")
+    if pp is not None and pp_size == 1:
+        raise ValueError("pp: the context's pp axis has size 1; build it with pp > 1 to pipeline")
+    opts = PipelineOptions()
+    if pp is not None:
+        if isinstance(pp, Mapping):
+            unknown = set(pp) - set(PipelineOptions.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"pp: unknown option(s) {sorted(unknown)}; known: {list(PipelineOptions.__dataclass_fields__)}")
+            opts = PipelineOptions(**pp)
+        elif isinstance(pp, PipelineOptions):
+            opts = pp
+        else:
+            raise TypeError(f"pp must be PipelineOptions, a dict or None, got {type(pp).__name__}")
+        if blocks is None and not isinstance(model, (nn.Sequential, nn.ModuleList)):
+            raise ValueError(f"blocks is required to pipeline a {type(model).__name__} (model -> [embedding, *blocks, head])")
+    if checkpointing and pp_size == 1 and blocks is None:
+        raise ValueError("checkpointing without a pipeline needs blocks= (which modules to recompute)")
+    composite = tp > 1 or pp_size > 1
+    if composite and dp.startswith("zero"):
+        raise ValueError(
+            f"dp={dp!r} with tp={tp}, pp={pp_size}: ZeRO shards over the whole world for now; use dp='ddp' "
+            "(replicated on the dp axis) with tensor or pipeline parallelism"
+        )
+    if composite and loss_scaler is not None:
+        raise ValueError("loss_scaler (fp16) is supported with dp only for now; use bf16 or fp32 with tp/pp")
+    if pp_size > 1 and autocast is not None:
+        raise ValueError("autocast is not applied inside pipeline stages yet; pipeline in fp32 (or bf16 params)")
+    return opts
+
+
+def _vocab_parallel_loss(ctx: ParallelContext, vocab_size: int) -> LossFn:
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, ctx=ctx, vocab_size=vocab_size, reduction="mean")
+
+    return loss
+
+
+def _by_dtype(grads: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        out.setdefault(g.dtype, []).append(g)
+    return list(out.values())
+
+
+def _tie_copy(p: nn.Parameter) -> bool:
+    """A pipeline tie's second copy (the same weight on another stage): its norm counts once."""
+    return bool(getattr(p, "_shardkit_tie_copy", False))
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,143 @@
+"""``parallelize``: dp × tp × pp compositions of TinyGPT trained against the dense single-process
+model (same seed, same global batch, clipping active), and bad arguments before any collective."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from shardkit.comm import ParallelContext
+from shardkit.models import TinyGPT, gpt_blocks, lm_loss
+from shardkit.parallel.parallelize import parallelize
+from shardkit.parallel.tensor import gpt_plan, shard_state_dict
+from tolerances import FP32
+
+VOCAB, B, T, STEPS, CLIP = 59, 8, 16, 6, 0.3
+
+
+def _model(tie: bool = True) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, d_model=32, n_layers=4, n_heads=4, seq_len=T, tie_embeddings=tie)
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randint(VOCAB, (B, T), generator=gen), torch.randint(VOCAB, (B, T), generator=gen)) for _ in range(STEPS)]
+
+
+def _dense_run(tie: bool) -> tuple[TinyGPT, list[float], list[float]]:
+    """The reference: one process, the whole batch, torch's clip, SGD with momentum (Adam would turn
+    rounding noise in near-zero gradients into ±lr steps and hide real differences in a loose bound)."""
+    model = _model(tie)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    losses, norms = [], []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return model, losses, norms
+
+
+def _body(tp: int, pp: int, tie: bool, schedule: str) -> list[float]:
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    with ParallelContext.from_world(dp=world // (tp * pp), tp=tp, pp=pp) as ctx:
+        dense, ref_losses, ref_norms = _dense_run(tie)
+        kwargs = {"tp_plan": gpt_plan(tie_embeddings=tie)} if tp > 1 else {}
+        if pp > 1:
+            kwargs.update(pp={"microbatches": 2, "schedule": schedule}, blocks=gpt_blocks)
+        par = parallelize(_model(tie), ctx, dp="ddp", **kwargs)
+        opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
+        dp, r = ctx.size("dp"), ctx.rank("dp")
+        rows = slice(r * B // dp, (r + 1) * B // dp)
+        losses = []
+        for step, (x, y) in enumerate(_batches()):
+            opt.zero_grad(set_to_none=True)
+            loss = par.forward_backward(x[rows], y[rows])
+            norm = par.clip(CLIP)
+            par.step(opt)
+            # the loss of this dp slice; its dp average is the global batch's mean
+            mean = loss.clone().reshape(1)
+            if dp > 1:
+                dist.all_reduce(mean, group=ctx.group("dp"))
+                mean /= dp
+            losses.append(float(mean))
+            assert abs(float(norm) - ref_norms[step]) <= 1e-4 * ref_norms[step], (step, float(norm), ref_norms[step])
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
+        if pp == 1:  # every parameter, sharded as the plan shards it
+            want = shard_state_dict(dense.state_dict(), gpt_plan(tie_embeddings=tie), ctx) if tp > 1 else dense.state_dict()
+            module = getattr(par.module, "module", par.module)
+            for key, value in module.state_dict().items():
+                torch.testing.assert_close(value, want[key], **FP32, msg=lambda m, key=key: f"{key}: {m}")
+        return losses
+
+
+@pytest.mark.parametrize(
+    "world_size, tp, pp, tie, schedule",
+    [
+        (2, 1, 1, True, "1f1b"),  # dp 2
+        (2, 2, 1, True, "1f1b"),  # tp 2, vocab-parallel loss, tied embedding
+        (4, 2, 1, True, "1f1b"),  # tp 2 x dp 2
+        (2, 1, 2, False, "1f1b"),  # pp 2
+        (4, 1, 2, False, "gpipe"),  # pp 2 x dp 2: coalesced dp all-reduce after the pipeline
+        (4, 2, 2, False, "1f1b"),  # tp 2 x pp 2
+    ],
+)
+def test_parallelize_trains_like_the_dense_model(dist_pool, world_size, tp, pp, tie, schedule):
+    dist_pool.run(_body, tp, pp, tie, schedule, world_size=world_size, timeout=180)
+
+
+def _bad_arguments() -> None:
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    with ParallelContext.from_world(dp=1, tp=2) as ctx:
+        cases = [
+            (dict(dp="zero4"), ValueError, "dp"),
+            (dict(), ValueError, "tp_plan"),
+            (dict(tp_plan=gpt_plan(), dp="zero2"), ValueError, "zero2"),
+            (dict(tp_plan=gpt_plan(), pp={"microbatches": 2}), ValueError, "pp"),
+            (dict(tp_plan=gpt_plan(), checkpointing="gpu"), ValueError, "checkpointing"),
+            (dict(tp_plan=gpt_plan(), checkpointing=True), ValueError, "blocks"),
+            (dict(tp_plan=[("x", 1)]), TypeError, "tp_plan"),
+            (dict(tp_plan=gpt_plan(), loss_fn=3), TypeError, "loss_fn"),
+        ]
+        names = ("all_reduce", "broadcast", "all_gather", "reduce_scatter_tensor", "barrier", "send", "recv")
+        patches = [mock.patch.object(dist, n, side_effect=AssertionError(f"collective {n}")) for n in names]
+        for patch in patches:
+            patch.start()
+        try:
+            for kwargs, exc, word in cases:
+                with pytest.raises(exc, match=word):
+                    parallelize(_model(), ctx, **kwargs)
+            with pytest.raises(TypeError, match="model"):
+                parallelize(nn.Linear(2, 2).weight, ctx)
+        finally:
+            for patch in patches:
+                patch.stop()
+    with ParallelContext.from_world(dp=1, pp=2) as ctx:
+        with pytest.raises(ValueError, match="blocks"):
+            parallelize(_model(), ctx, pp={"microbatches": 2})
+        with pytest.raises(ValueError, match="unknown option"):
+            parallelize(_model(), ctx, pp={"micro": 2}, blocks=gpt_blocks)
+
+
+def test_parallelize_bad_arguments_raise_before_any_collective(dist_pool):
+    dist_pool.run(_bad_arguments, world_size=2, timeout=120)
+
+
+def test_gpt_blocks_compose_to_the_model():
+    model = _model()
+    x = torch.randint(VOCAB, (2, T))
+    out = x
+    for block in gpt_blocks(copy.deepcopy(model)):
+        out = block(out)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
