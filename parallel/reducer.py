@@ -4,7 +4,7 @@ Shaped after PyTorch FSDP2's ``FSDPParamGroup``: a :class:`TrainingState` enum a
 per phase, each under a profiler label, so a trace of any strategy reads the same::
 
     pre_forward()          shardkit::pre_forward        discard a backward that raised (Note)
-    post_forward()         shardkit::post_forward       (stage 3 will reshard here)
+    post_forward()         shardkit::post_forward       (stage 3 reshards its units in its own)
     pre_backward()         shardkit::pre_backward       first grad of a backward: queue finalize
     post_backward(bucket)  shardkit::post_backward      a bucket's grads are ready: launch
     finalize_backward()    shardkit::finalize_backward  launch the rest, agree used flags, finish
@@ -122,6 +122,8 @@ class GradReducer:
         on_ready: optional; called as ``on_ready(bucket, j)`` the moment param ``j``'s grad is
             final, before the bucket launches — e.g. DataParallel's CPU path copies the grad
             into its slot while it is still in cache (it then adds ``j`` to ``bucket.copied``).
+        on_finalize: optional; called at the end of :meth:`finalize_backward`, after every
+            ``finish`` — ZeRO-3 frees the units still gathered there.
 
     Example:
         >>> reducer = GradReducer(buckets, launch=start_all_reduce, finish=wait_and_copy)
@@ -139,8 +141,10 @@ class GradReducer:
         finish: Callable[[GradBucket, Any], None],
         agree_used: Callable[[torch.Tensor], torch.Tensor] | None = None,
         on_ready: Callable[[GradBucket, int], None] | None = None,
+        on_finalize: Callable[[], None] | None = None,
     ) -> None:
         self.buckets = list(buckets)
+        self._on_finalize = on_finalize
         self._on_ready = on_ready
         self._launch = launch
         self._finish = finish
@@ -203,6 +207,8 @@ class GradReducer:
                         bucket.used = [bool(u) for u in agreed[first : first + len(bucket.params)]]
                 for bucket, work in zip(self.buckets, self._works):
                     self._finish(bucket, work)
+                if self._on_finalize is not None:
+                    self._on_finalize()
             finally:
                 self._clear()
 

@@ -63,7 +63,9 @@ def _bad_arguments() -> None:
         (dict(stage=1, reshard_after_forward=False), ValueError, "reshard_after_forward"),
         (dict(stage=2, bucket_mb=0), ValueError, "bucket_mb"),
         (dict(stage=2, grad_dtype=torch.int32), ValueError, "grad_dtype"),
-        (dict(stage=3), NotImplementedError, "stage=3"),
+        (dict(stage=3, wrap="blocks"), TypeError, "wrap"),
+        (dict(stage=3, wrap={nn.Linear, 3}), TypeError, "wrap"),
+        (dict(stage=3, reshard_after_forward="yes"), TypeError, "reshard_after_forward"),
     ]
     patch = _no_collective()
     try:

@@ -120,6 +120,9 @@ class ShardedBucket:
     #: stage 1: this bucket was reduced in a backward since the last zero_grad
     reduced: bool = False
     shard_params: list[nn.Parameter] = field(default_factory=list)
+    #: stage 3: ``[shard]`` persistent parameter shard (param dtype); ``flat_param`` is then
+    #: allocated only while its unit is gathered
+    param_shard: torch.Tensor | None = None
 
     @property
     def reduced_shard(self) -> torch.Tensor:
@@ -133,7 +136,7 @@ class ShardedBucket:
     def local_param_shard(self) -> torch.Tensor:
         """This rank's shard of the parameters (``[shard]``, param dtype, on the params' device):
         the persistent storage the post-step write-back and all-gather read."""
-        return self.flat_param.narrow(0, self.start, self.shard)
+        return self.flat_param.narrow(0, self.start, self.shard) if self.param_shard is None else self.param_shard
 
 
 class FlatShards:
@@ -268,13 +271,13 @@ class FlatShards:
             full = torch.empty(sb.total, dtype=self.grad_dtype, device=sb.flat_param.device)
             self._hold(full.numel() * full.element_size())
             self._pack(gb, full, into_views=False)
-        out = sb.grad_shard if (self.stage == 2 and sb.fresh) else torch.empty_like(full[: sb.shard])
+        out = sb.grad_shard if (self.stage >= 2 and sb.fresh) else torch.empty_like(full[: sb.shard])
         if out is not sb.grad_shard:
             self._hold(out.numel() * out.element_size())
         # the packed bucket is dead once reduced (stage 2: transient; stage 1: only this rank's
         # shard of it is read again), so gloo may reduce it in place (see comm.reduce_scatter)
         work = reduce_scatter(out, full, group=self.group, op="sum", async_op=True, stats=self.stats, input_is_scratch=True)
-        self._in_flight.append((sb, work, full if self.stage == 2 else None, out))
+        self._in_flight.append((sb, work, full if self.stage >= 2 else None, out))
         return work
 
     def _pack(self, gb: GradBucket, full: torch.Tensor, *, into_views: bool) -> None:

@@ -44,6 +44,8 @@ from ..data_parallel import broadcast_module_state, check_same_model
 from ..loss_scaler import DynamicLossScaler
 from ..reducer import GradReducer
 from .flat_shards import FlatShards, ShardedBucket
+from .stage3 import ShardUnits
+from .units import check_wrap
 
 __all__ = ["ShardedDataParallel"]
 
@@ -140,16 +142,7 @@ class ShardedDataParallel(nn.Module):
         self._step_state: tuple[bool, torch.Tensor | None] | None = None
         check_same_model(module, group=self._group, device=ctx.device, stats=self.comm_stats, who="ShardedDataParallel")
         broadcast_module_state(module, group=self._group, stats=self.comm_stats)
-        trainable = [p for p in params if p.requires_grad and p.numel() > 0]
-        cap = int(bucket_mb * 2**20)
-        plan = plan_buckets(
-            [p.numel() * self.grad_dtype.itemsize for p in trainable],
-            [(p.device, p.dtype) for p in trainable],
-            cap_bytes=cap,
-            first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
-        )
-        self._shards = FlatShards(
-            [[trainable[i] for i in idx] for idx in plan],
+        shard_kwargs = dict(
             group=self._group,
             rank=ctx.rank("dp"),
             size=self._dp,
@@ -159,6 +152,23 @@ class ShardedDataParallel(nn.Module):
             backend=backend,
             offload=offload is not None,
         )
+        self._units: ShardUnits | None = None
+        if stage == 3:
+            self._units = ShardUnits(
+                module, wrap=wrap, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb, **shard_kwargs
+            )
+            self._shards: FlatShards = self._units.shards
+            self._reducer = self._units.reducer
+            return
+        trainable = [p for p in params if p.requires_grad and p.numel() > 0]
+        cap = int(bucket_mb * 2**20)
+        plan = plan_buckets(
+            [p.numel() * self.grad_dtype.itemsize for p in trainable],
+            [(p.device, p.dtype) for p in trainable],
+            cap_bytes=cap,
+            first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
+        )
+        self._shards = FlatShards([[trainable[i] for i in idx] for idx in plan], **shard_kwargs)
         self._reducer = GradReducer(
             [sb.grad_bucket for sb in self._shards.buckets], launch=self._shards.launch, finish=self._shards.finish
         )
@@ -167,8 +177,12 @@ class ShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (after discarding the reduction of a backward that raised)."""
         if self._reducer.pre_forward():
+            if self._units is not None:
+                self._units.reshard_all()
             self._shards.abandon()
             self._step_state = None
+        if self._units is not None:
+            return self._units.forward(self.module, args, kwargs)
         try:
             return self.module(*args, **kwargs)
         finally:
@@ -178,7 +192,7 @@ class ShardedDataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: stage 1 skips communication inside the block; stage 2 still
         reduce-scatters every backward into the shard (it never holds a full gradient)."""
-        if self.stage == 1:
+        if self.stage == 1:  # stages 2 and 3 hold no full gradient
             with self._reducer.disabled():
                 yield
         else:
@@ -246,13 +260,19 @@ class ShardedDataParallel(nn.Module):
         Example:
             >>> torch.save(sdp.full_state_dict(rank0_only=True), "model.pt")  # on rank 0
         """
-        if rank0_only and self.ctx.rank("dp") != 0:
+        want = not rank0_only or self.ctx.rank("dp") == 0
+        if self._units is not None:  # every rank takes part in the gathers
+            return self._units.full_state_dict(self.module, want)
+        if not want:
             return {}
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full tensors into the module (params are written in place in their buckets) and
-        re-read the fp32 master shards from them."""
+        re-read the fp32 master shards from them (stage 3: into this rank's param shards)."""
+        if self._units is not None:
+            self._units.load_full_state_dict(self.module, state)
+            return
         self.module.load_state_dict(state)
         self._shards.refresh_master()
 
@@ -267,10 +287,8 @@ class ShardedDataParallel(nn.Module):
         once so far).
         """
         mem = self._shards.persistent_bytes()
-        flat = {sb.flat_param.untyped_storage().data_ptr() for sb in self._shards.buckets}
-        mem["params"] += sum(
-            p.numel() * p.element_size() for p in self.module.parameters() if p.untyped_storage().data_ptr() not in flat
-        )
+        held = {p for sb in self._shards.buckets + getattr(self._shards, "frozen", []) for p in sb.grad_bucket.params}
+        mem["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if p not in held)
         opt = self._optimizer() if self._optimizer is not None else None
         mem["optimizer_state"] = opt.state_bytes() if opt is not None else 0
         mem["model_state"] = sum(mem.values())
@@ -341,8 +359,7 @@ def _validate(
     if len({p.device for p in params}) > 1:
         raise ValueError(f"module: parameters on several devices {sorted({str(p.device) for p in params})}")
     if stage == 3:
-        raise NotImplementedError(
-            "stage=3 (parameters sharded and gathered per `wrap` unit, prefetch, reshard_after_forward) "
-            "is not built yet; use stage=1 or 2 (see docs/zero.md, 'What is next')"
-        )
+        check_wrap(wrap)
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     return params

@@ -1,0 +1,303 @@
+"""ZeRO stage 3: parameters sharded, gathered per unit just before use, freed after.
+
+One step, top-down (FSDP2's ``FSDPParamGroup`` phases, each under ``shardkit::<phase>``):
+
+1. ``forward`` starts: the root unit (the params no other unit owns: embeddings, final norm,
+   head) is all-gathered and stays gathered until the end of backward.
+2. ``pre_forward(unit)`` (a forward pre-hook on the unit's module): all-gather the unit unless
+   it was prefetched, *then* start the all-gather of the unit that followed it in the last
+   forward (prefetch, async), then wait for this unit's. Its params are views of the gathered
+   flat buffers ([Note: gathering into autograd's saved tensors]).
+3. ``post_forward(unit)``: free the unit's full buffers (unless ``reshard_after_forward=False``)
+   and hook its outputs (``register_multi_grad_hook``) so that its backward is announced.
+4. ``pre_backward(unit)`` (the first gradient reaching the unit's outputs): gather it again
+   and prefetch the unit that precedes it in the forward order — the next one in backward.
+5. ``post_backward(bucket)`` (the reducer, as each bucket's grads are ready, in launch order):
+   pack the grads, reduce-scatter into the persistent fp32 ``[shard]`` gradient (stage 2's
+   path); once a unit's last bucket is launched its backward is over: free its full buffers.
+6. ``finalize_backward``: launch what is left (unused params), wait, free every unit still
+   gathered (the root, units with frozen params). The step epilogue, clip and optimizer are
+   stage 2's, on the shards; after the step the fp32 masters are written back into the
+   persistent param shards — the next forward's gathers replace stage 1/2's all-gather.
+
+Communication per step: all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ =
+3Ψ (docs/reference.md "ZeRO memory and communication"); the root unit is gathered once (its Ψ
+counts once in the all-gathers), and ``reshard_after_forward=False`` saves the backward gathers
+(2Ψ, at the memory of every unit gathered from forward to its backward).
+
+[Note: stage-3 gather order]
+Every rank must issue the same collectives in the same order: gloo and NCCL match collectives
+by their position in the group's sequence, so if rank 0 gathers unit 3 while rank 1 gathers
+unit 4 they either deadlock or silently swap buffers of equal size. Gathers are therefore issued
+only from points every rank reaches in the same order — the pre-forward hooks (forward runs the
+same modules on every rank), the pre-backward hooks (autograd runs the same graph) — and what
+to prefetch is decided from data every rank has alike: the unit sequence of the *previous*
+forward, recorded in ``pre_forward`` (forward and backward) and this forward's sequence
+reversed (backward). The order cannot be taken from registration order (a model may call its
+blocks in another order, or one block twice) nor decided as gathers complete (completion order
+differs per rank). A model whose control flow differs between ranks (a data-dependent skip of a
+block on one rank) is not supported by ZeRO-3 on any framework; the reduce-scatters keep the
+reducer's fixed bucket order ([Note: bucket launch order] in ``parallel/reducer.py``).
+
+[Note: why the forward order is recorded]
+A prefetch must be issued *before* the unit that needs it starts, i.e. before the hooks know
+which module runs next. Registration order is a guess; the previous forward's order is exact
+for models whose forward is the same every step, costs nothing to record, and adapts when it
+changes (one step runs with a useless prefetch, freed at the end of backward). Backward's order
+is this forward's sequence reversed, so its prefetches are exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.profiler import record_function
+from torch.utils._pytree import tree_leaves
+
+from ..buckets import plan_buckets
+from ..reducer import GradBucket, GradReducer
+from .flat_shards import ShardedBucket
+from .stage3_shards import Stage3Shards
+from .units import UnitSpec, select_units
+
+__all__ = ["ShardUnits"]
+
+
+class _Unit:
+    """One unit's runtime state: its buckets and whether they are gathered."""
+
+    def __init__(self, spec: UnitSpec, buckets: list[ShardedBucket], frozen: list[ShardedBucket], root: bool) -> None:
+        self.name, self.module, self.root = spec.name, spec.module, root
+        self.buckets = buckets + frozen
+        self.last_bucket = max((sb.grad_bucket.index for sb in buckets), default=None)
+        self.has_frozen = bool(frozen)
+        self.gathered = False  # full buffers allocated (gathered or being gathered)
+        self.works: list[Any] = []
+
+
+class ShardUnits:
+    """The stage-3 runtime: units, their hooks, prefetch, and the reducer they share.
+
+    Args:
+        module: the model (its params become views of the units' flat buffers).
+        wrap: the units (see :func:`~shardkit.parallel.zero.units.select_units`).
+        reshard_after_forward: free each unit after its forward (True) or keep it until its
+            backward is over (False: no backward all-gather, more memory).
+        bucket_mb: bucket capacity in MiB inside a unit.
+        **shard_kwargs: :class:`Stage3Shards` arguments (group, rank, size, grad_dtype, ...).
+
+    Attributes:
+        shards: the :class:`Stage3Shards` (``.buckets``: every trainable bucket, launch order).
+        reducer: the :class:`~shardkit.parallel.reducer.GradReducer` over those buckets.
+        units: root unit first, then the others in module order.
+
+    Example:
+        >>> units = ShardUnits(model, wrap=None, reshard_after_forward=True, bucket_mb=25,
+        ...                    group=dp, rank=r, size=n, stage=3, grad_dtype=torch.float32,
+        ...                    stats=CommStats())
+        >>> out = units.forward(model, (x,), {})     # gathers per unit, frees after
+    """
+
+    def __init__(
+        self, module: nn.Module, *, wrap: Any, reshard_after_forward: bool, bucket_mb: float, **shard_kwargs: Any
+    ) -> None:
+        specs = select_units(module, wrap)
+        self.reshard_after_forward = reshard_after_forward
+        cap = int(bucket_mb * 2**20)
+        # launch order: the reverse of module order (backward's), the root last: it holds the
+        # first-used params (embeddings) whose grads come last
+        launch_order = specs[1:][::-1] + specs[:1]
+        trainable, frozen, owner_t, owner_f = [], [], [], []
+        for spec in launch_order:
+            for want, out, owner in ((True, trainable, owner_t), (False, frozen, owner_f)):
+                ps = [p for p in spec.params if p.requires_grad == want and p.numel() > 0]
+                plan = plan_buckets(
+                    [p.numel() * p.element_size() for p in ps],
+                    [(p.device, p.dtype) for p in ps],
+                    cap_bytes=cap,
+                    first_cap_bytes=None,
+                )
+                out.extend([ps[i] for i in idx] for idx in plan)
+                owner.extend([spec] * len(plan))
+        self.shards = Stage3Shards(trainable, frozen, **shard_kwargs)
+        self.units = [
+            _Unit(
+                spec,
+                [sb for sb, o in zip(self.shards.buckets, owner_t) if o is spec],
+                [sb for sb, o in zip(self.shards.frozen, owner_f) if o is spec],
+                root=i == 0,
+            )
+            for i, spec in enumerate(specs)
+        ]
+        self.root = self.units[0]
+        self._unit_of = {sb.grad_bucket.index: u for u in self.units for sb in u.buckets if sb.grad_bucket.index >= 0}
+        self.reducer = GradReducer(
+            [sb.grad_bucket for sb in self.shards.buckets],
+            launch=self._post_backward,
+            finish=self.shards.finish,
+            on_finalize=self._finalize_backward,
+        )
+        self._handles = []
+        for u in self.units[1:]:
+            self._handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            self._handles.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+        self._last_order: list[_Unit] = []  # the previous forward's unit sequence ([Note: why ...])
+        self._order: list[_Unit] = []  # this forward's
+        self._bwd_cursor = 0
+        #: every unit gather issued, in order: ``(unit name, "forward" | "backward" | "prefetch")``
+        self.gather_log: list[tuple[str, str]] = []
+
+    # ---- gather / free -----------------------------------------------------------------------
+    def _unshard(self, unit: _Unit, why: str) -> None:
+        if unit.gathered or not unit.buckets:
+            return
+        with record_function("shardkit::all_gather"):
+            unit.works = [self.shards.gather(sb) for sb in unit.buckets]
+        unit.gathered = True
+        self.gather_log.append((unit.name, why))
+
+    @staticmethod
+    def _wait(unit: _Unit) -> None:
+        for work in unit.works:
+            work.wait()
+        unit.works = []
+
+    def _reshard(self, unit: _Unit) -> None:
+        if not unit.gathered:
+            return
+        self._wait(unit)  # a collective may still write the buffer: never free it in flight
+        for sb in unit.buckets:
+            self.shards.free(sb)
+        unit.gathered = False
+
+    def reshard_all(self) -> None:
+        """Free every gathered unit (waiting for gathers in flight first)."""
+        for unit in self.units:
+            self._reshard(unit)
+
+    # ---- phases ------------------------------------------------------------------------------
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        """Run ``module`` with the units gathered around their forwards (the reducer's
+        ``pre_forward`` must have run; :meth:`ShardedDataParallel.forward` does it)."""
+        self.reshard_all()  # a forward without backward (reshard_after_forward=False) left some
+        self._last_order, self._order = self._order or self._last_order, []
+        self._pre_forward(self.root)
+        try:
+            out = module(*args, **kwargs)
+        finally:
+            self.reducer.post_forward()
+        self._post_forward(self.root, out)
+        return out
+
+    def _pre_forward(self, unit: _Unit) -> None:
+        with record_function("shardkit::pre_forward"):
+            pos = len(self._order)
+            self._order.append(unit)
+            self._unshard(unit, "forward")
+            # [Note: stage-3 gather order]: the next unit of the previous forward, issued after
+            # this unit's own gather on every rank
+            if pos + 1 < len(self._last_order):
+                self._unshard(self._last_order[pos + 1], "prefetch")
+            self._wait(unit)
+
+    def _post_forward(self, unit: _Unit, out: Any) -> None:
+        with record_function("shardkit::post_forward"):
+            grad = torch.is_grad_enabled()
+            if not grad or (self.reshard_after_forward and not unit.root):
+                self._reshard(unit)
+            if not grad:
+                if unit.root:
+                    self.reshard_all()
+                return
+            tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda *_: self._pre_backward(unit), mode="any")
+            if unit.root:
+                self._bwd_cursor = len(self._order)
+
+    def _pre_backward(self, unit: _Unit) -> None:
+        with record_function("shardkit::pre_backward"):
+            self._unshard(unit, "backward")
+            order = self._order
+            if unit.root:  # the output of the whole model: backward starts with the last unit
+                nxt = len(order) - 1
+            else:  # this unit's last call before the cursor; the one before it runs next
+                at = [i for i in range(min(self._bwd_cursor, len(order))) if order[i] is unit]
+                nxt = at[-1] - 1 if at else -1
+                if at:
+                    self._bwd_cursor = at[-1]
+            if nxt >= 0 and order[nxt] is not unit:
+                self._unshard(order[nxt], "prefetch")
+            self._wait(unit)
+
+    def _post_backward(self, gb: GradBucket) -> Any:
+        """The reducer's launch: reduce-scatter the bucket; free its unit after its last one."""
+        with record_function("shardkit::reduce_scatter"):
+            work = self.shards.launch(gb)
+        unit = self._unit_of[gb.index]
+        # its last bucket launched: every trainable param of the unit has its grad, so autograd
+        # ran every node that used them. Frozen params may still be read by a later node: such
+        # units (and the root) stay gathered until finalize_backward
+        if gb.index == unit.last_bucket and not unit.root and not unit.has_frozen:
+            self._reshard(unit)
+        return work
+
+    def _finalize_backward(self) -> None:
+        self.reshard_all()
+
+    # ---- state -------------------------------------------------------------------------------
+    def unit_of_param(self) -> dict[nn.Parameter, _Unit]:
+        """Every sharded parameter -> its unit."""
+        return {p: u for u in self.units for sb in u.buckets for p in sb.grad_bucket.params}
+
+    @torch.no_grad()
+    def full_state_dict(self, module: nn.Module, want: bool) -> dict[str, torch.Tensor]:
+        """Gather unit by unit (every rank, same order) and copy the full tensors (if ``want``)."""
+        tensors = module.state_dict(keep_vars=True)
+        owner = self.unit_of_param()
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            was = unit.gathered
+            self._unshard(unit, "state_dict")
+            self._wait(unit)
+            if want:
+                out.update({k: t.detach().clone() for k, t in tensors.items() if owner.get(t) is unit})
+            if not was:
+                self._reshard(unit)
+        if not want:
+            return {}
+        return {k: out[k] if k in out else t.detach().clone() for k, t in tensors.items()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Write each full tensor's piece into this rank's shards (no communication)."""
+        tensors = module.state_dict(keep_vars=True)
+        missing, unexpected = sorted(set(tensors) - set(state)), sorted(set(state) - set(tensors))
+        if missing or unexpected:
+            raise ValueError(f"state: missing keys {missing}, unexpected keys {unexpected}")
+        where = {}
+        for sb in self.shards.buckets + self.shards.frozen:
+            for seg in sb.segments:
+                where.setdefault(sb.grad_bucket.params[seg.index], []).append((sb, seg))
+        owner = self.unit_of_param()
+        for k, t in tensors.items():
+            if tuple(state[k].shape) != tuple(t.shape):
+                raise ValueError(f"state[{k!r}]: shape {tuple(state[k].shape)}, the module's is {tuple(t.shape)}")
+            if t not in owner:
+                t.detach().copy_(state[k])
+                continue
+            src = state[k].detach().reshape(-1)
+            for sb, seg in where.get(t, []):
+                dst = sb.param_shard.narrow(0, seg.flat_offset - sb.start, seg.numel)
+                dst.copy_(src.narrow(0, seg.tensor_offset, seg.numel))
+        self.shards.refresh_master()
+
+    def remove(self) -> None:
+        """Remove the hooks (the units stop gathering)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.reducer.remove()

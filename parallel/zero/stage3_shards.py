@@ -1,0 +1,149 @@
+"""Stage-3 storage: only this rank's shard of each parameter bucket persists.
+
+:class:`Stage3Shards` is :class:`~shardkit.parallel.zero.flat_shards.FlatShards` with the
+parameters sharded too. Every bucket keeps the stage-1/2 layout (``bucket_layout(...,
+pad_to_multiple_of=N * ALIGN_ELEMENTS)``, :func:`shard_segments`) and the stage-2 gradient path
+(the reducer's launch packs a bucket and reduce-scatters it into the persistent ``[shard]``
+gradient; the step epilogue and clip are unchanged). What differs is the parameter storage:
+
+=====================  ===============================================================
+tensor                 stage 3 (Ψ elements per bucket, b param bytes, g grad bytes)
+=====================  ===============================================================
+``param_shard``        bΨ/N, persistent: ``sb.local_param_shard()``
+``flat_param``         bΨ only while its unit is gathered (storage resized to 0 otherwise);
+                       the module's params are views of it
+``grad_shard``         gΨ/N, persistent
+master (b < 4)         4Ψ/N, persistent
+=====================  ===============================================================
+
+The optimizer updates ``master_shard()`` (``param_shard`` itself for fp32 params), and
+:meth:`Stage3Shards.all_gather_params` — called by ``ZeroOptimizer`` after the step — only
+writes the updated fp32 master back into ``param_shard``: the next forward gathers it, so no
+all-gather is needed after the step. Frozen parameters get buckets of their own
+(:attr:`Stage3Shards.frozen`): sharded and gathered with their unit, but no gradient, master or
+optimizer view, and absent from :attr:`~FlatShards.buckets` (what the optimizer sees).
+
+[Note: gathering into autograd's saved tensors]
+Autograd saves the parameters a unit's forward used (views of ``flat_param``) for its backward.
+Freeing the unit resizes the *storage* of ``flat_param`` to 0 bytes and gathering resizes it
+back and all-gathers into it, so the saved views — the same storage — read the re-gathered
+values in backward (FSDP2's scheme). The all-gather writes a tensor autograd saved; it is
+issued under ``torch.autograd._unsafe_preserve_version_counter`` so that writing the same
+values back is not mistaken for an in-place modification (the values are the ones forward used:
+the optimizer only changes ``param_shard`` between steps).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.comm import CommHandle, all_gather
+from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, flatten_into, shard_segments
+
+from ..reducer import GradBucket
+from .flat_shards import FlatShards, ShardedBucket
+
+__all__ = ["Stage3Shards"]
+
+
+class Stage3Shards(FlatShards):
+    """Stage-3 flat shards: trainable buckets (``buckets``) and frozen ones (``frozen``).
+
+    Args:
+        buckets: trainable parameters per bucket, in the reducer's launch order.
+        frozen: frozen parameters per bucket (gathered with their unit, never reduced).
+        **kwargs: as :class:`FlatShards` (``stage`` is 3).
+
+    Example:
+        >>> shards = Stage3Shards([[w, b]], [], group=dp, rank=0, size=2, stage=3,
+        ...                       grad_dtype=torch.float32, stats=CommStats())
+        >>> work = shards.gather(shards.buckets[0]); work.wait()   # w, b readable
+        >>> shards.free(shards.buckets[0])                          # only the shard stays
+    """
+
+    def __init__(self, buckets: list[list[nn.Parameter]], frozen: list[list[nn.Parameter]], **kwargs: Any) -> None:
+        super().__init__(buckets, **kwargs)
+        self.frozen = [self._build(-1, params, trainable=False) for params in frozen]
+
+    @torch.no_grad()
+    def _build(self, index: int, params: list[nn.Parameter], trainable: bool = True) -> ShardedBucket:
+        numels = [p.numel() for p in params]
+        offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=self.size * ALIGN_ELEMENTS)
+        shard = total // self.size
+        start = self.rank * shard
+        dtype, device = params[0].dtype, params[0].device
+        flat = torch.zeros(total, dtype=dtype, device=device)  # gaps and padding stay zero
+        flatten_into([p.detach().contiguous() for p in params], flat, offsets, backend=self.backend)
+        for p, o in zip(params, offsets):
+            p.data = flat.narrow(0, o, p.numel()).view(p.shape)  # views survive the storage resizes
+        param_shard = flat.narrow(0, start, shard).clone()
+        low = dtype != torch.float32
+        master = param_shard.float() if (trainable and low and not self.offload) else None
+        gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
+        sb = ShardedBucket(
+            gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard), flat, master
+        )
+        sb.param_shard = param_shard
+        flat.untyped_storage().resize_(0)  # from now on only the shard persists
+        if not trainable:
+            return sb
+        sb.grad_shard = torch.zeros(shard, dtype=self.grad_dtype, device=device)
+        weights = sb.master_shard()
+        for seg in [] if self.offload else sb.segments:  # views: the optimizer's in-place updates write the shard
+            sb.shard_params.append(nn.Parameter(weights.narrow(0, seg.flat_offset - start, seg.numel)))
+        if self.grad_dtype == torch.float32:
+            self._bind_opt_grad(sb, sb.reduced_shard)
+        return sb
+
+    # ---- gather / free -----------------------------------------------------------------------
+    @staticmethod
+    def is_gathered(sb: ShardedBucket) -> bool:
+        """Whether the bucket's full buffer is allocated (gathered or being gathered)."""
+        return sb.flat_param.untyped_storage().nbytes() > 0
+
+    def gather(self, sb: ShardedBucket) -> CommHandle:
+        """Allocate ``sb.flat_param`` and start all-gathering every rank's ``param_shard`` into it
+        (async; see [Note: gathering into autograd's saved tensors])."""
+        nbytes = sb.total * sb.flat_param.element_size()
+        sb.flat_param.untyped_storage().resize_(nbytes)
+        self._hold(nbytes)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(sb.flat_param):
+            return all_gather(sb.flat_param, sb.param_shard, group=self.group, async_op=True, stats=self.stats)
+
+    def free(self, sb: ShardedBucket) -> None:
+        """Release the full buffer (its gather must have been waited)."""
+        if self.is_gathered(sb):
+            sb.flat_param.untyped_storage().resize_(0)
+            self._release(sb.total * sb.flat_param.element_size())
+
+    # ---- step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """After the step: write each updated fp32 master into ``param_shard`` (no communication:
+        the next forward gathers the shards). fp32 params are updated in place already; with
+        offload the optimizer wrote ``local_param_shard()`` itself."""
+        for sb in self.buckets:
+            if sb.master is not None:
+                sb.param_shard.copy_(sb.master)
+
+    @torch.no_grad()
+    def refresh_master(self) -> None:
+        """Re-read the fp32 master shards from ``param_shard`` (after loading params)."""
+        for sb in self.buckets:
+            if sb.master is not None:
+                sb.master.copy_(sb.param_shard)
+
+    def persistent_bytes(self) -> dict[str, int]:
+        """Persistent bytes: parameter shards (trainable and frozen), gradient shards, masters."""
+
+        def nb(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        return {
+            "params": sum(nb(sb.param_shard) for sb in self.buckets + self.frozen),
+            "grads": sum(nb(sb.grad_shard) for sb in self.buckets),
+            "master_params": sum(nb(sb.master) for sb in self.buckets),
+        }
