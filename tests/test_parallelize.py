@@ -11,7 +11,7 @@ from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT, gpt_blocks, lm_loss
-from shardkit.parallel.parallelize import parallelize
+from shardkit.parallel.compose import parallelize
 from shardkit.parallel.tensor import gpt_plan, shard_state_dict
 from tolerances import FP32
 
