@@ -8,6 +8,7 @@ Example:
     >>> sdp = ShardedDataParallel(net, ctx, stage=2)     # or ZeRO-2 instead of DataParallel
     >>> opt = ZeroOptimizer(sdp, FusedAdamW, lr=3e-4)
     >>> tp_model = tensor_parallelize(gpt, ctx, gpt_plan())  # Megatron-style TP over ctx's tp axis
+    >>> save_checkpoint("ckpt", sdp, opt); load_checkpoint("ckpt", sdp, opt)  # reshardable
     >>> pipe = PipelineParallel(blocks, ctx, schedule="1f1b", microbatches=8, loss_fn=loss_fn)
 
 The subpackages hold the rest of each family: :mod:`shardkit.parallel.zero` (and its planner),
@@ -31,6 +32,8 @@ from .tensor import (
 )
 from .zero import ShardedDataParallel, ZeroOptimizer
 
+from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402 - needs .zero and .data_parallel
+
 __all__ = [
     "vocab_parallel_cross_entropy",
     "tensor_parallelize",
@@ -51,6 +54,8 @@ __all__ = [
     "TrainingState",
     "ZeroOptimizer",
     "clip_grad_norm_",
+    "load_checkpoint",
+    "save_checkpoint",
     "make_strategy",
     "plan_buckets",
     "unscale_grads_",
