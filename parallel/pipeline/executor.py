@@ -17,20 +17,14 @@ divides them by the global count, which the last stage broadcasts with the losse
 broadcast per step), then adds them to ``param.grad``. Gradients therefore never depend on how
 the batch was cut into micro-batches.
 
-[Note: the shape exchange]
-Receive buffers need each boundary's shape and dtype. On the first step, and again whenever the
-micro-batch input or target signature changes, the stages run once in stage order on zeros of
-the announced shape (no grad): stage ``s`` receives ``(shape, dtype)`` of its input from stage
-``s - 1``, runs, and passes its output's on. A stage that fails passes the failure on instead;
-the last stage broadcasts the outcome and the failed stage's owner broadcasts the message, so
-*every* rank raises the same ``ValueError`` naming both stages, instead of one rank raising and
-the others hanging. The signature check at the start of each step is one tiny all-reduce.
+The shape exchange before the first activation is in :mod:`~shardkit.parallel.pipeline.shapes`;
+tied parameters in :mod:`~shardkit.parallel.pipeline.tied`.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,26 +32,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
+from torch.utils.checkpoint import GraphExecGroup
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 
 from .backward import WeightWork, backward_input, backward_weight
-from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag, post
+from ..activation_checkpointing import checkpoint_blocks
+from .p2p import p2p_tag, post
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
+from .shapes import exchange_shapes, signature
 from .split import SplitSpec, split_blocks
+from .tied import TiedParameters, TiedSpec, find_ties
 
 __all__ = ["PipelineParallel"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
-_MSG_BYTES = 2048
-
-
-def _sig(t: torch.Tensor | None) -> int:
-    return 0 if t is None else zlib.crc32(f"{tuple(t.shape)}:{t.dtype}".encode())
-
-
-def _describe(shape: torch.Size, dtype: torch.dtype) -> str:
-    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 class PipelineParallel:
@@ -80,10 +69,21 @@ class PipelineParallel:
         split: ``"layers"``, ``"params"`` or explicit stage sizes (see
             :func:`~shardkit.parallel.pipeline.split.partition`).
         stats: optional :class:`~shardkit.comm.CommStats` for the P2P and broadcast payloads.
+        tied: extra tied parameter slots, e.g. ``[("0.weight", "7.weight")]`` (keys of
+            ``nn.Sequential(*blocks)``); the same ``nn.Parameter`` in several blocks is tied
+            without it. See [Note: tied weights across stages] in
+            :mod:`~shardkit.parallel.pipeline.tied`.
+        checkpointing: ``False``, ``True`` (every block of this rank recomputes its forward in
+            backward, see :func:`~shardkit.parallel.activation_checkpointing.checkpoint_blocks`)
+            or ``"cpu"`` (the same, with the kept block inputs in CPU memory).
 
     Raises:
         ValueError: bad schedule/sizes, interleaved with ``m % pp != 0``, more stages than
-            blocks — all before any communication.
+            blocks, a bad ``tied`` or ``checkpointing`` — all before any communication.
+
+    The constructor is collective on pp when parameters are tied across ranks (their values are
+    broadcast from the lowest block's owner), and on the world when a tie spans only part of the
+    pp group (its process group is created); :meth:`close` releases those groups.
 
     Example:
         >>> ctx = ParallelContext.from_env(pp=2)
@@ -103,21 +103,32 @@ class PipelineParallel:
         virtual_stages: int = 1,
         split: SplitSpec = "layers",
         stats: CommStats | None = None,
+        tied: TiedSpec = (),
+        checkpointing: bool | str = False,
     ) -> None:
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not (isinstance(checkpointing, bool) or checkpointing == "cpu"):
+            raise ValueError(f"checkpointing must be False, True or 'cpu', got {checkpointing!r}")
+        self.checkpointing = checkpointing
         self.ctx, self.loss_fn, self.stats = ctx, loss_fn, stats
         self.group, self.rank, p = ctx.group("pp"), ctx.rank("pp"), ctx.size("pp")
         self.schedule = build_schedule(schedule, num_ranks=p, microbatches=microbatches, virtual_stages=virtual_stages)
         S = self.schedule.num_stages
         plan = split_blocks(blocks, S, split)
+        ties = find_ties([b for _, mod in plan for b in mod], tied)
         #: ``stage_blocks[s]``: indices of the blocks that form stage ``s`` (all stages).
         self.stage_blocks: list[range] = [idx for idx, _ in plan]
         #: this rank's stages: ``{stage: nn.Sequential}``.
         self.stages: dict[int, nn.Module] = {s: mod for s, (_, mod) in enumerate(plan) if s % p == self.rank}
         self._params = {s: [q for q in mod.parameters() if q.requires_grad] for s, mod in self.stages.items()}
+        if checkpointing:
+            for mod in self.stages.values():
+                checkpoint_blocks(mod, offload_to_cpu=checkpointing == "cpu")
+        self.tied = TiedParameters([b for _, mod in plan for b in mod], ties, self.stage_blocks, p, ctx, stats)
+        self.tied.broadcast_values()
         self._signature: tuple[int, ...] | None = None
         self._loop_s = 0.0
         self._in_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
@@ -130,8 +141,16 @@ class PipelineParallel:
 
     # ---- public ------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's stage parameters (for the optimizer)."""
-        return [q for s in sorted(self.stages) for q in self.stages[s].parameters()]
+        """This rank's stage parameters (for the optimizer), each once even when tied across
+        two of this rank's stages."""
+        unique = {id(q): q for s in sorted(self.stages) for q in self.stages[s].parameters()}
+        return list(unique.values())
+
+    def close(self) -> None:
+        """Release the process groups created for tied parameters (see
+        :class:`~shardkit.parallel.pipeline.tied.TiedParameters`); the pipeline must not step
+        afterwards. Idempotent; local."""
+        self.tied.close()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, keyed as ``nn.Sequential(*blocks).state_dict()``
@@ -299,7 +318,11 @@ class PipelineParallel:
 
     def backward_weight(self, s: int, i: int, st: _StepState) -> None:
         """ZB-H1's W: the weight gradients of stage ``s`` for micro-batch ``i``."""
-        self._accumulate(s, backward_weight(st.w_pending.pop((s, i))), st)
+        work = st.w_pending.pop((s, i))
+        # checkpointed blocks: W's autograd calls (one per weight group) share one recomputation
+        with GraphExecGroup() if self.checkpointing else nullcontext():
+            grads = backward_weight(work)
+        self._accumulate(s, grads, st)
 
     def communicate(self, run: Sequence[Action], st: _StepState, t0: float) -> list[TimedAction]:
         """Post a run of consecutive sends/receives together (one ``batch_isend_irecv`` when
@@ -352,6 +375,7 @@ class PipelineParallel:
             total = sum(counts)
             if total <= 0:
                 raise ValueError(f"the loss counted {total} tokens over the batch; loss_fn must count >= 1")
+            self.tied.sync_grads(st.grad_acc)  # sum-form, before the division: see tied.py
             for q, acc in st.grad_acc.items():
                 acc.div_(total)  # acc is this step's own fp32 buffer: divide in place, no new tensor
                 g = acc if acc.dtype == q.dtype else acc.to(q.dtype)
@@ -385,80 +409,18 @@ class PipelineParallel:
         problem = next((v for v in (x_mbs, y_mbs) if isinstance(v, str)), None)
         rows[self.rank, 0] = problem is not None
         if problem is None:
-            rows[self.rank, 1] = _sig(x_mbs[0]) if x_mbs else 0
-            rows[self.rank, 2] = _sig(y_mbs[0]) if y_mbs else 0
+            rows[self.rank, 1] = signature(x_mbs[0]) if x_mbs else 0
+            rows[self.rank, 2] = signature(y_mbs[0]) if y_mbs else 0
         all_reduce(rows, group=self.group, stats=self.stats)
         bad = [r for r in range(p) if rows[r, 0]]
         if bad:
             here = f": {problem}" if problem else ""
             raise ValueError(f"pipeline step rejected by pp rank(s) {bad}{here}")
-        signature = tuple(rows[:, 1:].flatten().tolist())
-        if signature != self._signature:
-            self._exchange_shapes(x_mbs, y_mbs)
-            self._signature = signature
-
-    def _exchange_shapes(self, x_mbs: list | None, y_mbs: list | None) -> None:
-        """See [Note: the shape exchange]."""
-        p, S = self.schedule.num_ranks, self.schedule.num_stages
-        dev = self.ctx.device  # NCCL carries CUDA tensors only
-        failed, message = -1, ""
-        meta: tuple[torch.Size, torch.dtype] | None = None  # output of the previous stage
-        for s in range(S):
-            if s % p != self.rank:
-                continue
-            if s == 0:
-                x = x_mbs[0]
-                what = f"the micro-batch inputs {_describe(x.shape, x.dtype)}"
-            else:
-                if (s - 1) % p != self.rank:
-                    msg = torch.empty(META_LEN, dtype=torch.int64, device=dev)
-                    irecv(msg, src=(s - 1) % p, tag=p2p_tag(s - 1, 0, False, S), group=self.group).wait()
-                    failed, shape, dtype = decode_meta(msg)
-                    meta = None if failed >= 0 else (shape, dtype)
-                if meta is not None:
-                    self._in_meta[s] = meta
-                    x = torch.zeros(meta[0], dtype=meta[1], device=self.ctx.device)
-                    what = f"stage {s - 1}'s output (pp rank {(s - 1) % p}, {_describe(*meta)})"
-            if failed < 0:
-                step = "its forward"
-                try:
-                    with torch.no_grad():
-                        y = self.stages[s](x)
-                        if not isinstance(y, torch.Tensor):
-                            raise TypeError(f"a stage must return one tensor, got {type(y).__name__}")
-                        if s == S - 1:
-                            step = "the loss"
-                            what = f"its output {_describe(y.shape, y.dtype)} and targets {_describe(y_mbs[0].shape, y_mbs[0].dtype)}"
-                            self.loss_fn(y, y_mbs[0])
-                        elif not y.is_floating_point():
-                            raise TypeError(f"stage output must be floating point to carry gradients, got {y.dtype}")
-                    meta = (y.shape, y.dtype)
-                    self._out_meta[s] = meta
-                except Exception as exc:  # noqa: BLE001 - reported on every rank below
-                    blocks = self.stage_blocks[s]
-                    failed = s
-                    meta = None
-                    message = (
-                        f"pipeline stage {s} (pp rank {self.rank}, blocks {blocks.start}..{blocks.stop - 1}) "
-                        f"cannot run {step} on {what}: {type(exc).__name__}: {exc}"
-                    )
-            if s < S - 1 and (s + 1) % p != self.rank:
-                out = encode_meta(None, None, failed_stage=failed) if failed >= 0 else encode_meta(*meta)
-                out = out.to(dev)
-                isend(out, dst=(s + 1) % p, tag=p2p_tag(s, 0, False, S), group=self.group).wait()
-        # the outcome, from the last stage, then the failed stage's message, from its owner
-        status = torch.tensor([failed], dtype=torch.int64, device=dev)
-        broadcast(status, src=p - 1, group=self.group)
-        failed = int(status[0])
-        if failed >= 0:
-            buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8, device=dev)
-            if failed % p == self.rank:
-                raw = message.encode()[:_MSG_BYTES]
-                buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
-            broadcast(buf, src=failed % p, group=self.group)
-            text = bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
-            self._signature = None
-            raise ValueError(text)
+        sig = tuple(rows[:, 1:].flatten().tolist())
+        if sig != self._signature:
+            self._signature = None  # until the exchange succeeds
+            exchange_shapes(self, x_mbs, y_mbs)
+            self._signature = sig
 
 
 class _StepState:
