@@ -8,6 +8,7 @@ Example:
     $ shardkit train --nproc 2 --strategy ddp --bf16  # two processes, data parallel
     $ shardkit bench optim --help
     $ shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32   # ZeRO memory plan
+    $ shardkit consolidate ckpt/latest export/        # sharded checkpoint -> model.pt, optimizer.pt
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from shardkit.bench import BENCHMARKS
 from shardkit.bench import run as run_benchmark
 from shardkit.train.config import TrainConfig, add_arguments, from_args, to_argv
 
-__all__ = ["build_parser", "launch", "main", "run_plan"]
+__all__ = ["build_parser", "launch", "main", "run_consolidate", "run_plan"]
 
 _EXAMPLES = """\
 examples:
@@ -36,6 +37,7 @@ examples:
   shardkit bench zero                                ZeRO-1/2 vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed
   shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32
                                                      per-rank memory of DDP and ZeRO-1/2/3
+  shardkit consolidate ckpt/latest export/           sharded checkpoint -> plain torch.save files
 
 `shardkit COMMAND --help` lists a command's flags.
 """
@@ -52,6 +54,13 @@ Predict per-rank device memory (params, grads, optimizer state, transient buffer
 memory with offload, and communication per step for DDP (stage 0) and ZeRO-1/2/3, without
 allocating anything (formulas: docs/planner.md). Sizes in GB = 1e9 bytes, the ZeRO paper's unit.
 Activations are not included: leave room for them."""
+
+_CONSOLIDATE_DESCRIPTION = """\
+Read a checkpoint saved by shardkit.parallel.save_checkpoint (any dp size, ZeRO stage,
+DataParallel or one process) in this one process, without torch.distributed, and write
+OUT/model.pt (the model's state_dict) and OUT/optimizer.pt (a torch.optim state_dict, params
+indexed in model.named_parameters() order): plain tensors and dicts, loadable with torch alone.
+Details: docs/checkpoint.md."""
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _PLAN_MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "seq_len")
@@ -227,12 +236,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(train)
     _add_plan_parser(commands)
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="turn a sharded checkpoint into plain torch.save files (model.pt, optimizer.pt)",
+        description=_CONSOLIDATE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    consolidate.add_argument("dir", metavar="DIR", help="a checkpoint written by shardkit.parallel.save_checkpoint")
+    consolidate.add_argument("out", metavar="OUT", help="output directory for model.pt and optimizer.pt")
     bench = commands.add_parser("bench", help="run a benchmark (`shardkit bench --help` lists them)")
     benches = bench.add_subparsers(dest="bench", metavar="NAME", title="benchmarks", required=True)
     for name, entry in BENCHMARKS.items():
         # add_help=False: every flag after NAME, --help included, belongs to the benchmark's parser.
         benches.add_parser(name, help=f"{entry.help} (`shardkit bench {name} --help`)", add_help=False)
     return parser
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    """``shardkit consolidate DIR OUT``: exit 0 with the two paths printed, 1 on a bad checkpoint."""
+    from shardkit.consolidate import consolidate  # imports torch: only for this command
+
+    try:
+        paths = consolidate(args.dir, args.out)
+    except ValueError as e:
+        print(f"shardkit consolidate: error: {e}", file=sys.stderr)
+        return 1
+    for p in paths:
+        print(p)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -251,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_benchmark(args.bench, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "consolidate":
+        return run_consolidate(args)
     if args.command == "plan":
         try:
             return run_plan(args)

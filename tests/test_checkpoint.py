@@ -11,8 +11,11 @@ params far outside that tolerance within ``K`` Adam steps.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,14 +98,17 @@ def run_then_save(path: str, kind: str, stage: int, opt: str, dtype: torch.dtype
     return _params(module)
 
 
-def load_then_run(path: str, kind: str, stage: int, opt: str, dtype: torch.dtype, resave: str | None = None) -> dict:
-    """A fresh run that loads the checkpoint (optionally saves it again at once) and trains K."""
+def load_then_run(
+    path: str, kind: str, stage: int, opt: str, dtype: torch.dtype, resave: str | None = None, until: int = 2 * K
+) -> dict:
+    """A fresh run that loads the checkpoint (optionally saves it again at once) and trains on
+    to step ``until``."""
     model, optim, module, rows = _build(kind, stage, opt, dtype)
     extra = load_checkpoint(path, model, optim)
     assert extra == {"step": K, "note": "hello"}
     if resave is not None:
         save_checkpoint(resave, model, optim, extra=extra)
-    _train(model, optim, rows, range(extra["step"], 2 * K), dtype)
+    _train(model, optim, rows, range(extra["step"], until), dtype)
     return _params(module)
 
 
@@ -290,3 +296,58 @@ def test_corrupt_or_mismatched_checkpoint_raises_and_changes_nothing(tmp_path) -
         for k, v in s.items():
             assert torch.equal(after["state"][i][k], v), (i, k)
     assert after["param_groups"] == opt_before["param_groups"]
+
+
+# ---- shardkit consolidate ---------------------------------------------------------------------
+_TORCH_ONLY = """
+import sys, torch
+from torch import nn
+IN, HID, OUT, GLOBAL_BATCH, K = {consts}
+{net}
+{groups}
+{batch}
+model = Net()
+model.load_state_dict(torch.load(sys.argv[1] + "/model.pt", weights_only=True))
+opt = torch.optim.AdamW(_groups(model))
+opt.load_state_dict(torch.load(sys.argv[1] + "/optimizer.pt", weights_only=True))
+x, y = _batch(K, torch.float32)
+opt.zero_grad()
+nn.functional.mse_loss(model(x), y).backward()
+opt.step()
+assert not [m for m in sys.modules if m.split(".")[0] in ("shardkit", "kernels", "comm", "parallel")], "shardkit imported"
+torch.save(model.state_dict(), sys.argv[2])
+"""
+
+
+def test_consolidate_cli_loads_with_torch_only(dist_pool, zero2_dp2, tmp_path) -> None:
+    """``shardkit consolidate`` (one process, no torch.distributed) of the ZeRO-2 dp-2 checkpoint;
+    a process importing only torch loads model.pt + optimizer.pt into a fresh model and
+    torch.optim.AdamW, takes one step, and lands where the ZeRO run's step K+1 lands."""
+    path, _ = zero2_dp2
+    out = tmp_path / "export"
+    cli = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "consolidate", path, str(out)], capture_output=True, text=True, timeout=120
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert sorted(os.listdir(out)) == ["model.pt", "optimizer.pt"]
+    exported = torch.load(out / "optimizer.pt", weights_only=True)
+    assert set(exported["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}  # fc1.weight, full shape
+    assert exported["state"][0]["exp_avg"].shape == (HID, IN) and float(exported["state"][0]["step"]) == K
+    consts = f"{IN}, {HID}, {OUT}, {GLOBAL_BATCH}, {K}"
+    script = _TORCH_ONLY.format(
+        consts=consts, net=inspect.getsource(Net), groups=inspect.getsource(_groups), batch=inspect.getsource(_batch)
+    )
+    script = script.replace("from __future__", "#")
+    plain = subprocess.run(
+        [sys.executable, "-c", script, str(out), str(tmp_path / "after.pt")], capture_output=True, text=True, timeout=120
+    )
+    assert plain.returncode == 0, plain.stderr
+    ref = dist_pool.run(load_then_run, path, "zero", 2, "fused", torch.float32, None, K + 1, world_size=2, timeout=60)
+    _same(torch.load(tmp_path / "after.pt", weights_only=True), ref[0], FP32)
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    (bad / ".metadata").write_bytes(b"")
+    cli = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "consolidate", str(bad), str(tmp_path / "x")], capture_output=True, text=True
+    )
+    assert cli.returncode == 1 and ".metadata" in cli.stderr, cli.stderr

@@ -59,7 +59,10 @@ class Layout:
     @property
     def names(self) -> dict[nn.Parameter, str]:
         """Param -> its first name (as ``named_parameters()``; tied params share it)."""
-        return {p: n for n, p in reversed(list(self.module.named_parameters(remove_duplicate=False)))}
+        names: dict[nn.Parameter, str] = {}
+        for n, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(p, n)  # insertion order = model order (consolidate indexes by it)
+        return names
 
 
 def layout_of(model: nn.Module, optimizer: Any) -> Layout:
