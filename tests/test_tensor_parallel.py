@@ -20,9 +20,12 @@ from shardkit.comm import CommStats, ParallelContext
 from shardkit.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SequenceParallelGrads,
     SequenceParallelNorm,
     VocabParallelEmbedding,
+    reduce_from_tp_region,
     scatter_to_sequence_region,
+    share_sequence_parallel_grads,
 )
 from tolerances import FP32
 
@@ -189,6 +192,8 @@ def _tp_block(dense: _Block, ctx: ParallelContext, sp: bool, stats: CommStats) -
     if sp:
         block.ln1 = SequenceParallelNorm(block.ln1, ctx=ctx, stats=stats)
         block.ln2 = SequenceParallelNorm(block.ln2, ctx=ctx, stats=stats)
+        (sync,) = share_sequence_parallel_grads(block)  # what tensor_parallelize does
+        assert len(sync.params) == 6  # 2 LayerNorms (w, b) + 2 row biases
     block.heads = HEADS // tp
     return block
 
@@ -240,8 +245,9 @@ def _check_block_comm(stats: CommStats, sp: bool) -> None:
     else:  # each all-reduce becomes an all-gather + a reduce-scatter of the same payload
         assert stats.calls("all_gather") == 4 and stats.bytes("all_gather") == 4 * act
         assert stats.calls("reduce_scatter") == 4 and stats.bytes("reduce_scatter") == 4 * act
-        # + the replicated parameters used on sequence chunks: 2 LayerNorms (w, b), 2 Row biases
-        assert stats.calls("all_reduce") == 6 and stats.bytes("all_reduce") == 6 * H * 4
+        # + the replicated parameters used on sequence chunks, 2 LayerNorms (w, b) and 2 Row
+        # biases: ONE coalesced all-reduce of their summed bytes per backward (was one per param)
+        assert stats.calls("all_reduce") == 1 and stats.bytes("all_reduce") == 6 * H * 4
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -250,6 +256,74 @@ def test_block_trains_like_dense_for_10_steps(dist_pool, world_size, sp):
     losses = dist_pool.run(_train_block_body, sp, world_size=world_size, timeout=120)
     assert all(rank == losses[0] for rank in losses)
     assert losses[0][-1] < losses[0][0]  # it did train
+
+
+def _sp_grads_body() -> None:
+    """[Note: one coalesced all-reduce per backward]: gradient accumulation over micro-batches,
+    a registered parameter left unused (grad None, as dense), no node under no_grad."""
+    with _tp_ctx() as ctx:
+        tp, r = ctx.size("tp"), ctx.rank("tp")
+        torch.manual_seed(5)
+        dense = nn.ModuleDict({"a": nn.LayerNorm(6), "b": nn.LayerNorm(6), "unused": nn.LayerNorm(6), "row": nn.Linear(8, 6)})
+        for ln in ("a", "b"):
+            nn.init.normal_(dense[ln].weight)
+            nn.init.normal_(dense[ln].bias)
+        stats = CommStats()
+        sync = SequenceParallelGrads(group=ctx.group("tp"), stats=stats)
+        model = nn.ModuleDict(
+            {k: SequenceParallelNorm(copy.deepcopy(dense[k]), ctx=ctx, grad_sync=sync) for k in ("a", "b", "unused")}
+        )
+        model["row"] = RowParallelLinear.from_dense(dense["row"], ctx=ctx, sequence_parallel=True, grad_sync=sync)
+        assert [tuple(p.shape) for p in sync.params] == [(6,)] * 7  # from_dense's bias, not the discarded one
+
+        def run(m, x, h):  # x: [b, s(/tp), 6] tokens, h: [b, s, 8(/tp)] the row layer's input
+            return (m["b"](m["a"](x) + m["row"](h))).pow(2).sum()
+
+        for step in range(2):  # two micro-batches: each backward one all-reduce, grads accumulate
+            x_full, h_full = _randn(2, 8, 6, seed=20 + step), _randn(2, 8, 8, seed=30 + step)
+            run(dense, x_full, h_full).backward()
+            stats.reset()
+            run(model, x_full.chunk(tp, 1)[r], h_full.chunk(tp, -1)[r]).backward()
+            assert stats.calls() - stats.calls("reduce_scatter") == 1 and stats.calls("all_reduce") == 1
+            assert stats.bytes("all_reduce") == 7 * 6 * 4  # the unused norm's zeros included
+        for k in ("a", "b"):
+            torch.testing.assert_close(model[k].module.weight.grad, dense[k].weight.grad, **FP32)
+            torch.testing.assert_close(model[k].module.bias.grad, dense[k].bias.grad, **FP32)
+        torch.testing.assert_close(model["row"].bias.grad, dense["row"].bias.grad, **FP32)
+        assert model["unused"].module.weight.grad is None and dense["unused"].weight.grad is None
+
+        with torch.no_grad():  # evaluation: the parameters themselves, no node
+            stats.reset()
+            out = model["a"](x_full.chunk(tp, 1)[r])
+            assert out.grad_fn is None and sync._views is None and stats.calls("all_reduce") == 0
+
+
+def test_sequence_parallel_grads_one_all_reduce_per_backward(dist_pool):
+    dist_pool.run(_sp_grads_body, world_size=2, timeout=60)
+
+
+def _reduce_inplace_body() -> None:
+    """reduce_from_tp_region sums in place only where allowed; the public default copies."""
+    with _tp_ctx() as ctx:
+        g, tp = ctx.group("tp"), ctx.size("tp")
+        w = torch.ones(3, 4, requires_grad=True)
+        partial = F.linear(torch.ones(2, 4), w)  # a fresh non-leaf: summed in its own storage
+        y = reduce_from_tp_region(partial, group=g, inplace=True)
+        assert y.data_ptr() == partial.data_ptr() and torch.equal(y, torch.full((2, 3), 4.0 * tp))
+        y.sum().backward()
+        assert torch.equal(w.grad, torch.full((3, 4), 2.0))  # identity backward (the dense grad)
+        keep = torch.ones(2, 3)
+        assert reduce_from_tp_region(keep, group=g).data_ptr() != keep.data_ptr() and torch.equal(keep, torch.ones(2, 3))
+        leaf = torch.ones(2, 3, requires_grad=True)  # autograd forbids writing it: copied
+        assert reduce_from_tp_region(leaf, group=g, inplace=True).data_ptr() != leaf.data_ptr()
+        base = torch.ones(4, 3)
+        view = base[:2]
+        torch.testing.assert_close(reduce_from_tp_region(view, group=g, inplace=True), torch.full((2, 3), float(tp)))
+        assert torch.equal(base, torch.ones(4, 3))  # a view is copied: its base is untouched
+
+
+def test_reduce_from_tp_region_inplace_only_where_allowed(dist_pool):
+    dist_pool.run(_reduce_inplace_body, world_size=2, timeout=60)
 
 
 # ---- tp = 1 and validation -----------------------------------------------------------------------

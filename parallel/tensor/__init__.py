@@ -31,7 +31,8 @@ from .plan import (
     shard_state_dict,
     tensor_parallelize,
 )
-from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelNorm, VocabParallelEmbedding, is_tp_sharded
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_tp_sharded
+from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm, share_sequence_parallel_grads
 
 __all__ = [
     "clip_grad_norm_tp_",
@@ -50,7 +51,9 @@ __all__ = [
     "tensor_parallelize",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "SequenceParallelGrads",
     "SequenceParallelNorm",
+    "share_sequence_parallel_grads",
     "VocabParallelEmbedding",
     "copy_to_tp_region",
     "gather_from_sequence_region",

@@ -86,14 +86,24 @@ class _CopyToTP(torch.autograd.Function):
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
-        out = x.contiguous().clone()
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, inplace: bool) -> torch.Tensor:
+        # In place only when the caller vouches that nothing else reads ``x`` (the layers' own
+        # fresh partial products: F.linear without bias and masked_fill save their inputs, not
+        # their output). Otherwise a copy is needed: ``x`` may be the caller's tensor, a leaf
+        # requiring grad (autograd forbids writing it), or saved by the op that produced it for
+        # its backward (e.g. exp, sigmoid: the write would fail that backward's version check).
+        # A non-contiguous input (a view) is copied either way: the collective needs one buffer.
+        if inplace and x.is_contiguous() and x._base is None and not (x.is_leaf and x.requires_grad):
+            ctx.mark_dirty(x)  # tell autograd x now holds the sum (bumps its version)
+            all_reduce(x, group=group, stats=stats)
+            return x
+        out = x.contiguous() if not x.is_contiguous() else x.clone()
         all_reduce(out, group=group, stats=stats)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None, None
+        return grad, None, None, None
 
 
 class _Scatter(torch.autograd.Function):
@@ -167,20 +177,26 @@ def copy_to_tp_region(x: torch.Tensor, *, group: dist.ProcessGroup, stats: CommS
     return x if group.size() == 1 else _CopyToTP.apply(x, group, stats)
 
 
-def reduce_from_tp_region(x: torch.Tensor, *, group: dist.ProcessGroup, stats: CommStats | None = None) -> torch.Tensor:
+def reduce_from_tp_region(
+    x: torch.Tensor, *, group: dist.ProcessGroup, stats: CommStats | None = None, inplace: bool = False
+) -> torch.Tensor:
     """Megatron's ``g``: all-reduce (sum) forward, identity backward.
 
     Args:
         x: this rank's partial result, same shape on every rank of ``group``.
         group, stats: as for :func:`copy_to_tp_region`.
+        inplace: sum into ``x`` itself instead of a copy (saves one activation-sized copy). Only
+            for a temporary nothing else reads: not a leaf, not a view, not saved for backward
+            by the op that produced it (``F.linear``'s output qualifies). Leaves and views are
+            copied regardless.
 
     Returns:
-        The sum over the group, a new tensor (``x`` itself for one rank).
+        The sum over the group: a new tensor, or ``x`` (summed) with ``inplace`` or one rank.
 
     Example:
-        >>> y = reduce_from_tp_region(x_shard @ w_shard.t(), group=ctx.group("tp"))
+        >>> y = reduce_from_tp_region(x_shard @ w_shard.t(), group=ctx.group("tp"), inplace=True)
     """
-    return x if group.size() == 1 else _ReduceFromTP.apply(x, group, stats)
+    return x if group.size() == 1 else _ReduceFromTP.apply(x, group, stats, inplace)
 
 
 def scatter_to_tp_region(

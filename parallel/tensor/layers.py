@@ -26,8 +26,9 @@ Communication per Column → Row pair on activations of ``T`` tokens of width ``
 ``e``), CommStats' payload unit (see ``docs/reference.md``, "Tensor parallel"): forward one
 all-reduce of ``T h e`` bytes (Row), backward one of ``T h e`` (Column). With sequence
 parallelism: forward all-gather + reduce-scatter, backward reduce-scatter + all-gather, each
-``T h e``; plus, in backward, one all-reduce of the Row bias gradient (``h e``), which each rank
-otherwise only holds for its own sequence chunk.
+``T h e``; plus, in backward, the all-reduce of the Row bias gradient (``h e``), which each rank
+otherwise only holds for its own sequence chunk — coalesced with the norms' gradients when the
+layers share a :class:`SequenceParallelGrads` (see [Note: one coalesced all-reduce per backward]).
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ from torch import nn
 from shardkit.comm import CommStats, ParallelContext, all_reduce, reduce_scatter
 
 from .functions import (
-    copy_to_tp_region,
     gather_along,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
 )
+from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelNorm", "is_tp_sharded"]
 
@@ -286,7 +287,10 @@ class RowParallelLinear(_ShardedLinear):
         bias: whether to add a (replicated) bias.
         input_is_parallel: the input is already this rank's ``[..., in/tp]`` (the output of a
             :class:`ColumnParallelLinear`); if False, the full input is split here.
-        sequence_parallel: return this rank's sequence chunk ``[..., s/tp, out]``.
+        sequence_parallel: return this rank's sequence chunk ``[..., s/tp, out]``; the bias, then
+            added on sequence shards, gets its gradient summed over tp.
+        grad_sync: with ``sequence_parallel``, the :class:`SequenceParallelGrads` that sums the
+            bias gradient (default: one of its own; ``tensor_parallelize`` shares one per model).
 
     Raises:
         ValueError: ``in_features`` not divisible by tp; wrong input width, or a sequence length
@@ -310,6 +314,7 @@ class RowParallelLinear(_ShardedLinear):
         device: torch.device | str | None = None,
         init_method: Callable[[torch.Tensor], Any] | None = None,
         stats: CommStats | None = None,
+        grad_sync: SequenceParallelGrads | None = None,
     ) -> None:
         super().__init__()
         self.group = ctx.group("tp")
@@ -319,11 +324,22 @@ class RowParallelLinear(_ShardedLinear):
         self.input_is_parallel, self.sequence_parallel, self.stats = input_is_parallel, sequence_parallel, stats
         weight, b = _dense_linear_init(out_features, in_features, bias, init_method)
         self._set_shards(weight, b, dtype, device)
+        if sequence_parallel:  # the bias is added on sequence shards: see SequenceParallelGrads
+            self.grad_sync = grad_sync if grad_sync is not None else SequenceParallelGrads(group=self.group, stats=stats)
+            self.grad_sync.register(self.replicated_parameters())
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters used on sequence shards (the bias, with ``sequence_parallel``)."""
+        return [self.bias] if self.sequence_parallel and self.bias is not None else []
 
     def _set_shards(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None, device: Any) -> None:
         cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
+        old = self.replicated_parameters() if hasattr(self, "grad_sync") else []
         self.weight = _param(weight[:, cols], dtype, device, 1)
         self.bias = _param(bias, dtype, device, None) if bias is not None else None
+        if old:  # from_dense replaced the bias: the sum covers the new one only
+            self.grad_sync.unregister(old)
+            self.grad_sync.register(self.replicated_parameters())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in/tp]`` (``[..., in]`` unless ``input_is_parallel``) -> ``[..., out]``
@@ -340,10 +356,11 @@ class RowParallelLinear(_ShardedLinear):
         partial = F.linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_region(partial, group=self.group, stats=self.stats)
-            # Each rank's bias gradient covers only its sequence chunk: sum them (f on the bias).
-            bias = None if self.bias is None else copy_to_tp_region(self.bias, group=self.group, stats=self.stats)
+            # Each rank's bias gradient covers only its sequence chunk: summed over tp.
+            bias = None if self.bias is None else self.grad_sync.use(self.bias)
         else:
-            y = reduce_from_tp_region(partial, group=self.group, stats=self.stats)
+            # partial is F.linear's fresh output, saved by no backward: summed in place
+            y = reduce_from_tp_region(partial, group=self.group, stats=self.stats, inplace=True)
             bias = self.bias
         return y if bias is None else y + bias
 
@@ -452,37 +469,7 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(out, group=self.group, stats=self.stats)
-        return reduce_from_tp_region(out, group=self.group, stats=self.stats)
+        return reduce_from_tp_region(out, group=self.group, stats=self.stats, inplace=True)  # masked_fill's own output
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim} ({self.per_rank} rows/rank), tp={self.tp}"
-
-
-class SequenceParallelNorm(nn.Module):
-    """Run a module with replicated parameters (LayerNorm, RMSNorm) on sequence shards.
-
-    Under sequence parallelism each tp rank applies the norm to its own ``s/tp`` tokens, so each
-    rank's weight gradient covers only those tokens; the true gradient is their sum. This wrapper
-    passes every parameter through :func:`copy_to_tp_region` (identity forward, all-reduce of
-    the gradient backward), so the sum happens automatically — forgetting it silently lets the
-    ranks' replicas diverge. Parameters stay those of the wrapped module (``.module``).
-
-    Args:
-        module: the module to wrap (its parameters are replicated on every tp rank).
-        ctx: the parallel context.
-        stats: optional CommStats recording the gradient all-reduces (one per parameter).
-
-    Example:
-        >>> ln = SequenceParallelNorm(nn.LayerNorm(512), ctx=ctx)
-        >>> h = ln(x_seq)                                   # [b, s/tp, 512]
-    """
-
-    def __init__(self, module: nn.Module, *, ctx: ParallelContext, stats: CommStats | None = None) -> None:
-        super().__init__()
-        self.module, self.group, self.stats = module, ctx.group("tp"), stats
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.group.size() == 1:
-            return self.module(*args, **kwargs)
-        params = {n: copy_to_tp_region(p, group=self.group, stats=self.stats) for n, p in self.module.named_parameters()}
-        return torch.func.functional_call(self.module, params, args, kwargs)

@@ -36,6 +36,7 @@ from shardkit.comm import CommStats, ParallelContext
 
 from .functions import copy_to_tp_region, gather_along
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .sequence_parallel import share_sequence_parallel_grads
 
 __all__ = [
     "Colwise",
@@ -237,6 +238,8 @@ def tensor_parallelize(
         converted[name] = new
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    # sequence-parallel layers (built by hand or by the plan): one gradient all-reduce per backward
+    share_sequence_parallel_grads(model, stats=stats)
     return model
 
 

@@ -1,0 +1,231 @@
+"""Replicated parameters used on sequence shards: their gradients summed over tp, coalesced.
+
+Under sequence parallelism (Korthikanti et al. 2022, §4; see ``docs/reference.md``, "Tensor
+parallel") every tp rank applies the LayerNorms / RMSNorms — and adds the row-parallel biases — on
+its own ``s/tp`` tokens, so each rank's gradient of those replicated parameters covers only its
+tokens; the dense gradient is their sum over tp. Forgetting that sum lets the replicas drift
+apart silently (Megatron, NeMo and gpt-neox have all shipped that bug), so shardkit's layers do it
+themselves, inside autograd: no call for the user to remember.
+
+[Note: one coalesced all-reduce per backward]
+A :class:`SequenceParallelGrads` holds the parameters of every layer that shares it (a
+:class:`SequenceParallelNorm`'s parameters, a sequence-parallel
+:class:`~shardkit.parallel.tensor.RowParallelLinear`'s bias). The first time one of them is
+used in a forward pass, one autograd node is created over *all* of them (identity forward); the
+layers use its outputs instead of the parameters. The autograd engine runs a node once, after
+the gradients of all its outputs have arrived — at the end of backward, since the first layer of
+the forward pass is the last of the backward — so its backward sees every gradient at once:
+it concatenates them (zeros for an output that got none), all-reduces the one flat buffer (one
+per dtype) and hands each parameter its slice, which reaches ``.grad`` through the ordinary
+``AccumulateGrad`` (so post-accumulate-grad hooks such as DataParallel's see the summed value,
+and gradient accumulation over micro-batches sums correctly). A parameter whose output got no
+gradient on this rank gets ``None``, as without tensor parallelism.
+
+A "forward pass" ends when a parameter is asked for a second time (the next forward, or the
+same layer called twice): a new node is then created. Only the number of all-reduces depends on
+that guess, never the result: every node sums exactly the gradients that flow through it.
+Without grad mode (evaluation) the parameters are used directly.
+
+Each layer gets its own :class:`SequenceParallelGrads` when built (one all-reduce per layer);
+:func:`share_sequence_parallel_grads` — called by
+:func:`~shardkit.parallel.tensor.tensor_parallelize` — gives all the layers of a model one, so
+the whole model costs one all-reduce per backward of the summed bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.comm import CommStats, ParallelContext, all_reduce
+
+__all__ = ["SequenceParallelGrads", "SequenceParallelNorm", "share_sequence_parallel_grads"]
+
+
+class _CoalescedCopyToTP(torch.autograd.Function):
+    """Identity on every parameter forward; one all-reduce (per dtype) of all their grads backward."""
+
+    @staticmethod
+    def forward(ctx: Any, sync: SequenceParallelGrads, round_id: int, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.sync, ctx.round_id = sync, round_id
+        ctx.meta = [(p.shape, p.dtype, p.device) for p in params]
+        ctx.set_materialize_grads(False)  # None marks a parameter that got no gradient here
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        sync = ctx.sync
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, (_, dtype, _) in enumerate(ctx.meta):
+            by_dtype.setdefault(dtype, []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        for dtype, idx in by_dtype.items():  # the buffer is the same on every rank: zeros for None
+            shape0, _, device = ctx.meta[idx[0]]
+            flat = torch.cat(
+                [
+                    (grads[i] if grads[i] is not None else torch.zeros(ctx.meta[i][0], dtype=dtype, device=device)).reshape(-1)
+                    for i in idx
+                ]
+            )
+            all_reduce(flat, group=sync.group, stats=sync.stats)
+            offset = 0
+            for i in idx:
+                n = ctx.meta[i][0].numel()
+                if grads[i] is not None:
+                    out[i] = flat[offset : offset + n].view(ctx.meta[i][0])
+                offset += n
+        sync._backward_done(ctx.round_id)
+        return (None, None, *out)
+
+
+class SequenceParallelGrads:
+    """The tp sum of the gradients of replicated parameters used on sequence shards, as one
+    coalesced all-reduce per backward; see [Note: one coalesced all-reduce per backward].
+
+    Layers call :meth:`use` on each such parameter in their forward and compute with what it
+    returns. Build one per model and pass it to the layers (``grad_sync=``), or let
+    :func:`share_sequence_parallel_grads` (called by ``tensor_parallelize``) do it.
+
+    Args:
+        group: the tp process group (``ctx.group("tp")``) the sum runs over.
+        stats: optional CommStats recording the all-reduce.
+
+    Example:
+        >>> sync = SequenceParallelGrads(group=ctx.group("tp"))
+        >>> ln1 = SequenceParallelNorm(nn.LayerNorm(512), ctx=ctx, grad_sync=sync)
+        >>> ln2 = SequenceParallelNorm(nn.LayerNorm(512), ctx=ctx, grad_sync=sync)
+        >>> ln2(ln1(x_seq)).sum().backward()       # one all-reduce of 4 * 512 floats
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup, stats: CommStats | None = None) -> None:
+        self.group = group
+        self.stats = stats
+        self._params: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}
+        self._views: tuple[torch.Tensor, ...] | None = None
+        self._used: set[int] = set()
+        self._round = 0
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The registered parameters, in registration order (the flat buffer's layout)."""
+        return list(self._params)
+
+    def register(self, params: Iterable[torch.Tensor]) -> None:
+        """Add parameters (idempotent). Registering before the first forward lets that forward
+        coalesce them too; an unregistered parameter passed to :meth:`use` is added then."""
+        for p in params:
+            if id(p) not in self._index:
+                self._index[id(p)] = len(self._params)
+                self._params.append(p)
+                self._views = None  # the next use builds a node that includes it
+
+    def unregister(self, params: Iterable[torch.Tensor]) -> None:
+        """Remove parameters (a layer that replaced its own); unknown ones are ignored."""
+        drop = {id(p) for p in params}
+        kept = [p for p in self._params if id(p) not in drop]
+        if len(kept) != len(self._params):
+            self._params, self._views = kept, None
+            self._index = {id(p): i for i, p in enumerate(kept)}
+
+    def use(self, p: torch.Tensor) -> torch.Tensor:
+        """``p`` to compute with in this forward pass: a view whose gradient is summed over tp.
+
+        Returns ``p`` itself when the tp group has one rank, when grad mode is off, or when ``p``
+        does not require a gradient.
+        """
+        if self.group.size() == 1 or not torch.is_grad_enabled() or not p.requires_grad:
+            return p
+        self.register([p])
+        i = self._index[id(p)]
+        if self._views is None or i in self._used:  # a new forward pass: a new node
+            self._round += 1
+            self._views = _CoalescedCopyToTP.apply(self, self._round, *self._params)
+            self._used = set()
+        self._used.add(i)
+        return self._views[i]
+
+    def _backward_done(self, round_id: int) -> None:
+        if round_id == self._round:  # drop the views (and the graph they hold) of a finished pass
+            self._views, self._used = None, set()
+
+
+class SequenceParallelNorm(nn.Module):
+    """Run a module with replicated parameters (LayerNorm, RMSNorm) on sequence shards.
+
+    Under sequence parallelism each tp rank applies the norm to its own ``s/tp`` tokens, so each
+    rank's weight gradient covers only those tokens; the true gradient is their sum, which this
+    wrapper makes autograd compute (see [Note: one coalesced all-reduce per backward]) —
+    forgetting it silently lets the ranks' replicas diverge. Parameters stay those of the
+    wrapped module (``.module``).
+
+    Args:
+        module: the module to wrap (its parameters are replicated on every tp rank).
+        ctx: the parallel context.
+        stats: optional CommStats recording the gradient all-reduce (when ``grad_sync`` is
+            not given).
+        grad_sync: the :class:`SequenceParallelGrads` to join (default: one of its own, i.e. one
+            all-reduce of this module's parameters per backward).
+
+    Example:
+        >>> ln = SequenceParallelNorm(nn.LayerNorm(512), ctx=ctx)
+        >>> h = ln(x_seq)                                   # [b, s/tp, 512]
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        ctx: ParallelContext,
+        stats: CommStats | None = None,
+        grad_sync: SequenceParallelGrads | None = None,
+    ) -> None:
+        super().__init__()
+        self.module, self.group, self.stats = module, ctx.group("tp"), stats
+        self.grad_sync = grad_sync if grad_sync is not None else SequenceParallelGrads(group=self.group, stats=stats)
+        self.grad_sync.register(module.parameters())
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are summed over tp (all of the wrapped module's)."""
+        return list(self.module.parameters())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.group.size() == 1:
+            return self.module(*args, **kwargs)
+        params = {n: self.grad_sync.use(p) for n, p in self.module.named_parameters()}
+        return torch.func.functional_call(self.module, params, args, kwargs)
+
+
+def share_sequence_parallel_grads(model: nn.Module, *, stats: CommStats | None = None) -> list[SequenceParallelGrads]:
+    """Give every sequence-parallel layer of ``model`` one :class:`SequenceParallelGrads` per tp
+    group, so a backward pass costs one all-reduce (per dtype) for all their replicated
+    parameters instead of one per layer. Idempotent; ``tensor_parallelize`` calls it.
+
+    A layer takes part if it has a ``grad_sync`` attribute and a ``replicated_parameters()``
+    method (:class:`SequenceParallelNorm`, ``RowParallelLinear(sequence_parallel=True)``).
+
+    Args:
+        model: the model (modified in place; call it before the first forward pass).
+        stats: CommStats for the shared all-reduce (default: the first layer's).
+
+    Returns:
+        The shared objects (empty when the model has no sequence-parallel layer).
+
+    Example:
+        >>> share_sequence_parallel_grads(block)      # 2 LayerNorms + 2 row biases: 1 all-reduce
+    """
+    shared: dict[int, SequenceParallelGrads] = {}
+    for module in model.modules():
+        sync = getattr(module, "grad_sync", None)
+        if not isinstance(sync, SequenceParallelGrads):
+            continue
+        key = id(sync.group)
+        if key not in shared:
+            shared[key] = SequenceParallelGrads(group=sync.group, stats=stats or sync.stats)
+        module.grad_sync = shared[key]
+        shared[key].register(module.replicated_parameters())
+    return list(shared.values())
