@@ -14,6 +14,7 @@ from torch import nn
 from tolerances import FP32
 
 from shardkit.comm import CommStats, ParallelContext
+from shardkit.parallel.pipeline import is_checkpointed
 from shardkit.parallel.pipeline.executor import PipelineParallel
 from shardkit.parallel.pipeline.schedules import Kind
 
@@ -42,17 +43,30 @@ def _opt(name: str, params) -> torch.optim.Optimizer:
 
 
 def _train_equal_body(
-    schedule: str, m: int, v: int, n_blocks: int, opt_name: str, steps: int, pp: int | None = None
+    schedule: str,
+    m: int,
+    v: int,
+    n_blocks: int,
+    opt_name: str,
+    steps: int,
+    pp: int | None = None,
+    checkpointing: bool | str = False,
 ) -> list[float]:
     with ParallelContext.from_world(pp=pp or dist.get_world_size(), dp=-1) as ctx:
         blocks = _blocks(n_blocks)
-        pipe = PipelineParallel(blocks, ctx, schedule=schedule, microbatches=m, loss_fn=_ce, virtual_stages=v)
+        pipe = PipelineParallel(
+            blocks, ctx, schedule=schedule, microbatches=m, loss_fn=_ce, virtual_stages=v, checkpointing=checkpointing
+        )
+        calls = {j: 0 for s in pipe.stages for j in pipe.stage_blocks[s] if 0 < j < n_blocks - 1}
+        for j in calls:  # the hook fires on every run of the block's Linear, recomputations included
+            blocks[j][0].register_forward_pre_hook(lambda *_, j=j: calls.__setitem__(j, calls[j] + 1))
         opt = _opt(opt_name, pipe.parameters())
         ref = nn.Sequential(*_blocks(n_blocks))
         ref_opt = _opt(opt_name, ref.parameters())
         losses = []
         for step in range(steps):
             x, y = _batch(step)
+            calls.update(dict.fromkeys(calls, 0))
             loss = pipe.step(x, y)
             opt.step()
             opt.zero_grad()
@@ -78,6 +92,13 @@ def _train_equal_body(
             assert all(q.grad is None for q in blocks[j].parameters())
         kinds = {ta.action.kind for ta in pipe.timeline}
         assert (Kind.BW in kinds) == (schedule == "zb-h1")
+        # each micro-batch's forward, plus one recomputation per backward pass that needs the
+        # block's activations: ZB-H1's input and weight passes recompute separately
+        stage_of = {j: s for s in pipe.stages for j in pipe.stage_blocks[s]}
+        for j, n in calls.items():
+            runs = 1 + (2 if schedule == "zb-h1" and stage_of[j] > 0 else 1) * bool(checkpointing)
+            assert n == runs * m, (j, n, runs)
+        assert all(is_checkpointed(blocks[j]) == checkpointing for j in mine)
         return losses
 
 
@@ -98,6 +119,13 @@ def test_trains_like_single_process(dist_pool, world_size, schedule, m, v, n_blo
         n_blocks = world_size * v + 1
     res = dist_pool.run(_train_equal_body, schedule, m, v, n_blocks, opt_name, 5, world_size=world_size, timeout=120)
     assert all(r == res[0] for r in res), "every pp rank returns the same losses"
+
+
+@pytest.mark.parametrize("checkpointing", [True, "cpu"])
+@pytest.mark.parametrize("schedule, m, v, n_blocks", CASES[:2] + CASES[3:])
+def test_checkpointing_trains_like_single_process(dist_pool, schedule, m, v, n_blocks, checkpointing):
+    # every schedule, ZB-H1's split backward included: only memory and recomputation change
+    dist_pool.run(_train_equal_body, schedule, m, v, n_blocks, "sgd", 3, None, checkpointing, world_size=2, timeout=120)
 
 
 @pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("zb-h1", 1), ("interleaved", 3)])
@@ -198,6 +226,10 @@ def _bad_args_body() -> None:
                 PipelineParallel(_blocks(6), ctx, schedule="pipedream", microbatches=3, loss_fn=_ce)
             with pytest.raises(TypeError, match="loss_fn must be callable"):
                 PipelineParallel(_blocks(6), ctx, microbatches=3, loss_fn=None)
+            with pytest.raises(ValueError, match="checkpointing must be False, True or 'cpu', got 'gpu'"):
+                PipelineParallel(_blocks(6), ctx, microbatches=3, loss_fn=_ce, checkpointing="gpu")
+            with pytest.raises(ValueError, match=r"tied\[0\]: '9.weight' is no parameter"):
+                PipelineParallel(_blocks(6), ctx, microbatches=3, loss_fn=_ce, tied=[("0.weight", "9.weight")])
         finally:
             for c in calls.values():
                 c.stop()
