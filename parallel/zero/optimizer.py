@@ -9,6 +9,10 @@ and norms, a different lr per block — and a fused optimizer still takes one la
 (its multi-tensor table covers every view of the group). Its state (Adam's m and v) is allocated
 for the shard only: 8Ψ/N bytes per rank instead of 8Ψ.
 
+With ``offload="cpu"``/``"nvme"`` the shard params, masters and state live on the CPU / in files
+instead (:mod:`.offload`, :mod:`.nvme`, docs/offload.md); the wrapped optimizer, its groups and
+the state_dict format are the same.
+
 Optimizers whose update of an element depends on more than that element (LAMB's per-tensor
 trust ratio, Adafactor's row/column factors, LBFGS's global history) would compute it over a
 fragment and silently differ; they are refused with a ValueError naming ``optimizer_class``.
@@ -23,6 +27,8 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from .nvme import NvmeOffload, validate_nvme_dir
+from .offload import CpuOffload
 from .sharded import ShardedDataParallel
 
 __all__ = ["ZeroOptimizer"]
@@ -83,13 +89,18 @@ class ZeroOptimizer:
                 "statistics (trust ratio / factored moments / global history); on a ZeRO shard it would "
                 "see fragments of tensors. Use an elementwise optimizer (AdamW, SGD, Lion) or DataParallel"
             )
-        if sdp.offload is not None:
-            raise NotImplementedError(f"ZeroOptimizer: offload={sdp.offload!r} is being built (parallel/zero/offload.py)")
+        if sdp.offload == "nvme":
+            validate_nvme_dir(sdp.nvme_dir)
         groups = self._resolve_groups(sdp, params)
-        shard_of = sdp._shards.shard_param_of()
-        inner = [{**g, "params": [shard_of[p] for p in g["params"] if p in shard_of]} for g in groups]
         self.sdp = sdp
-        self.optimizer = optimizer_class(inner, **optimizer_kwargs)
+        self._offload: Any = None
+        if sdp.offload is not None:
+            self._offload = _offload_class(sdp.offload)(sdp, optimizer_class, groups, optimizer_kwargs)
+            self.optimizer = self._offload.optimizer
+        else:
+            shard_of = sdp._shards.shard_param_of()
+            inner = [{**g, "params": [shard_of[p] for p in g["params"] if p in shard_of]} for g in groups]
+            self.optimizer = optimizer_class(inner, **optimizer_kwargs)
         self.skipped_steps = 0
         self.last_step_skipped = False
         sdp._attach(self)
@@ -163,9 +174,14 @@ class ZeroOptimizer:
         overflow, _ = self.sdp.finalize_gradients()
         shards = self.sdp._shards
         if not overflow:
-            with record_function("shardkit::step"):
-                self.optimizer.step()
-            shards.release_step_buffers()
+            try:
+                with record_function("shardkit::step"):
+                    if self._offload is not None:
+                        self._offload.step()  # also writes sb.local_param_shard()
+                    else:
+                        self.optimizer.step()
+            finally:  # an NVMe write that failed leaves params and state as before this step
+                shards.release_step_buffers()
             with record_function("shardkit::all_gather"):
                 shards.all_gather_params()
         else:
@@ -177,7 +193,10 @@ class ZeroOptimizer:
         return loss
 
     def state_bytes(self) -> int:
-        """Bytes of the wrapped optimizer's state tensors (distinct storages) on this rank."""
+        """Bytes of the wrapped optimizer's state tensors (distinct storages) on this rank's
+        device: 0 with offload (see :meth:`offloaded_bytes`)."""
+        if self._offload is not None:
+            return 0
         seen: dict[int, int] = {}
         for s in self.optimizer.state.values():
             for v in s.values():
@@ -186,8 +205,15 @@ class ZeroOptimizer:
         return sum(seen.values())
 
     def offloaded_bytes(self) -> dict[str, int]:
-        """Bytes of optimizer state and masters held off the device (``{"cpu": n, "nvme": n}``)."""
-        return {}
+        """Bytes of optimizer state and fp32 masters held off the device, ``{}`` without offload.
+
+        Returns:
+            ``{"cpu": n, "nvme": n, "cpu_buffers": n}``: ``cpu``/``nvme`` the persistent
+            masters (4 bytes per shard element) and optimizer state (Adam: 8 per element held,
+            plus the ``step`` scalars) in host memory / in files under ``nvme_dir``;
+            ``cpu_buffers`` the host gradient buffers the step reads (4 bytes per shard element).
+        """
+        return {} if self._offload is None else self._offload.offloaded_bytes()
 
     def shard_slots(self) -> list[tuple[str, int, int]]:
         """``(param name, first element, numel)`` of each inner shard parameter, in the inner
@@ -202,7 +228,10 @@ class ZeroOptimizer:
         where = {}
         for p, (_, seg) in self.sdp._shards.segment_of().items():
             where[p] = (names[p], seg.tensor_offset, seg.numel)
-        origin = {sp: p for p, sp in self.sdp._shards.shard_param_of().items()}
+        if self._offload is not None:
+            origin = self._offload.origin
+        else:
+            origin = {sp: p for p, sp in self.sdp._shards.shard_param_of().items()}
         return [where[origin[sp]] for g in self.optimizer.param_groups for sp in g["params"]]
 
     def _layout(self) -> dict[str, Any]:
@@ -217,7 +246,13 @@ class ZeroOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer: the wrapped optimizer's state_dict, the fp32 master
         shards of low-precision params, and the layout they belong to (reload on the same dp
-        size and rank; resharding to another size is the checkpoint work, docs/zero.md)."""
+        size and rank; resharding to another size is the checkpoint work, docs/zero.md).
+
+        With offload, ``"master"`` holds the fp32 CPU master of every bucket (fp32 params
+        included) and the optimizer state is on the CPU (read from the files for ``"nvme"``)."""
+        if self._offload is not None:
+            optimizer_state = self._offload.inner_state_dict()
+            return {"zero": self._layout(), "optimizer": optimizer_state, "master": self._offload.masters_for_state_dict()}
         masters = [None if sb.master is None else sb.master.clone() for sb in self.sdp.sharded_buckets]
         return {"zero": self._layout(), "optimizer": self.optimizer.state_dict(), "master": masters}
 
@@ -234,8 +269,16 @@ class ZeroOptimizer:
         for key, value in mine.items():
             if norm(state["zero"].get(key)) != norm(value):
                 raise ValueError(f"state['zero'][{key!r}] is {state['zero'].get(key)!r} but this run has {value!r}")
+        if self._offload is not None:
+            self._offload.load(state["optimizer"], list(state["master"]))
+            return
         self.optimizer.load_state_dict(state["optimizer"])
         with torch.no_grad():
             for sb, m in zip(self.sdp.sharded_buckets, state["master"]):
                 if sb.master is not None and m is not None:
                     sb.master.copy_(m)
+
+
+def _offload_class(offload: str) -> type[CpuOffload]:
+    """The runtime for ``ShardedDataParallel(offload=...)``."""
+    return CpuOffload if offload == "cpu" else NvmeOffload
