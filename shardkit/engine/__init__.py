@@ -2,14 +2,45 @@
 
 The application layer: it may import :mod:`shardkit.parallel`, :mod:`shardkit.kernels` and
 :mod:`shardkit.comm`, never the reverse. Nothing here touches ``torch.distributed``: a config is
-validated completely before any process group exists.
+validated completely before any process group exists. See docs/engine.md for the config keys.
 
 Example:
-    >>> from shardkit.engine import WarmupDecayLR, load_config
+    >>> from shardkit.engine import load_config
     >>> cfg = load_config("ds_config.json", world_size=2, lr=3e-4, weight_decay=0.0)
-    >>> sched = WarmupDecayLR(optimizer, **cfg.scheduler.params)
+    >>> opt = cfg.optimizer.build(model.parameters())
+    >>> sched = cfg.scheduler.build(opt)
 """
 
+from .config import IGNORED_KEYS, load_config
+from .resolved import (
+    EngineConfig,
+    LossScaleConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+    TensorParallelConfig,
+    ZeroConfig,
+)
 from .schedulers import SCHEDULERS, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, make_scheduler
 
-__all__ = ["SCHEDULERS", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "make_scheduler"]
+__all__ = [
+    "IGNORED_KEYS",
+    "SCHEDULERS",
+    "EngineConfig",
+    "LossScaleConfig",
+    "OffloadConfig",
+    "OneCycle",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "PrecisionConfig",
+    "SchedulerConfig",
+    "TensorParallelConfig",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "ZeroConfig",
+    "load_config",
+    "make_scheduler",
+]

@@ -1,0 +1,480 @@
+"""DeepSpeed-style JSON configs -> :class:`~shardkit.engine.resolved.EngineConfig`.
+
+``load_config`` reads the keys of DeepSpeed's config (docs/engine.md has the full table: what
+each key means here, which are ignored, which are errors), fills ``"auto"`` values from its
+keyword arguments the way Hugging Face's Trainer/Accelerate do, and checks DeepSpeed's batch-size
+rule (docs/reference.md, "DeepSpeed LR schedules": any two of the batch triple determine the
+third). Every failure is a ``ValueError`` naming the dotted key, raised before anything touches
+``torch.distributed`` (this module never imports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ._reader import MISSING, Reader, to_bool, to_float, to_int
+from .resolved import (
+    EngineConfig,
+    LossScaleConfig,
+    OffloadConfig,
+    OptimizerConfig,
+    PipelineConfig,
+    PrecisionConfig,
+    SchedulerConfig,
+    TensorParallelConfig,
+    ZeroConfig,
+    _frozen,
+)
+from .schedulers import SCHEDULERS
+
+__all__ = ["IGNORED_KEYS", "load_config"]
+
+logger = logging.getLogger("shardkit.engine")
+
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # shardkit.parallel.pipeline.SCHEDULES
+
+#: DeepSpeed keys accepted without effect here (logging, profiling, I/O tuning, or choices shardkit
+#: makes itself); each one present is reported in ``EngineConfig.ignored``.
+IGNORED_KEYS: dict[str, tuple[str, ...]] = {
+    "": (
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "memory_breakdown",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "flops_profiler",
+        "comms_logger",
+        "activation_checkpointing",
+        "aio",
+        "checkpoint",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "communication_data_type",
+        "timers",
+        "autotuning",
+        "disable_allgather",
+    ),  # fmt: skip
+    "zero_optimization": (
+        "reduce_scatter",
+        "allgather_partitions",
+        "use_multi_rank_bucket_allreduce",
+        "load_from_fp32_weights",
+        "elastic_checkpoint",
+        "ignore_unused_parameters",
+        "legacy_stage1",
+        "round_robin_gradients",
+        "memory_efficient_linear",
+        "log_trace_cache_warnings",
+        "compute_grad_norm",
+        "parameter_alignment",
+        "pipeline_loading_checkpoint",
+        "override_module_apply",
+        "enable_sanity_checks",
+        "leaf_module",
+        "save_muon_momentum_buffer_in_memory",
+        "model_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        "module_granularity_threshold",
+        "stage3_module_granularity_threshold",
+        "use_all_reduce_for_fetch_params",
+        "stage3_use_all_reduce_for_fetch_params",
+        "allgather_sequential",
+        "stage3_allgather_sequential",
+    ),  # fmt: skip
+    "offload": ("fast_init", "pipeline_read", "pipeline_write", "buffer_size", "max_in_cpu", "cpuadam_cores_perc"),
+    "bf16": ("immediate_grad_update", "check_grad_overflow"),
+    "adam": ("torch_adam", "fp32_optimizer_states", "foreach", "fused"),
+}
+
+#: DeepSpeed keys shardkit does not implement: accepted (and reported as ignored) only at
+#: DeepSpeed's default, a ValueError otherwise.
+UNSUPPORTED_KEYS: dict[str, dict[str, Any]] = {
+    "": {"sparse_gradients": False},
+    "zero_optimization": {
+        "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False,
+        "zero_quantized_gradients": False,
+        "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False,
+        "cpu_offload": False,
+        "cpu_offload_param": False,
+        "cpu_offload_use_pin_memory": False,
+    },  # fmt: skip
+    "offload_optimizer": {"ratio": 1.0, "super_offload": False},
+    "fp16": {"auto_cast": False, "fp16_master_weights_and_grads": False},
+    "bf16": {"bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
+    "lamb": {"eps_inside_sqrt": False, "max_grad_norm": 0.0},
+}
+
+_INT_SCHED = {"warmup_num_steps", "total_num_steps", "cycle_first_step_size", "cycle_second_step_size",
+              "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "last_batch_iteration"}  # fmt: skip
+#: scheduler params an "auto" may take from another keyword, as HF's Trainer/Accelerate fill them
+_SCHED_AUTO = {"warmup_max_lr": ("warmup_max_lr", "lr"), "cycle_max_lr": ("cycle_max_lr", "lr")}
+
+
+def _positive(v: Any) -> bool:
+    return v > 0
+
+
+def _nonneg(v: Any) -> bool:
+    return v >= 0
+
+
+def _lr_value(key: str, value: Any) -> float | list[float]:
+    """A scheduler bound: a number, or one per param group."""
+    if isinstance(value, (list, tuple)):
+        return [to_float(f"{key}[{i}]", v) for i, v in enumerate(value)]
+    return to_float(key, value)
+
+
+def _betas(key: str, value: Any) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"{key}: expected [beta1, beta2], got {value!r}")
+    return (to_float(f"{key}[0]", value[0]), to_float(f"{key}[1]", value[1]))
+
+
+def _string(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _load(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(config, Mapping):
+        return json.loads(json.dumps(config))  # a deep, JSON-clean copy: the caller's dict is never changed
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:  # json would keep the last silently; DeepSpeed refuses too
+            raise ValueError(f"config: duplicate key(s) {dup}")
+        return dict(pairs)
+
+    path = Path(config)
+    if not path.is_file():
+        raise ValueError(f"config: {str(config)!r} is not a file (pass a path to a JSON file or a dict)")
+    try:
+        return json.loads(path.read_text(), object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"config: {path} is not valid JSON: {e}") from None
+
+
+def _batch(r: Reader, dp: int) -> tuple[int, int, int]:
+    """DeepSpeed's ``_set_batch_related_parameters`` + ``_batch_assertion``, with named errors.
+
+    An "auto" batch key is taken from the keyword of the same name, else derived from the other
+    two like an absent key (HF's Trainer computes it the same way).
+    """
+    given = {k: r.get(k, to_int, None, auto_fallback=None, check=_positive, must="be > 0") for k in BATCH_KEYS}
+    train, micro, gas = (given[k] for k in BATCH_KEYS)
+    if train is not None and micro is not None and gas is None:
+        gas = train // micro // dp
+    elif train is not None and gas is not None and micro is None:
+        micro = train // dp // gas
+    elif micro is not None and gas is not None and train is None:
+        train = micro * gas * dp
+    elif train is not None and micro is None and gas is None:
+        gas, micro = 1, train // dp
+    elif micro is not None and train is None and gas is None:
+        gas, train = 1, micro * dp
+    elif train is None and micro is None:
+        raise ValueError(
+            'train_batch_size or train_micro_batch_size_per_gpu must be given (a number, or "auto" with '
+            "train_batch_size=... / train_micro_batch_size_per_gpu=... passed to load_config)"
+        )
+    if micro < 1 or gas < 1 or train != micro * gas * dp:
+        shown = ", ".join(
+            f"{k}={v}{'' if given[k] is not None else ' (derived)'}" for k, v in zip(BATCH_KEYS, (train, micro, gas))
+        )
+        raise ValueError(
+            f"batch sizes are inconsistent: {shown}; DeepSpeed requires train_batch_size = "
+            f"train_micro_batch_size_per_gpu × gradient_accumulation_steps × data-parallel size ({dp})"
+        )
+    return train, micro, gas
+
+
+def _unsupported(r: Reader, group: str) -> None:
+    for key, default in UNSUPPORTED_KEYS[group].items():
+        r.unsupported(key, default, to_bool if isinstance(default, bool) else to_float if isinstance(default, float) else to_int)
+
+
+def _precision(r: Reader) -> PrecisionConfig:
+    fp16 = r.section("fp16")
+    if r.has("bf16") and r.has("bfloat16"):
+        raise ValueError("bf16 and bfloat16: give one of the two (bfloat16 is DeepSpeed's old name)")
+    bf16 = r.section("bfloat16" if r.has("bfloat16") else "bf16")
+    fp16_on = fp16.get("enabled", to_bool, False, auto=["fp16"])
+    bf16_on = bf16.get("enabled", to_bool, False, auto=["bf16"])
+    if fp16_on and bf16_on:
+        raise ValueError("fp16.enabled and bf16.enabled are both true; enable one of them")
+    scaler = LossScaleConfig(
+        loss_scale=fp16.get("loss_scale", to_float, 0.0, check=_nonneg, must="be >= 0 (0 = dynamic)"),
+        initial_scale_power=fp16.get("initial_scale_power", to_int, 16),
+        loss_scale_window=fp16.get("loss_scale_window", to_int, 1000, check=_positive, must="be >= 1"),
+        hysteresis=fp16.get("hysteresis", to_int, 2, check=_positive, must="be >= 1"),
+        consecutive_hysteresis=fp16.get("consecutive_hysteresis", to_bool, False),
+        min_loss_scale=fp16.get("min_loss_scale", to_float, 1.0, check=_positive, must="be > 0"),
+    )
+    _unsupported(fp16, "fp16")
+    bf16.ignore(*IGNORED_KEYS["bf16"])
+    _unsupported(bf16, "bf16")
+    if fp16_on:
+        return PrecisionConfig("fp16", scaler)
+    return PrecisionConfig("bf16" if bf16_on else "fp32")
+
+
+def _optimizer(r: Reader) -> OptimizerConfig | None:
+    if not r.has("optimizer"):
+        return None
+    o = r.section("optimizer")
+    kind = o.get("type", _string, None)
+    if kind is None:
+        raise ValueError("optimizer.type is missing (one of Adam, AdamW, SGD, Lion, LAMB)")
+    p = o.section("params")
+    name = kind.lower()
+
+    def common(lr: float = 1e-3, wd: float = 0.0) -> dict[str, Any]:
+        return {
+            "lr": p.get("lr", to_float, lr, check=_nonneg, must="be >= 0"),
+            "weight_decay": p.get("weight_decay", to_float, wd, check=_nonneg, must="be >= 0"),
+        }
+
+    if name in ("adam", "adamw"):
+        # DeepSpeed: "AdamW" always decouples weight decay; "Adam" does too unless adam_w_mode is false
+        w_mode = p.get("adam_w_mode", to_bool, True) or name == "adamw"
+        kw = common()
+        kw["betas"] = p.get("betas", _betas, (0.9, 0.999))
+        kw["eps"] = p.get("eps", to_float, 1e-8, check=_nonneg, must="be >= 0")
+        kw["amsgrad"] = p.get("amsgrad", to_bool, False)
+        if not p.get("bias_correction", to_bool, True):
+            raise ValueError("optimizer.params.bias_correction=false is not supported (shardkit's Adam always corrects)")
+        p.ignore(*IGNORED_KEYS["adam"])
+        return OptimizerConfig(kind, "FusedAdamW" if w_mode else "FusedAdam", _frozen(kw))
+    if name == "sgd":
+        kw = common()
+        kw["momentum"] = p.get("momentum", to_float, 0.0, check=_nonneg, must="be >= 0")
+        kw["dampening"] = p.get("dampening", to_float, 0.0)
+        kw["nesterov"] = p.get("nesterov", to_bool, False)
+        return OptimizerConfig(kind, "FusedSGD", _frozen(kw))
+    if name == "lion":
+        kw = common()
+        kw["betas"] = p.get("betas", _betas, (0.9, 0.999))  # DeepSpeed's FusedLion default, not (0.9, 0.99)
+        return OptimizerConfig(kind, "FusedLion", _frozen(kw))
+    if name == "lamb":
+        kw = common()
+        kw["betas"] = p.get("betas", _betas, (0.9, 0.999))
+        kw["eps"] = p.get("eps", to_float, 1e-8, check=_nonneg, must="be >= 0")
+        kw["bias_correction"] = p.get("bias_correction", to_bool, True)
+        # DeepSpeed clamps the trust ratio to [min_coeff, max_coeff]; shardkit bounds it above only
+        kw["max_trust_ratio"] = p.get("max_coeff", to_float, 10.0, check=_positive, must="be > 0")
+        kw["weight_norm_clip"] = (0.0, float("inf"))  # DeepSpeed (like Apex) does not clamp ||w||
+        p.ignore("min_coeff")
+        _unsupported(p, "lamb")
+        return OptimizerConfig(kind, "FusedLAMB", _frozen(kw))
+    raise ValueError(f"optimizer.type must be one of Adam, AdamW, SGD, Lion, LAMB (any case), got {kind!r}")
+
+
+def _scheduler(r: Reader) -> SchedulerConfig | None:
+    if not r.has("scheduler"):
+        return None
+    s = r.section("scheduler")
+    kind = s.get("type", _string, None)
+    if kind not in SCHEDULERS:
+        raise ValueError(f"scheduler.type must be one of {sorted(SCHEDULERS)}, got {kind!r}")
+    p = s.section("params")
+    names = [n for n in inspect.signature(SCHEDULERS[kind]).parameters if n != "optimizer"]
+    kw: dict[str, Any] = {}
+    for n in names:
+        convert = (
+            to_int if n in _INT_SCHED else to_bool if n == "cycle_momentum" else _string if n == "warmup_type" else _lr_value
+        )
+        # HF's Trainer and Accelerate fill warmup_min_lr "auto" with 0 (it is no training argument)
+        fallback = 0.0 if n == "warmup_min_lr" else MISSING
+        value = p.get(n, convert, MISSING, auto=_SCHED_AUTO.get(n, (n,)), auto_fallback=fallback)
+        if value is not MISSING:
+            kw[n] = value
+    for n in ("warmup_num_steps", "total_num_steps", "cycle_first_step_size"):
+        if n in kw and kw[n] <= 0:
+            raise ValueError(f"scheduler.params.{n} must be > 0, got {kw[n]}")
+    if kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in kw:
+        raise ValueError(f"scheduler.params.total_num_steps is required by {kind}")
+    if kind == "OneCycle" and not {"cycle_min_lr", "cycle_max_lr"} <= set(kw):
+        raise ValueError("scheduler.params.cycle_min_lr and cycle_max_lr are required by OneCycle")
+    if kw.get("warmup_type", "log") not in ("log", "linear"):
+        raise ValueError(f"scheduler.params.warmup_type must be 'log' or 'linear', got {kw['warmup_type']!r}")
+    return SchedulerConfig(kind, _frozen(kw))
+
+
+def _offload(z: Reader, key: str, stage: int) -> OffloadConfig:
+    o = z.section(key)
+    device = o.choice("device", ("none", "cpu", "nvme"), "none")
+    nvme_path = o.get("nvme_path", _string, None)
+    if device == "nvme" and not nvme_path:
+        raise ValueError(f"zero_optimization.{key}.nvme_path is required with device 'nvme'")
+    cfg = OffloadConfig(device, nvme_path, o.get("pin_memory", to_bool, True), o.get("buffer_count", to_int, None))
+    o.ignore(*IGNORED_KEYS["offload"])
+    if key == "offload_optimizer":
+        _unsupported(o, "offload_optimizer")
+    need = 3 if key == "offload_param" else 1
+    if cfg.enabled and stage < need:
+        raise ValueError(f"zero_optimization.{key}.device={device!r} needs zero_optimization.stage >= {need}, got {stage}")
+    return cfg
+
+
+def _aliased(z: Reader, names: tuple[str, ...]) -> str:
+    """The one of DeepSpeed's alias names the config uses (the first when none)."""
+    used = [n for n in names if z.has(n)]
+    if len(used) > 1:
+        raise ValueError(f"zero_optimization: {' and '.join(used)} name the same setting; give one")
+    return used[0] if used else names[0]
+
+
+def _zero(r: Reader) -> ZeroConfig:
+    z = r.section("zero_optimization")
+    stage = z.get("stage", to_int, 0, check=lambda v: 0 <= v <= 3, must="be 0, 1, 2 or 3")
+    hidden = z.auto_values.get("hidden_size")
+    h = to_int("hidden_size", hidden) if hidden is not None else None
+
+    def sized(names: tuple[str, ...], default: int, from_hidden: Any = None) -> int:
+        key = _aliased(z, names)
+        # HF transformers' trainer_config_finalize (integrations/deepspeed.py): reduce_bucket_size =
+        # hidden², stage3_prefetch_bucket_size = int(0.9·hidden²), stage3_param_persistence_threshold =
+        # 10·hidden (HF fills the last two for stage 3 only; below it they are unused here)
+        fallback = from_hidden(h) if (from_hidden is not None and h is not None) else MISSING
+        hint = "hidden_size" if from_hidden is not None else ""
+        return z.get(key, to_int, default, auto=names, auto_fallback=fallback, auto_hint=hint, check=_nonneg, must="be >= 0")
+
+    cfg = ZeroConfig(
+        stage=stage,
+        offload_optimizer=_offload(z, "offload_optimizer", stage),
+        offload_param=_offload(z, "offload_param", stage),
+        reduce_bucket_size=sized(("reduce_bucket_size",), 500_000_000, lambda h: h * h),
+        allgather_bucket_size=sized(("allgather_bucket_size",), 500_000_000),
+        overlap_comm=z.get("overlap_comm", to_bool, stage == 3),  # DeepSpeed: on by default for stage 3 only
+        contiguous_gradients=z.get("contiguous_gradients", to_bool, True),
+        sub_group_size=sized(("sub_group_size",), 1_000_000_000),
+        prefetch_bucket_size=sized(
+            ("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 50_000_000, lambda h: int(0.9 * h * h)
+        ),
+        param_persistence_threshold=sized(
+            ("stage3_param_persistence_threshold", "param_persistence_threshold"), 100_000, lambda h: 10 * h
+        ),
+        max_live_parameters=sized(("stage3_max_live_parameters", "max_live_parameters"), 1_000_000_000),
+        max_reuse_distance=sized(("stage3_max_reuse_distance", "max_reuse_distance"), 1_000_000_000),
+        gather_16bit_weights_on_model_save=z.get(
+            _aliased(
+                z,
+                (
+                    "stage3_gather_16bit_weights_on_model_save",
+                    "gather_16bit_weights_on_model_save",
+                    "stage3_gather_fp16_weights_on_model_save",
+                ),
+            ),
+            to_bool,
+            False,
+        ),
+    )
+    if cfg.reduce_bucket_size == 0:
+        raise ValueError("zero_optimization.reduce_bucket_size must be > 0")
+    z.ignore(*IGNORED_KEYS["zero_optimization"])
+    _unsupported(z, "zero_optimization")
+    return cfg
+
+
+def load_config(
+    config: str | Path | Mapping[str, Any], *, world_size: int, strict: bool = True, **auto_values: Any
+) -> EngineConfig:
+    """Parse and validate a DeepSpeed-style config; fill its "auto" values.
+
+    Args:
+        config: a path to a JSON file, or the dict itself (never modified).
+        world_size: ranks in the job; the data-parallel size is ``world_size / (tensor_parallel.size
+            × pipeline.stages)``.
+        strict: unknown keys raise (True) or warn, one warning per key (False).
+        **auto_values: what ``"auto"`` stands for, by the key's own name (``lr``, ``weight_decay``,
+            ``betas``, ``eps``, ``warmup_num_steps``, ``total_num_steps``, ``train_batch_size``,
+            ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
+            ``gradient_clipping``, ``fp16``, ``bf16``, ...) plus ``hidden_size`` for the bucket sizes.
+
+    Returns:
+        The resolved :class:`EngineConfig`. Keys accepted without effect are in ``.ignored`` and
+        logged once, in one line.
+
+    Raises:
+        ValueError: naming the dotted key: an unknown key (strict), an "auto" nothing fills, an
+            inconsistent batch triple, nvme offload without ``nvme_path``, a bad value.
+
+    Example:
+        >>> cfg = load_config("ds_config.json", world_size=2, lr=2e-5, weight_decay=0.0,
+        ...                   warmup_num_steps=100, total_num_steps=1000, gradient_clipping=1.0,
+        ...                   train_micro_batch_size_per_gpu=8)
+        >>> cfg.zero.stage, cfg.precision.dtype, cfg.train_batch_size
+        (2, 'fp16', 16)
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    data = _load(config)
+    r = Reader(data, auto_values)
+
+    tp = r.section("tensor_parallel")
+    tp_size = tp.get("size", to_int, 1, check=_positive, must="be >= 1")
+    pp = r.section("pipeline")
+    stages = pp.get("stages", to_int, 1, check=_positive, must="be >= 1")
+    schedule = pp.choice("schedule", PIPELINE_SCHEDULES, "1f1b")
+    if world_size % (tp_size * stages):
+        raise ValueError(
+            f"world_size {world_size} is not divisible by tensor_parallel.size ({tp_size}) × pipeline.stages ({stages})"
+        )
+    dp = world_size // (tp_size * stages)
+    train, micro, gas = _batch(r, dp)
+    microbatches = pp.get("microbatches", to_int, gas, check=_positive, must="be >= 1")
+
+    cfg = EngineConfig(
+        world_size=world_size,
+        dp_size=dp,
+        train_batch_size=train,
+        train_micro_batch_size_per_gpu=micro,
+        gradient_accumulation_steps=gas,
+        gradient_clipping=r.get("gradient_clipping", to_float, 0.0, check=_nonneg, must="be >= 0"),
+        precision=_precision(r),
+        optimizer=_optimizer(r),
+        scheduler=_scheduler(r),
+        zero=_zero(r),
+        tensor_parallel=TensorParallelConfig(tp_size),
+        pipeline=PipelineConfig(stages, schedule, microbatches),
+        ignored=(),
+        source=_frozen(data),
+    )
+    if r.has("amp"):  # apex AMP: only a disabled section is accepted
+        amp = r.raw("amp")
+        if isinstance(amp, Mapping) and to_bool("amp.enabled", amp.get("enabled", False)):
+            raise ValueError("amp.enabled=true (apex AMP) is not supported: use fp16 or bf16")
+        r.report.add_ignored("amp")
+    r.ignore(*IGNORED_KEYS[""])
+    _unsupported(r, "")
+
+    unknown = r.unread()
+    if unknown:
+        lines = [f"{key}" + (f" (did you mean {near[0]!r}?)" if near else "") for key, near in unknown]
+        if strict:
+            raise ValueError("unknown config key(s): " + "; ".join(lines) + " (strict=False warns instead)")
+        for line in lines:
+            warnings.warn(f"unknown config key {line}: ignored", UserWarning, stacklevel=2)
+    ignored = tuple(r.report.ignored)
+    if ignored:
+        logger.warning("config keys accepted but ignored by shardkit: %s", ", ".join(ignored))
+    return dataclasses.replace(cfg, ignored=ignored)

@@ -1,0 +1,197 @@
+"""The resolved config: a frozen dataclass tree (what ``load_config`` returns).
+
+Every field holds a final value: no "auto", no string booleans, integer sizes as ints. The
+classes that build things (an optimizer, a scheduler, a loss scaler) import their targets
+lazily, so reading a config imports no kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+__all__ = [
+    "EngineConfig",
+    "LossScaleConfig",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "PrecisionConfig",
+    "SchedulerConfig",
+    "TensorParallelConfig",
+    "ZeroConfig",
+]
+
+Device = Literal["none", "cpu", "nvme"]
+_MiB = 1 << 20
+
+
+def _frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """The ``fp16`` loss-scaling keys, named as ``DynamicLossScaler``'s constructor arguments."""
+
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    def make(self) -> Any:
+        """A :class:`shardkit.parallel.DynamicLossScaler` with these arguments."""
+        from shardkit.parallel import DynamicLossScaler
+
+        return DynamicLossScaler(**self.__dict__)
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """``fp16``/``bf16`` sections: the training dtype and, for fp16, the loss scaler."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    loss_scaler: LossScaleConfig | None = None  # fp16 only
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element (DeepSpeed's bucket sizes count elements of this dtype)."""
+        return 4 if self.dtype == "fp32" else 2
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """``optimizer``: DeepSpeed's type mapped onto a shardkit fused optimizer.
+
+    Attributes:
+        type: the type as written in the config (``"AdamW"``, ``"Adam"``, ``"SGD"``, ...).
+        class_name: the ``shardkit.kernels`` class it maps to (``"FusedAdamW"``, ...).
+        params: that class's keyword arguments, DeepSpeed's defaults filled in.
+    """
+
+    type: str
+    class_name: str
+    params: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
+
+    def optimizer_class(self) -> type:
+        import shardkit.kernels as kernels
+
+        return getattr(kernels, self.class_name)
+
+    def build(self, params: Iterable[Any], **overrides: Any) -> Any:
+        """``optimizer_class()(params, **self.params, **overrides)``."""
+        return self.optimizer_class()(params, **{**self.params, **overrides})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """``scheduler``: a type of :data:`shardkit.engine.SCHEDULERS` and its constructor kwargs."""
+
+    type: str
+    params: Mapping[str, Any] = field(default_factory=lambda: _frozen({}))
+
+    def build(self, optimizer: Any) -> Any:
+        """The scheduler over ``optimizer`` (anything with ``param_groups``)."""
+        from .schedulers import make_scheduler
+
+        return make_scheduler(self.type, optimizer, dict(self.params))
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """``offload_optimizer`` / ``offload_param``."""
+
+    device: Device = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = True  # DeepSpeed 0.19.8's default
+    buffer_count: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``. Sizes are in elements, as DeepSpeed counts them."""
+
+    stage: int = 0
+    offload_optimizer: OffloadConfig = OffloadConfig()
+    offload_param: OffloadConfig = OffloadConfig()
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    sub_group_size: int = 1_000_000_000
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    gather_16bit_weights_on_model_save: bool = False
+
+    def bucket_mb(self, grad_bytes: int) -> float:
+        """``reduce_bucket_size`` as shardkit's ``bucket_mb`` (MiB of gradients of ``grad_bytes``)."""
+        return self.reduce_bucket_size * grad_bytes / _MiB
+
+    @property
+    def offload(self) -> Device | None:
+        """The planner's/``ShardedDataParallel``'s ``offload``: None, "cpu" or "nvme"."""
+        return None if self.offload_optimizer.device == "none" else self.offload_optimizer.device
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """shardkit's ``tensor_parallel`` section."""
+
+    size: int = 1
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """shardkit's ``pipeline`` section (microbatches default: ``gradient_accumulation_steps``,
+    as DeepSpeed's pipeline engine runs one micro-batch per accumulation step)."""
+
+    stages: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A DeepSpeed-style config, resolved. Built by :func:`shardkit.engine.load_config`.
+
+    Attributes:
+        world_size: ranks in the job.
+        dp_size: data-parallel ranks, ``world_size / (tensor_parallel.size × pipeline.stages)``.
+        train_batch_size: samples per optimizer step over all data-parallel ranks.
+        train_micro_batch_size_per_gpu: samples per forward/backward on one rank.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        gradient_clipping: max global gradient norm; 0 = no clipping.
+        precision: dtype and loss scaler.
+        optimizer: None when the config has no ``optimizer`` (the client brings one).
+        scheduler: None when the config has no ``scheduler``.
+        zero: ``zero_optimization``.
+        tensor_parallel: shardkit's ``tensor_parallel`` section.
+        pipeline: shardkit's ``pipeline`` section.
+        ignored: dotted keys accepted without effect, in config order, once each.
+        source: the config as given (after JSON loading), read-only.
+    """
+
+    world_size: int
+    dp_size: int
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float = 0.0
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero: ZeroConfig = ZeroConfig()
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    ignored: tuple[str, ...] = ()
+    source: Mapping[str, Any] = field(default_factory=lambda: _frozen({}), repr=False, compare=False)
