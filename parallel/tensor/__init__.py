@@ -26,11 +26,11 @@ from .plan import (
     VocabParallelLMHead,
     gather_state_dict,
     gpt_plan,
-    llama_plan,
     plan_modules,
     shard_state_dict,
     tensor_parallelize,
 )
+from .hf_plans import hf_gpt2_plan, hf_llama_plan, llama_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_tp_sharded
 from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm, share_sequence_parallel_grads
 
@@ -45,6 +45,8 @@ __all__ = [
     "VocabParallelLMHead",
     "gather_state_dict",
     "gpt_plan",
+    "hf_gpt2_plan",
+    "hf_llama_plan",
     "llama_plan",
     "plan_modules",
     "shard_state_dict",

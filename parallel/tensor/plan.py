@@ -6,12 +6,18 @@ dotted module name where ``*`` matches one name component (``"blocks.*.attn.qkv"
 * :class:`Colwise` — an ``nn.Linear`` becomes a :class:`ColumnParallelLinear` (``fused_chunks=3``
   for a fused ``[q; k; v]`` projection);
 * :class:`Rowwise` — an ``nn.Linear`` becomes a :class:`RowParallelLinear`;
+* both with ``transposed=True`` take a Hugging Face ``Conv1D`` (GPT-2), whose weight is stored
+  ``[in, out]`` (``y = x W + b``): the column split is then along the weight's dim 1 and the
+  row split along dim 0. The converted layer holds the ``nn.Linear`` layout ``[out, in]``;
+  :func:`shard_state_dict` / :func:`gather_state_dict` transpose to and from the checkpoint's;
 * :class:`VocabParallel` — an ``nn.Embedding`` becomes a :class:`VocabParallelEmbedding`;
 * :class:`VocabParallelHead` — an LM head ``nn.Linear(d, V, bias=False)`` becomes a
   :class:`VocabParallelLMHead` returning this rank's logits shard (feed it to
   ``vocab_parallel_cross_entropy``), optionally sharing the weight of a vocab-parallel embedding
   (tied embeddings);
-* :class:`Heads` — divides an integer attribute (``n_heads``) by tp: each rank runs its heads.
+* :class:`Heads` — divides an attention module's integer attributes (``n_heads``; HF GPT-2's
+  ``num_heads``, ``split_size``, ``embed_dim``) by tp, so its unmodified forward runs this rank's
+  heads, and checks head counts read from its ``config`` (HF Llama's ``num_key_value_heads``).
 
 :func:`tensor_parallelize` validates the whole plan first — every pattern matches a module of the
 right type, every split dimension is divisible by tp — and raises a ``ValueError`` naming the
@@ -48,7 +54,6 @@ __all__ = [
     "tensor_parallelize",
     "plan_modules",
     "gpt_plan",
-    "llama_plan",
     "shard_state_dict",
     "gather_state_dict",
 ]
@@ -56,17 +61,21 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Colwise:
-    """Split an ``nn.Linear``'s output features (weight rows) over tp."""
+    """Split an ``nn.Linear``'s output features (weight rows) over tp; ``transposed``: a HF
+    ``Conv1D`` (weight ``[in, out]``, split along dim 1)."""
 
     fused_chunks: int = 1
     gather_output: bool = False
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
 class Rowwise:
-    """Split an ``nn.Linear``'s input features (weight columns) over tp."""
+    """Split an ``nn.Linear``'s input features (weight columns) over tp; ``transposed``: a HF
+    ``Conv1D`` (weight ``[in, out]``, split along dim 0)."""
 
     input_is_parallel: bool = True
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,9 +92,15 @@ class VocabParallelHead:
 
 @dataclass(frozen=True)
 class Heads:
-    """Divide the integer attribute ``attr`` of a module (its head count) by tp."""
+    """Give an attention module this rank's heads: divide its integer attribute ``attr`` (a head
+    count, required unless None) and each of ``if_present`` that it has (per-rank widths such as
+    HF GPT-2's ``split_size``) by tp; check that every ``module.config.<name>`` in
+    ``config_heads`` (e.g. ``num_key_value_heads``) is divisible by tp. The config is only read:
+    HF shares one config object between all layers and the model."""
 
-    attr: str = "n_heads"
+    attr: str | None = "n_heads"
+    if_present: tuple[str, ...] = ()
+    config_heads: tuple[str, ...] = ()
 
 
 Style = Colwise | Rowwise | VocabParallel | VocabParallelHead | Heads
@@ -141,26 +156,62 @@ def _match(model: nn.Module, plan: dict[str, Style]) -> dict[str, tuple[str, Sty
     return found
 
 
+def _features(module: nn.Module, style: Style) -> tuple[int, int]:
+    """``(in_features, out_features)`` of an ``nn.Linear`` or (``transposed``) a HF ``Conv1D``."""
+    if getattr(style, "transposed", False):
+        return tuple(module.weight.shape)  # Conv1D: weight [in, out]
+    return module.in_features, module.out_features
+
+
+def _as_linear(module: nn.Module) -> nn.Linear:
+    """An ``nn.Linear`` sharing a HF ``Conv1D``'s values: weight ``[in, out]`` seen as ``[out, in]``."""
+    n_in, n_out = module.weight.shape
+    linear = nn.Linear(n_in, n_out, bias=module.bias is not None, device="meta")  # no init work
+    linear.weight = nn.Parameter(module.weight.detach().t(), requires_grad=False)
+    linear.bias = None if module.bias is None else nn.Parameter(module.bias.detach(), requires_grad=False)
+    return linear
+
+
 def _check(name: str, pattern: str, module: nn.Module, style: Style, tp: int) -> None:
     where = f"TP plan {pattern!r} -> {name}"
-    if isinstance(style, (Colwise, Rowwise, VocabParallelHead)) and not isinstance(module, nn.Linear):
-        raise ValueError(f"{where}: {type(style).__name__} needs an nn.Linear, got {type(module).__name__}")
-    if isinstance(style, Colwise) and module.out_features % (tp * style.fused_chunks):
-        raise ValueError(
-            f"{where}: out_features={module.out_features} is not divisible by tp * fused_chunks = {tp} * {style.fused_chunks}"
+    transposed = getattr(style, "transposed", False)
+    if transposed:
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(
+                f"{where}: {type(style).__name__}(transposed=True) needs a Conv1D-like module (weight [in, out]), "
+                f"got {type(module).__name__}"
+            )
+    elif isinstance(style, (Colwise, Rowwise, VocabParallelHead)) and not isinstance(module, nn.Linear):
+        hint = (
+            " (a Hugging Face Conv1D stores weight [in, out]: use transposed=True)" if type(module).__name__ == "Conv1D" else ""
         )
-    if isinstance(style, Rowwise) and module.in_features % tp:
-        raise ValueError(f"{where}: in_features={module.in_features} is not divisible by the tp size {tp}")
+        raise ValueError(f"{where}: {type(style).__name__} needs an nn.Linear, got {type(module).__name__}{hint}")
+    if isinstance(style, Colwise) and _features(module, style)[1] % (tp * style.fused_chunks):
+        raise ValueError(
+            f"{where}: out_features={_features(module, style)[1]} is not divisible by tp * fused_chunks = {tp} * {style.fused_chunks}"
+        )
+    if isinstance(style, Rowwise) and _features(module, style)[0] % tp:
+        raise ValueError(f"{where}: in_features={_features(module, style)[0]} is not divisible by the tp size {tp}")
     if isinstance(style, VocabParallel) and not isinstance(module, nn.Embedding):
         raise ValueError(f"{where}: VocabParallel needs an nn.Embedding, got {type(module).__name__}")
     if isinstance(style, VocabParallelHead) and module.bias is not None:
         raise ValueError(f"{where}: VocabParallelHead supports heads without bias")
     if isinstance(style, Heads):
-        value = getattr(module, style.attr, None)
-        if not isinstance(value, int):
-            raise ValueError(f"{where}: Heads needs an int attribute {style.attr!r}")
-        if value % tp:
-            raise ValueError(f"{where}: {style.attr}={value} is not divisible by the tp size {tp}")
+        values = {}
+        if style.attr is not None:
+            if not isinstance(getattr(module, style.attr, None), int):
+                raise ValueError(f"{where}: Heads needs an int attribute {style.attr!r}")
+            values[style.attr] = getattr(module, style.attr)
+        values.update({a: getattr(module, a) for a in style.if_present if isinstance(getattr(module, a, None), int)})
+        config = getattr(module, "config", None)
+        for a in style.config_heads:
+            if not isinstance(getattr(config, a, None), int):
+                raise ValueError(f"{where}: Heads needs an int {a!r} in the module's config")
+            values[a] = getattr(config, a)
+        for a, value in values.items():
+            if value % tp:
+                raise ValueError(f"{where}: {a}={value} is not divisible by the tp size {tp}")
 
 
 def plan_modules(model: nn.Module, plan: dict[str, Style], tp: int) -> dict[str, tuple[str, Style]]:
@@ -219,8 +270,12 @@ def tensor_parallelize(
         _, style = matched[name]
         module = modules[name]
         if isinstance(style, Heads):
-            setattr(module, style.attr, getattr(module, style.attr) // tp)
+            for a in ((style.attr,) if style.attr else ()) + style.if_present:
+                if isinstance(getattr(module, a, None), int):
+                    setattr(module, a, getattr(module, a) // tp)
             continue
+        if getattr(style, "transposed", False):
+            module = _as_linear(module)
         if isinstance(style, Colwise):
             new = ColumnParallelLinear.from_dense(
                 module, ctx=ctx, fused_chunks=style.fused_chunks, gather_output=style.gather_output, stats=stats
@@ -261,29 +316,6 @@ def gpt_plan(*, tie_embeddings: bool = True) -> dict[str, Style]:
         "blocks.*.mlp.fc": Colwise(),
         "blocks.*.mlp.proj": Rowwise(),
         "head": VocabParallelHead(tied_to="tok_emb" if tie_embeddings else None),
-    }
-
-
-def llama_plan(*, tie_embeddings: bool = False) -> dict[str, Style]:
-    """The TP plan of a Hugging Face Llama (``LlamaForCausalLM``): q/k/v and gate/up projections
-    column-parallel, o/down projections row-parallel, the vocabulary split in ``embed_tokens`` and
-    ``lm_head``. HF's Llama attention infers the local head count from the projection width, and
-    the grouped-query ratio is unchanged, so no attribute needs rewriting; the number of key/value
-    heads must be divisible by tp (``k_proj``'s width is checked).
-
-    Example:
-        >>> model = tensor_parallelize(LlamaForCausalLM(cfg), ctx, llama_plan())
-        >>> loss = vocab_parallel_cross_entropy(model(ids).logits, y, ctx=ctx, vocab_size=cfg.vocab_size)
-    """
-    layer = "model.layers.*."
-    return {
-        "model.embed_tokens": VocabParallel(),
-        **{layer + f"self_attn.{p}_proj": Colwise() for p in "qkv"},
-        layer + "self_attn.o_proj": Rowwise(),
-        layer + "mlp.gate_proj": Colwise(),
-        layer + "mlp.up_proj": Colwise(),
-        layer + "mlp.down_proj": Rowwise(),
-        "lm_head": VocabParallelHead(tied_to="model.embed_tokens" if tie_embeddings else None),
     }
 
 
@@ -335,6 +367,8 @@ def shard_state_dict(dense_sd: dict[str, torch.Tensor], plan: dict[str, Style], 
         if dim is None:
             out[key] = t
             continue
+        if getattr(style, "transposed", False) and t.dim() == 2:
+            t = t.t()  # a Conv1D checkpoint's [in, out] -> the converted layer's [out, in]
         order = _fused_order(style, t.shape[0], tp)
         if order is not None:
             t = t[order]
@@ -368,14 +402,16 @@ def gather_state_dict(
     for key, t in tp_sd.items():
         style = styles.get(key)
         dim = None if style is None else _shard_dim(style, key.rpartition(".")[2])
-        if dim is None or tp == 1:
+        if dim is None:
             out[key] = t
             continue
-        full = gather_along(t.detach(), dim, ctx.group("tp"))
+        full = gather_along(t.detach(), dim, ctx.group("tp")) if tp > 1 else t
         order = _fused_order(style, full.shape[0], tp)
         if order is not None:
             full = full[torch.argsort(order)]
         if vocab_sizes and key in vocab_sizes:
             full = full[: vocab_sizes[key]]
+        if getattr(style, "transposed", False) and full.dim() == 2:
+            full = full.t().contiguous()  # back to the Conv1D checkpoint's [in, out]
         out[key] = full
     return out
