@@ -85,8 +85,11 @@ def _train(model: nn.Module, opt: object, rows: slice, steps: range, dtype: torc
         opt.step()
 
 
-def _params(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full state (stage 3 keeps only shards: gather through full_state_dict)."""
+    if isinstance(model, ShardedDataParallel):
+        return model.full_state_dict()
+    return {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()}
 
 
 def run_then_save(path: str, kind: str, stage: int, opt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -95,7 +98,7 @@ def run_then_save(path: str, kind: str, stage: int, opt: str, dtype: torch.dtype
     _train(model, optim, rows, range(K), dtype)
     save_checkpoint(path, model, optim, extra={"step": K, "note": "hello"})
     _train(model, optim, rows, range(K, 2 * K), dtype)
-    return _params(module)
+    return _params(model)
 
 
 def load_then_run(
@@ -109,7 +112,7 @@ def load_then_run(
     if resave is not None:
         save_checkpoint(resave, model, optim, extra=extra)
     _train(model, optim, rows, range(extra["step"], until), dtype)
-    return _params(module)
+    return _params(model)
 
 
 def _same(a: dict, b: dict, tol: dict | None) -> None:
@@ -153,6 +156,17 @@ def test_load_into_stage1_and_dataparallel(dist_pool, zero2_dp2, kind: str, stag
     _same(out[0], ref, FP32)
 
 
+def test_stage3_both_ways(dist_pool, zero2_dp2, tmp_path) -> None:
+    """ZeRO-2 dp 2 → ZeRO-3 dp 4 (params sharded: each rank reads only its pieces), whose re-save
+    → ZeRO-1 dp 2: both train like one process from step K."""
+    path, ref = zero2_dp2
+    three = str(tmp_path / "from3")
+    out = dist_pool.run(load_then_run, path, "zero", 3, "fused", torch.float32, three, world_size=4, timeout=60)
+    _same(out[0], ref, FP32)
+    out = dist_pool.run(load_then_run, three, "zero", 1, "torch", torch.float32, world_size=2, timeout=60)
+    _same(out[0], ref, FP32)
+
+
 def test_single_process_roundtrip_with_zero(dist_pool, zero2_dp2, tmp_path) -> None:
     """ZeRO dp 2 → one process (no torch.distributed) → its own save → ZeRO dp 4."""
     path, ref = zero2_dp2
@@ -180,6 +194,8 @@ def test_bf16_with_master(dist_pool, tmp_path) -> None:
     compared: bf16 forward/backward over other row splits rounds the gradients differently.)"""
     path = str(tmp_path / "bf16")
     ref = dist_pool.run(run_then_save, path, "zero", 2, "fused", torch.bfloat16, world_size=2, timeout=60)[0]
+    out = dist_pool.run(load_then_run, path, "zero", 3, "fused", torch.bfloat16, world_size=2, timeout=60)
+    _same(out[0], ref, None)
     out = dist_pool.run(load_then_run, path, "zero", 1, "fused", torch.bfloat16, world_size=2, timeout=60)
     _same(out[0], ref, None)
     saved = _read_all(path)
@@ -200,7 +216,7 @@ def crash_mid_save(path: str) -> dict[str, torch.Tensor]:
     model, optim, module, rows = _build("zero", 2, "fused", torch.float32)
     _train(model, optim, rows, range(K), torch.float32)
     save_checkpoint(path, model, optim, extra={"step": K, "note": "hello"})
-    at_k = _params(module)
+    at_k = _params(model)
     _train(model, optim, rows, range(K, K + 1), torch.float32)
     real = filesystem._write_files_from_queue
     if torch.distributed.get_rank() == 1:
@@ -221,7 +237,7 @@ def crash_mid_save(path: str) -> dict[str, torch.Tensor]:
     leftovers = sorted(p.name for p in Path(path).parent.iterdir())
     model2, optim2, module2, _ = _build("zero", 2, "fused", torch.float32)
     assert load_checkpoint(path, model2, optim2)["step"] == K
-    _same(_params(module2), at_k, None)
+    _same(_params(model2), at_k, None)
     return {"leftovers": leftovers}
 
 
@@ -246,7 +262,7 @@ def load_then_run_single_save(path: Path) -> dict[str, torch.Tensor]:
     model, optim, module, rows = _build("module", 0, "torch", torch.float32)
     _train(model, optim, rows, range(K), torch.float32)
     save_checkpoint(path, model, optim, extra={"step": K, "note": "hello"})
-    return _params(module)
+    return _params(model)
 
 
 # ---- corrupt / mismatched checkpoints: a clear error, nothing overwritten -------------------------

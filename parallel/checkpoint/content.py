@@ -110,8 +110,14 @@ class Local:
         self.pieces.setdefault(key, (numel, []))[1].append((offset, t.reshape(-1)))
 
 
+def _param_buckets(sdp: ShardedDataParallel) -> list[Any]:
+    """Every bucket holding params: stage 3 also shards frozen params, in buckets of their own
+    (``_shards.frozen``: no public accessor yet), and their full storage is freed between uses."""
+    return list(sdp.sharded_buckets) + (list(getattr(sdp._shards, "frozen", [])) if sdp.stage == 3 else [])
+
+
 def _bucket_params(sdp: ShardedDataParallel) -> set[nn.Parameter]:
-    return {p for sb in sdp.sharded_buckets for p in sb.grad_bucket.params}
+    return {p for sb in _param_buckets(sdp) for p in sb.grad_bucket.params}
 
 
 def model_meta(layout: Layout) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, str]]:
@@ -149,8 +155,9 @@ def save_content(layout: Layout, optimizer: Any) -> Local:
 
 def _zero_content(sdp: ShardedDataParallel, opt: ZeroOptimizer, names: dict[nn.Parameter, str], out: Local) -> None:
     st = opt.state_dict()
-    for b, sb in enumerate(sdp.sharded_buckets):
-        local, master = sb.local_param_shard(), st["master"][b]
+    masters = st["master"] + [None] * (len(_param_buckets(sdp)) - len(st["master"]))
+    for sb, master in zip(_param_buckets(sdp), masters):
+        local = sb.local_param_shard()
         for seg in sb.segments:
             p = sb.grad_bucket.params[seg.index]
             lo = seg.flat_offset - sb.start
@@ -226,6 +233,7 @@ class LoadPlan:
     masters: list[torch.Tensor | None] = field(default_factory=list)
     master_from_ckpt: list[list[bool]] = field(default_factory=list)
     optim_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    shards: list[torch.Tensor] = field(default_factory=list)  # stage 3: each param bucket's local shard
     errors: list[str] = field(default_factory=list)
 
 
@@ -242,6 +250,8 @@ def plan_load(layout: Layout, optimizer: Any, meta: dict[str, Any], saved: dict[
     plan = LoadPlan()
     err = plan.errors.append
     shapes, _ = model_meta(layout)
+    sharded = _bucket_params(layout.sdp) if layout.sdp is not None and layout.sdp.stage == 3 else set()
+    by_name = dict(layout.module.state_dict(keep_vars=True))
     for k, (shape, dtype) in shapes.items():
         if k not in meta["shapes"]:
             err(f"model key {k!r}: not in the checkpoint (meta.pt lists {len(meta['shapes'])} model keys)")
@@ -249,7 +259,7 @@ def plan_load(layout: Layout, optimizer: Any, meta: dict[str, Any], saved: dict[
             err(f"model key {k!r}: shape {tuple(meta['shapes'][k][0])} in the checkpoint, {shape} in the model")
         elif f"model.{k}" not in saved:
             err(f"DCP key 'model.{k}': missing from the checkpoint's .metadata")
-        else:
+        elif by_name[k] not in sharded:
             plan.model[k] = torch.empty(shape, dtype=_dtype(dtype)).reshape(-1)
             plan.request[f"model.{k}"] = plan.model[k]
     for k in meta["shapes"]:
@@ -272,6 +282,15 @@ def plan_load(layout: Layout, optimizer: Any, meta: dict[str, Any], saved: dict[
                 err(f"optimizer: param group {gi} holds {diff[:3]} here but not in the checkpoint, or vice versa")
     if plan.errors:
         return plan
+    if sharded:  # stage 3: only this rank's pieces of the params, into copies of its shards
+        names = layout.names
+        for sb in _param_buckets(layout.sdp):
+            tmp = sb.local_param_shard().clone()
+            for seg in sb.segments:
+                p = sb.grad_bucket.params[seg.index]
+                key = f"model.{names[p]}"
+                _request_piece(plan, key, p.numel(), seg.tensor_offset, tmp.narrow(0, seg.flat_offset - sb.start, seg.numel))
+            plan.shards.append(tmp)
     if layout.sdp is not None:
         _plan_zero(layout, optimizer, meta, saved, names, plan)
     else:
@@ -370,6 +389,9 @@ def apply_load(layout: Layout, optimizer: Any, meta: dict[str, Any], plan: LoadP
     shapes, _ = model_meta(layout)
     for k, flat in plan.model.items():
         target[k].copy_(flat.view(shapes[k][0]))
+    if plan.shards:
+        for sb, tmp in zip(_param_buckets(layout.sdp), plan.shards):
+            sb.local_param_shard().copy_(tmp)
     groups = meta["optim"]["groups"]
     if layout.sdp is not None:
         masters = []
