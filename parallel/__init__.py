@@ -16,6 +16,7 @@ The subpackages hold the rest of each family: :mod:`shardkit.parallel.zero` (and
 """
 
 from .buckets import BucketedGradReducer, GradBucket, plan_buckets
+from .checkpoint import load_checkpoint, save_checkpoint
 from .data_parallel import DataParallel
 from .grad_utils import OverflowReport, clip_grad_norm_, unscale_grads_
 from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
@@ -31,8 +32,6 @@ from .tensor import (
     vocab_parallel_cross_entropy,
 )
 from .zero import ShardedDataParallel, ZeroOptimizer
-
-from .checkpoint import load_checkpoint, save_checkpoint  # noqa: E402 - needs .zero and .data_parallel
 
 __all__ = [
     "vocab_parallel_cross_entropy",
