@@ -24,6 +24,8 @@ Spawns ``--nproc`` local gloo ranks (all on the tp axis) and measures, in the sa
    ``F.cross_entropy`` (the baseline; its gather is a minimal autograd all-gather) and vs DTensor
    ``loss_parallel``. Peak memory: see ``MEMORY_METHOD``.
 
+Model builders (both TP variants of TinyGPT and of the block stack) live in ``perf/tp_models.py``.
+
     python perf/tp.py                                   # full run -> perf/results/tp_cpu.json + .png
     python perf/tp.py --quick --out /tmp/tp             # smoke run (used by the test suite)
 """
@@ -47,26 +49,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch import nn
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import loss_parallel
 
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT, lm_loss
-from shardkit.parallel.tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    SequenceParallelNorm,
-    gpt_plan,
-    tensor_parallelize,
-    vocab_parallel_cross_entropy,
-)
+from shardkit.parallel.tensor import gpt_plan, tensor_parallelize, vocab_parallel_cross_entropy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path: its model builders sit beside it
+from tp_models import Block, dtensor_blocks, dtensor_tinygpt, ours_blocks  # noqa: E402
 
 MEMORY_METHOD = (
     "torch.profiler(profile_memory=True) records every allocation and free of torch's CPU allocator "
@@ -80,35 +72,6 @@ MEMORY_METHOD = (
 
 # ---------------------------------------------------------------------------------------------
 # 1. step time
-
-
-@torch.no_grad()
-def _whole_heads_per_rank(attns: list[nn.Module], tp: int) -> None:
-    """Permute each fused qkv's rows ``[chunk, rank, per] -> [rank, chunk, per]`` so that
-    DTensor's contiguous ``Shard(0)`` gives rank r its q, k and v heads; each rank runs
-    ``n_heads / tp`` heads."""
-    for attn in attns:
-        qkv, d = attn.qkv, attn.qkv.out_features // 3
-        order = torch.arange(3 * d).view(3, tp, d // tp).transpose(0, 1).reshape(-1)
-        qkv.weight.copy_(qkv.weight[order])
-        qkv.bias.copy_(qkv.bias[order])
-        attn.n_heads //= tp
-
-
-def dtensor_tinygpt(dense: TinyGPT, mesh: Any) -> TinyGPT:
-    """``dense`` (a copy) parallelized with DTensor's ColwiseParallel / RowwiseParallel."""
-    model = copy.deepcopy(dense)
-    _whole_heads_per_rank([b.attn for b in model.blocks], mesh.size())
-    plan = {
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        "blocks.*.attn.qkv": ColwiseParallel(),
-        "blocks.*.attn.proj": RowwiseParallel(),
-        "blocks.*.mlp.fc": ColwiseParallel(),
-        "blocks.*.mlp.proj": RowwiseParallel(),
-        "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-    }
-    # src_data_rank=None: every rank already holds the same dense weights; slice locally.
-    return parallelize_module(model, mesh, plan, src_data_rank=None)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -183,75 +146,10 @@ def step_bench(ctx: ParallelContext, args: argparse.Namespace) -> dict:
 # 1b. a stack of pre-LN blocks, with and without sequence parallelism
 
 
-class _Attention(nn.Module):
-    """Causal self-attention taking its sequence length from the qkv output, so the same module
-    runs on a sequence chunk under sequence parallelism (the column layer gathers the sequence)."""
-
-    def __init__(self, d: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads, self.qkv, self.proj = n_heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)
-        b, t = qkv.shape[:2]
-        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.fc, self.proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class _Block(nn.Module):
-    def __init__(self, d: int, n_heads: int) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = nn.LayerNorm(d), _Attention(d, n_heads), nn.LayerNorm(d), _MLP(d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-def ours_blocks(dense: nn.Sequential, ctx: ParallelContext, sp: bool) -> nn.Sequential:
-    """Our layers on a copy of ``dense`` (``gpt_plan``'s split; ``sp``: sequence parallel,
-    LayerNorms wrapped in SequenceParallelNorm). Built by hand: plans have no SP option."""
-    model = copy.deepcopy(dense)
-    tp = ctx.size("tp")
-    for blk in model:
-        a, m = blk.attn, blk.mlp
-        a.n_heads //= tp
-        a.qkv = ColumnParallelLinear.from_dense(a.qkv, ctx=ctx, fused_chunks=3, sequence_parallel=sp)
-        a.proj = RowParallelLinear.from_dense(a.proj, ctx=ctx, sequence_parallel=sp)
-        m.fc = ColumnParallelLinear.from_dense(m.fc, ctx=ctx, sequence_parallel=sp)
-        m.proj = RowParallelLinear.from_dense(m.proj, ctx=ctx, sequence_parallel=sp)
-        if sp:
-            blk.ln1, blk.ln2 = SequenceParallelNorm(blk.ln1, ctx=ctx), SequenceParallelNorm(blk.ln2, ctx=ctx)
-    return model
-
-
-def dtensor_blocks(dense: nn.Sequential, mesh: Any, sp: bool) -> nn.Sequential:
-    """DTensor on a copy of ``dense``: Colwise/Rowwise, and with ``sp`` torchtitan's sequence
-    parallel layout (SequenceParallel norms, Colwise input Shard(1), Rowwise output Shard(1))."""
-    model = copy.deepcopy(dense)
-    _whole_heads_per_rank([b.attn for b in model], mesh.size())
-    col = ColwiseParallel(input_layouts=Shard(1)) if sp else ColwiseParallel()
-    row = RowwiseParallel(output_layouts=Shard(1)) if sp else RowwiseParallel()
-    plan: dict[str, Any] = {"*.attn.qkv": col, "*.attn.proj": row, "*.mlp.fc": col, "*.mlp.proj": row}
-    if sp:
-        plan.update({"*.ln1": SequenceParallel(), "*.ln2": SequenceParallel()})
-    return parallelize_module(model, mesh, plan, src_data_rank=None)
-
-
 def blocks_bench(ctx: ParallelContext, args: argparse.Namespace) -> dict:
     tp, r = ctx.size("tp"), ctx.rank("tp")
     torch.manual_seed(0)
-    dense = nn.Sequential(*(_Block(args.d_model, args.heads) for _ in range(args.layers)))
+    dense = nn.Sequential(*(Block(args.d_model, args.heads) for _ in range(args.layers)))
     x = torch.randn(args.batch, args.seq, args.d_model, generator=torch.Generator().manual_seed(1))
     x_sp = x.chunk(tp, 1)[r].contiguous()
     models = {
