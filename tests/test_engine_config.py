@@ -368,3 +368,63 @@ def test_batch_triple_equals_deepspeed(train, micro, gas, dp) -> None:
     except ValueError:
         ours = None
     assert ours == theirs, (given_, dp)
+
+
+# ---- shardkit config check ----------------------------------------------------------------------
+def _check(argv: list[str], capsys) -> tuple[int, str, str]:
+    from shardkit.engine.cli import config_check_main
+
+    rc = config_check_main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _auto_args(**over) -> list[str]:
+    return [a for k, v in {**AUTO, **over}.items() for a in ("--auto", f"{k}={v}")]
+
+
+def test_config_check_prints_the_resolution_and_the_plan(capsys) -> None:
+    from shardkit.parallel.zero import plan_memory
+
+    rc, out, err = _check([str(ZERO2), "--world-size", "2", *_auto_args(), "--params", "124e6"], capsys)
+    assert rc == 0, err
+    for text in (
+        "ZeRO stage 2; offload optimizer: none; offload params: none",
+        "precision: fp16, dynamic loss scale from 2^15 (window 1000, hysteresis 2, min 1)",
+        "train_batch_size 80 = micro 40 × gradient_accumulation_steps 1 × dp 2",
+        "gradient clipping: 1",
+        "optimizer: AdamW -> shardkit.kernels.FusedAdamW(lr=2e-05, weight_decay=0.01",
+        "scheduler: WarmupDecayLR(",
+        "ignored keys: optimizer.params.torch_adam, zero_optimization.reduce_scatter, zero_optimization.allgather_partitions, "
+        "steps_per_print, wall_clock_breakdown",
+    ):
+        assert text in out, (text, out)
+    # the planner with the settings the config means: 2e8 fp16 elements = 381.47 MiB buckets
+    plan = plan_memory(124_000_000, dp=2, stage=2, precision="fp16", optimizer="adamw", bucket_mb=2e8 * 2 / 2**20)
+    assert plan.table() in out
+    assert "config keys accepted but ignored" not in err  # printed once, not logged as well
+
+
+def test_config_check_offload_set_and_errors(capsys) -> None:
+    from shardkit.parallel.zero import plan_memory
+
+    rc, out, err = _check([str(ZERO3), *_auto_args(), "--params", "1.5B", "--set", "fp16.enabled=false"], capsys)
+    assert rc == 0, err
+    assert "ZeRO stage 3; offload optimizer: cpu; offload params: cpu" in out and "precision: fp32" in out
+    plan = plan_memory(
+        1_500_000_000, dp=1, stage=3, precision="fp32", optimizer="adamw", offload="cpu", offload_params=True,
+        bucket_mb=1600 * 1600 * 4 / 2**20,
+    )  # fmt: skip
+    assert plan.table() in out
+
+    rc, out, err = _check([str(ZERO3), *_auto_args(), "--set", "zero_optimization.offload_optimizer.device=nvme"], capsys)
+    assert rc == 1 and "zero_optimization.offload_optimizer.nvme_path" in err and out == ""
+    rc, _, err = _check([str(ZERO2), *_auto_args(lr="auto")], capsys)  # "auto" passed on is still unresolved
+    assert rc == 1 and "optimizer.params.lr" in err
+    rc, _, err = _check([str(ZERO2), "--set", "zero_optimization.stagee=1", *_auto_args()], capsys)
+    assert rc == 1 and "zero_optimization.stagee" in err
+    with pytest.warns(UserWarning, match="zero_optimization.stagee"):
+        rc, _, err = _check([str(ZERO2), "--set", "zero_optimization.stagee=1", "--lenient", *_auto_args()], capsys)
+    assert rc == 0
+    rc, _, err = _check([str(ZERO2), "--params", "lots"], capsys)
+    assert rc == 2 and "not a parameter count" in err

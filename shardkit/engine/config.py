@@ -34,7 +34,7 @@ from .resolved import (
 )
 from .schedulers import SCHEDULERS
 
-__all__ = ["IGNORED_KEYS", "load_config"]
+__all__ = ["IGNORED_KEYS", "load_config", "load_raw"]
 
 logger = logging.getLogger("shardkit.engine")
 
@@ -153,7 +153,8 @@ def _string(key: str, value: Any) -> str:
     return value
 
 
-def _load(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+def load_raw(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """The config as a fresh dict: a JSON file read (duplicate keys refused) or a dict deep-copied."""
     if isinstance(config, Mapping):
         return json.loads(json.dumps(config))  # a deep, JSON-clean copy: the caller's dict is never changed
 
@@ -427,7 +428,7 @@ def load_config(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    data = _load(config)
+    data = load_raw(config)
     r = Reader(data, auto_values)
 
     tp = r.section("tensor_parallel")

@@ -1,0 +1,204 @@
+"""``shardkit config check ds.json``: validate a DeepSpeed-style config and print what it resolves to.
+
+Prints the ZeRO stage, offload, precision, batch sizes, optimizer, scheduler and the keys
+accepted but ignored, then the planner's memory per rank
+(:func:`shardkit.parallel.zero.plan_memory`) for ``--params N`` parameters. Nothing is allocated
+and no process group is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .config import load_config, load_raw
+from .resolved import EngineConfig
+
+__all__ = ["build_config_check_parser", "config_check_main", "describe"]
+
+_PLANNER_OPTIMIZER = {"FusedAdamW": "adamw", "FusedAdam": "adam", "FusedLion": "lion", "FusedLAMB": "lamb"}
+
+
+def _count(text: str) -> int:
+    """A parameter count: 124e6, 124M, 1.5B."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9}.get(text[-1:].upper(), 1)
+    try:
+        value = float(text[:-1] if scale != 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 124e6, 124M, 1.5B)") from None
+    if value < 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"a parameter count must be a whole number >= 0, got {text!r}")
+    return int(value)
+
+
+def _assignment(text: str) -> tuple[str, Any]:
+    """``key=value``; the value is read as JSON (numbers, true/false, lists), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def _set_dotted(config: dict[str, Any], dotted: str, value: Any) -> None:
+    node = config
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"--set {dotted}: {part!r} is not a section of the config")
+        node = child
+    node[leaf] = value
+
+
+def build_config_check_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The arguments of ``shardkit config check`` (added to ``parser`` when given)."""
+    p = parser or argparse.ArgumentParser(prog="shardkit config check", description=__doc__.splitlines()[0])
+    p.add_argument("config", metavar="CONFIG", help="a DeepSpeed-style JSON config (ds_config.json)")
+    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks in the job (default %(default)s)")
+    p.add_argument(
+        "--set",
+        type=_assignment,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key by its dotted path, e.g. optimizer.params.lr=3e-4 (repeatable)",
+    )
+    p.add_argument(
+        "--auto",
+        type=_assignment,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help='what "auto" stands for, e.g. lr=3e-4, hidden_size=768 (load_config\'s keywords; repeatable)',
+    )
+    p.add_argument("--params", type=_count, metavar="N", help="parameter count for the memory plan: 124e6, 124M, 1.5B")
+    p.add_argument("--lenient", action="store_true", help="warn about unknown keys instead of failing")
+    return p
+
+
+def describe(cfg: EngineConfig) -> str:
+    """The resolved config as the lines ``shardkit config check`` prints.
+
+    Example:
+        >>> print(describe(load_config({"train_batch_size": 8}, world_size=2)))  # doctest: +SKIP
+    """
+    z, prec = cfg.zero, cfg.precision
+    off_opt = z.offload_optimizer.device + (f" ({z.offload_optimizer.nvme_path})" if z.offload_optimizer.nvme_path else "")
+    off_par = z.offload_param.device + (f" ({z.offload_param.nvme_path})" if z.offload_param.nvme_path else "")
+    if prec.loss_scaler is None:
+        precision = prec.dtype
+    elif prec.loss_scaler.loss_scale:
+        precision = f"fp16, static loss scale {prec.loss_scaler.loss_scale:g}"
+    else:
+        ls = prec.loss_scaler
+        precision = (
+            f"fp16, dynamic loss scale from 2^{ls.initial_scale_power} (window {ls.loss_scale_window}, "
+            f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g})"
+        )
+    lines = [
+        f"world size {cfg.world_size} = dp {cfg.dp_size} × tensor_parallel {cfg.tensor_parallel.size} × "
+        f"pipeline {cfg.pipeline.stages}"
+        + (f" ({cfg.pipeline.schedule}, {cfg.pipeline.microbatches} microbatches)" if cfg.pipeline.stages > 1 else ""),
+        f"ZeRO stage {z.stage}; offload optimizer: {off_opt}; offload params: {off_par}",
+        f"precision: {precision}",
+        f"batch: train_batch_size {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} × "
+        f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} × dp {cfg.dp_size}",
+        f"gradient clipping: {cfg.gradient_clipping:g}" if cfg.gradient_clipping else "gradient clipping: off",
+        f"buckets: reduce {z.reduce_bucket_size:,} elements ({z.bucket_mb(prec.grad_bytes):.1f} MiB), "
+        f"allgather {z.allgather_bucket_size:,}; overlap_comm {z.overlap_comm}",
+    ]
+    if z.stage == 3:
+        lines.append(
+            f"stage 3: prefetch {z.prefetch_bucket_size:,}, persistence threshold {z.param_persistence_threshold:,}, "
+            f"max live {z.max_live_parameters:,}, max reuse distance {z.max_reuse_distance:,}"
+        )
+    if cfg.optimizer is None:
+        lines.append("optimizer: none in the config (the training script brings one)")
+    else:
+        args = ", ".join(f"{k}={v!r}" for k, v in cfg.optimizer.params.items())
+        lines.append(f"optimizer: {cfg.optimizer.type} -> shardkit.kernels.{cfg.optimizer.class_name}({args})")
+    if cfg.scheduler is None:
+        lines.append("scheduler: none in the config")
+    else:
+        args = ", ".join(f"{k}={v!r}" for k, v in cfg.scheduler.params.items())
+        lines.append(f"scheduler: {cfg.scheduler.type}({args})")
+    lines.append("ignored keys: " + (", ".join(cfg.ignored) if cfg.ignored else "none"))
+    return "\n".join(lines)
+
+
+def _plan(cfg: EngineConfig, num_params: int) -> str:
+    from shardkit.parallel.zero import plan_memory  # the planner is pure; imported only when asked
+
+    opt = cfg.optimizer
+    if opt is None:
+        name, note = "adamw", " (no optimizer in the config: AdamW assumed)"
+    elif opt.class_name == "FusedSGD":
+        name, note = ("sgd_momentum" if opt.params.get("momentum") else "sgd"), ""
+    else:
+        name, note = _PLANNER_OPTIMIZER[opt.class_name], ""
+    model_parallel = cfg.tensor_parallel.size * cfg.pipeline.stages
+    if model_parallel > 1:  # each rank holds ~1/(tp·pp) of the model; the planner shards that over dp
+        note += f" (Ψ/{model_parallel} per tensor/pipeline shard: an estimate)"
+    plan = plan_memory(
+        num_params // model_parallel,
+        dp=cfg.dp_size,
+        stage=cfg.zero.stage,
+        precision=cfg.precision.dtype,
+        optimizer=name,
+        offload=cfg.zero.offload if cfg.zero.stage > 0 else None,
+        offload_params=cfg.zero.offload_param.enabled,
+        bucket_mb=cfg.zero.bucket_mb(cfg.precision.grad_bytes),
+        nvme_subgroup_params=cfg.zero.sub_group_size,
+    )
+    return f"memory per rank (shardkit.parallel.zero.plan_memory){note}:\n{plan.table()}"
+
+
+def config_check_main(argv: Sequence[str] | None = None) -> int:
+    """Run ``shardkit config check``; returns the exit code (0 valid, 1 invalid config, 2 usage).
+
+    Args:
+        argv: the arguments after ``config check`` (default ``sys.argv[1:]``).
+
+    Example:
+        >>> config_check_main(["ds.json", "--world-size", "2", "--auto", "lr=3e-4", "--params", "124e6"])
+        0
+    """
+    parser = build_config_check_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse exits on usage errors and --help; report its code instead
+        return int(e.code or 0)
+    return run_config_check(args)
+
+
+def run_config_check(args: argparse.Namespace) -> int:
+    """The body of ``shardkit config check`` for already-parsed ``args`` (see :func:`config_check_main`)."""
+    engine_logger = logging.getLogger("shardkit.engine")
+    level = engine_logger.level
+    try:
+        config = load_raw(args.config)
+        for key, value in args.set:
+            _set_dotted(config, key, value)
+        engine_logger.setLevel(logging.ERROR)  # the ignored keys are printed below, not logged twice
+        cfg = load_config(config, world_size=args.world_size, strict=not args.lenient, **dict(args.auto))
+    except ValueError as e:
+        print(f"shardkit config check: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        engine_logger.setLevel(level)
+    print(f"{args.config}: valid")
+    print(describe(cfg))
+    if args.params is not None:
+        try:
+            print(_plan(cfg, args.params))
+        except ValueError as e:
+            print(f"shardkit config check: error: {e}", file=sys.stderr)
+            return 1
+    return 0
