@@ -14,7 +14,7 @@ from torch import nn
 from tolerances import FP32
 
 from shardkit.comm import CommStats, ParallelContext
-from shardkit.parallel.pipeline import is_checkpointed
+from shardkit.parallel.pipeline import executor, is_checkpointed
 from shardkit.parallel.pipeline.executor import PipelineParallel
 from shardkit.parallel.pipeline.schedules import Kind
 
@@ -267,3 +267,58 @@ def _timeline_body() -> dict:
 def test_timeline_and_p2p_accounting(dist_pool):
     res = dist_pool.run(_timeline_body, world_size=4)
     assert res[-1]["recv_wait"] > 0  # the last stage waits for the pipe to fill
+
+
+class _AddParam(nn.Module):
+    """``x + p`` with ``p`` shaped like the micro-batch: autograd returns the incoming gradient
+    itself as both ``dx`` and ``dp``, so accumulating ``dp`` in place must not reuse it."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.p
+
+
+def _aliased_grad_body(schedule: str, v: int) -> None:
+    pp = dist.get_world_size() if v == 1 else 1
+    with ParallelContext.from_world(pp=pp, dp=-1) as ctx:
+
+        def make():
+            blocks = _blocks(6)
+            torch.manual_seed(1)
+            blocks[4:4] = [_AddParam((2, 3, D)), _AddParam((2, 3, D))]  # micro-batch [2, 3, D]
+            return blocks  # at pp = 2 the last stage starts with them: dp is the gradient it sends
+
+        blocks = make()
+        pipe = PipelineParallel(blocks, ctx, schedule=schedule, microbatches=4, loss_fn=_ce, virtual_stages=v)
+        sent: list[tuple[torch.Tensor, torch.Tensor]] = []
+        real_post, real_finalize = executor.post, PipelineParallel.finalize
+
+        def post(ops, **kw):
+            sent.extend((t, t.clone()) for op, t, *_ in ops if op == "send")
+            return real_post(ops, **kw)
+
+        def finalize(self, st):  # every send is still in flight until finalize waits for it
+            for t, snapshot in sent:
+                assert torch.equal(t, snapshot), "a tensor changed while its send was in flight"
+            return real_finalize(self, st)
+
+        x, y = _batch(0)
+        with mock.patch.object(executor, "post", post), mock.patch.object(PipelineParallel, "finalize", finalize):
+            pipe.step(x, y)
+        assert sent or pp == 1
+        ref = nn.Sequential(*make())
+        # the reference runs the micro-batches one by one (its p would broadcast over them)
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            (_ce(ref(xs), ys) / 4).backward()
+        for s in pipe.stages:
+            for j in pipe.stage_blocks[s]:
+                for got, want in zip(blocks[j].parameters(), ref[j].parameters(), strict=True):
+                    torch.testing.assert_close(got.grad, want.grad, **FP32, msg=f"block {j}")
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 4)])
+def test_gradient_aliasing_its_seed_is_not_reused(dist_pool, schedule, v):
+    dist_pool.run(_aliased_grad_body, schedule, v, world_size=2, timeout=60)

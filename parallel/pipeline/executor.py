@@ -307,7 +307,7 @@ class PipelineParallel:
         else:
             wrt = ([x] if want_x else []) + params
             got = torch.autograd.grad(y, wrt, grad_outputs=g, allow_unused=True) if wrt else ()
-            self._accumulate(s, got[1:] if want_x else got, st)
+            self._accumulate(s, got[1:] if want_x else got, st, foreign=[g, got[0] if want_x else None])
             if want_x:
                 gx = got[0] if got[0] is not None else torch.zeros_like(x)
         if gx is not None:
@@ -320,9 +320,10 @@ class PipelineParallel:
         """ZB-H1's W: the weight gradients of stage ``s`` for micro-batch ``i``."""
         work = st.w_pending.pop((s, i))
         # checkpointed blocks: W's autograd calls (one per weight group) share one recomputation
+        foreign = [work.grad_output, *(t for gs in work.captured.values() for t in gs)]
         with GraphExecGroup() if self.checkpointing else nullcontext():
-            grads = backward_weight(work)
-        self._accumulate(s, grads, st)
+            grads = backward_weight(work)  # clears work.captured
+        self._accumulate(s, grads, st, foreign=foreign)
 
     def communicate(self, run: Sequence[Action], st: _StepState, t0: float) -> list[TimedAction]:
         """Post a run of consecutive sends/receives together (one ``batch_isend_irecv`` when
@@ -384,14 +385,33 @@ class PipelineParallel:
             return sum(sums) / total
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _accumulate(self, s: int, grads: Sequence[torch.Tensor | None], st: _StepState) -> None:
+    def _accumulate(
+        self, s: int, grads: Sequence[torch.Tensor | None], st: _StepState, foreign: Sequence[torch.Tensor | None] = ()
+    ) -> None:
+        """Add one micro-batch's parameter gradients into the step's fp32 sums.
+
+        The first micro-batch's gradient *becomes* the sum when that is safe, as autograd's
+        AccumulateGrad steals a fresh gradient instead of copying it: fp32, dense and
+        contiguous, shaped like the parameter, and sharing no storage with ``foreign`` (the
+        tensors the autograd call was seeded with or also returned, e.g. the incoming gradient
+        ``g`` for ``y = x + p``, whose ``dp`` *is* ``g``) nor with a gradient already taken.
+        Otherwise (or for low-precision parameters) it is copied into a new fp32 buffer.
+        """
+        taken = {t.untyped_storage().data_ptr() for t in foreign if t is not None}
         for q, g in zip(self._params[s], grads, strict=True):
             if g is None:
                 continue
-            if q in st.grad_acc:
-                st.grad_acc[q].add_(g)
+            acc = st.grad_acc.get(q)
+            if acc is not None:
+                acc.add_(g)
+                continue
+            ptr = g.untyped_storage().data_ptr() if g.layout == torch.strided else None
+            if ptr is not None and ptr not in taken and g.dtype == torch.float32 and g.is_contiguous() and g.shape == q.shape:
+                st.grad_acc[q] = g.detach()
             else:
                 st.grad_acc[q] = g.detach().to(torch.float32, copy=True)
+            if ptr is not None:
+                taken.add(ptr)
 
     def _chunks(self, name: str, t: Any) -> list[torch.Tensor] | str:
         m = self.schedule.microbatches
