@@ -14,14 +14,16 @@ layout of a model").
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout
 
 from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
+from .units import select_units
 
-__all__ = ["FlatLayout", "flat_layout"]
+__all__ = ["FlatLayout", "Stage3Layout", "UnitLayout", "flat_layout", "stage3_layout", "stage3_transient"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +95,116 @@ def flat_layout(model: nn.Module, *, dp: int, bucket_mb: float, grad_bytes: int)
                 owned[r] += min(o + n, (r + 1) * shard) - max(o, r * shard)
     frozen = sum(p.numel() for p in params) - sum(p.numel() for p in trainable)
     return FlatLayout(dp=dp, totals=tuple(totals), owned=max(owned), frozen=frozen)
+
+
+# ---- stage 3 ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UnitLayout:
+    """One stage-3 unit's buckets (elements, padded): trainable in launch order, then frozen."""
+
+    name: str
+    totals: tuple[int, ...]
+    frozen_totals: tuple[int, ...]
+
+    @property
+    def gathered(self) -> int:
+        """Elements of the unit's full buffers while it is gathered."""
+        return sum(self.totals) + sum(self.frozen_totals)
+
+
+@dataclass(frozen=True)
+class Stage3Layout:
+    """The units and buckets ``ShardedDataParallel(model, ctx, stage=3, wrap=...)`` builds.
+
+    Attributes:
+        dp: data-parallel ranks N.
+        units: root unit first, then the others in module (forward) order.
+        owned: the most trainable parameter elements any one rank's shards hold.
+    """
+
+    dp: int
+    units: tuple[UnitLayout, ...]
+    owned: int
+
+    @property
+    def shards(self) -> int:
+        """Elements of this rank's trainable shards (every bucket's ``total // N``)."""
+        return sum(t // self.dp for u in self.units for t in u.totals)
+
+    @property
+    def frozen_shards(self) -> int:
+        """Elements of this rank's frozen shards."""
+        return sum(t // self.dp for u in self.units for t in u.frozen_totals)
+
+
+def stage3_layout(model: nn.Module, *, dp: int, bucket_mb: float, wrap: Any = None) -> Stage3Layout:
+    """Replay the stage-3 construction (units, per-unit buckets by param bytes, layout) on shapes.
+
+    Example:
+        >>> lay = stage3_layout(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), dp=2, bucket_mb=25)
+        >>> [(u.name, u.totals) for u in lay.units]
+        [('', ()), ('0', (32,)), ('1', (32,))]
+    """
+    cap = int(bucket_mb * 2**20)
+    owned = [0] * dp
+    units = []
+    for spec in select_units(model, wrap):
+        per_kind = []
+        for want in (True, False):
+            ps = [p for p in spec.params if p.requires_grad == want and p.numel() > 0]
+            plan = plan_buckets(
+                [p.numel() * p.element_size() for p in ps], [(p.device, p.dtype) for p in ps], cap_bytes=cap, first_cap_bytes=None
+            )
+            totals = []
+            for idx in plan:
+                numels = [ps[i].numel() for i in idx]
+                offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=dp * ALIGN_ELEMENTS)
+                totals.append(total)
+                shard = total // dp
+                for o, n in zip(offsets, numels) if want else ():
+                    for r in range(o // shard, (o + n - 1) // shard + 1):
+                        owned[r] += min(o + n, (r + 1) * shard) - max(o, r * shard)
+            per_kind.append(tuple(totals))
+        units.append(UnitLayout(spec.name, *per_kind))
+    return Stage3Layout(dp=dp, units=tuple(units), owned=max(owned))
+
+
+def stage3_transient(layout: Stage3Layout, *, pb: int, gb: int, reshard_after_forward: bool, in_flight: int) -> int:
+    """Peak transient bytes of a stage-3 step, replaying the runtime's order of events.
+
+    Forward: the root unit gathered throughout, unit k plus the prefetched k+1 (all units by the
+    end of forward without resharding). Backward, units in reverse: unit k and the prefetched
+    k-1 gathered while k's buckets launch, each holding its packed gradient (G·T) with at most
+    ``in_flight`` buckets alive; a unit is freed after its last launch (units with frozen
+    params and the root at the end). Then the root's buckets. An fp32 copy of every reduced
+    shard in the epilogue when G ≠ 4. Assumes each unit runs once, in module order.
+
+    Example:
+        >>> lay = stage3_layout(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), dp=2, bucket_mb=25)
+        >>> stage3_transient(lay, pb=4, gb=4, reshard_after_forward=True, in_flight=2)
+        384
+    """
+    root, units = layout.units[0], list(layout.units[1:])
+    size = [pb * u.gathered for u in units]
+    peak = pb * root.gathered + (
+        sum(size) if not reshard_after_forward else max((sum(size[k : k + 2]) for k in range(len(size))), default=0)
+    )
+    alive = set(range(len(units))) if not reshard_after_forward else set()
+    flight: list[int] = []
+
+    def launch(totals: tuple[int, ...]) -> int:
+        most = 0
+        for t in totals:
+            del flight[: max(0, len(flight) - in_flight + 1)]
+            flight.append(gb * t)
+            most = max(most, pb * root.gathered + sum(size[j] for j in alive) + sum(flight))
+        return most
+
+    for k in reversed(range(len(units))):
+        alive |= {k} | ({k - 1} if k else set())  # this unit, and the prefetch of the one before
+        peak = max(peak, launch(units[k].totals))
+        if units[k].totals and not units[k].frozen_totals:
+            alive.discard(k)
+    peak = max(peak, launch(root.totals))
+    epilogue = 4 * layout.shards if gb != 4 else 0
+    return max(peak, epilogue)

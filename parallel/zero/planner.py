@@ -33,14 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
 from ..buckets import FIRST_BUCKET_BYTES
 from .flat_shards import MAX_IN_FLIGHT
 from .plan_format import _unit, format_gb  # format_gb: MemoryPlan.__str__
-from .plan_layout import FlatLayout, flat_layout
+from .plan_layout import FlatLayout, flat_layout, stage3_layout, stage3_transient
 
 __all__ = [
     "MemoryPlan",
@@ -338,6 +338,7 @@ def plan_memory(
     nvme_subgroup_params: int = 10**9,
     device_bytes: int | None = None,
     exact: bool = True,
+    wrap: Any = None,
 ) -> MemoryPlan:
     """Predict one rank's memory and communication for ZeRO ``stage`` (0 = DDP) over ``dp`` ranks.
 
@@ -364,7 +365,10 @@ def plan_memory(
         device_bytes: device memory to check :attr:`MemoryPlan.fits` against.
         exact: with a model, stages 1-2: count the flat buffers ``ShardedDataParallel`` builds
             (alignment and padding, the real buckets, the worst rank's share; see
-            :func:`~shardkit.parallel.zero.plan_layout.flat_layout`). False: the Ψ formulas.
+            :func:`~shardkit.parallel.zero.plan_layout.flat_layout`); stage 3: the units
+            ``wrap`` makes, their buckets and the runtime's gather/prefetch/reduce order
+            (:func:`~shardkit.parallel.zero.plan_layout.stage3_transient`). False: the Ψ formulas.
+        wrap: stage 3 with a model: the units, as ``ShardedDataParallel(wrap=)``.
 
     Returns:
         A :class:`MemoryPlan`; byte counts are per rank.
@@ -426,6 +430,12 @@ def plan_memory(
         grads = gb * (total if stage == 1 else shards)
         master = 4 * shards if master else 0
         opt = (k - 4 if master else k) * layout.owned + master  # moments cover real elements only
+    # Stage 3 with a model: the units and buckets the runtime builds, for the transient buffers
+    # (gathered units, prefetch, gradient buckets). The persistent shards keep the Ψ formulas:
+    # the layout's alignment padding is under 1% of a unit's elements.
+    lay3 = None
+    if exact and isinstance(num_params, nn.Module) and stage == 3:
+        lay3 = stage3_layout(num_params, dp=dp, bucket_mb=bucket_mb, wrap=wrap)
 
     # Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer step runs on the host, on an fp32
     # copy of this rank's gradient shard; NVMe keeps the state in files, two sub-groups staged.
@@ -455,6 +465,10 @@ def plan_memory(
         elif stage in (1, 2):
             transient = _zero12_transient(
                 layout, psi_t, dp=dp, stage=stage, pb=pb, gb=gb, bucket=bucket, in_flight=buckets_in_flight
+            )
+        elif lay3 is not None:
+            transient = stage3_transient(
+                lay3, pb=pb, gb=gb, reshard_after_forward=reshard_after_forward, in_flight=buckets_in_flight
             )
         else:
             unit = psi if largest_unit_params is None else largest_unit_params
