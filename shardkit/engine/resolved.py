@@ -177,7 +177,7 @@ class EngineConfig:
         zero: ``zero_optimization``.
         tensor_parallel: shardkit's ``tensor_parallel`` section.
         pipeline: shardkit's ``pipeline`` section.
-        ignored: dotted keys accepted without effect, in config order, once each.
+        ignored: dotted keys accepted without effect, once each, in the order the parser met them.
         source: the config as given (after JSON loading), read-only.
     """
 
