@@ -97,10 +97,11 @@ def _equal_to_no_offload(
         ref_opt.step()
         for s in (*scheds, ref_sched):
             s.step()
-        for (name, p), q, r in zip(sdp.module.named_parameters(), base.module.parameters(), ref.parameters()):
-            assert torch.equal(p, q), f"{offload}: param {name} differs from offload=None at step {step}"
+        full, base_full = sdp.full_state_dict(), base.full_state_dict()  # stage 3: gathered
+        for name, r in ref.state_dict().items():
+            assert torch.equal(full[name], base_full[name]), f"{offload}: {name} differs from offload=None at step {step}"
             if dtype == torch.float32:
-                torch.testing.assert_close(p, r, **FP32, msg=lambda m, n=name, s=step: f"param {n}, step {s}: {m}")
+                torch.testing.assert_close(full[name], r, **FP32, msg=lambda m, n=name, s=step: f"{n}, step {s}: {m}")
     lr0 = 0.005 if "adamw" in opt_name else OPTIMIZERS[opt_name][1]["lr"]
     assert opt.param_groups[-1]["lr"] == base_opt.param_groups[-1]["lr"] == lr0 * 0.5 ** (steps // 3)
     assert opt.shard_slots() == base_opt.shard_slots()
@@ -351,3 +352,11 @@ def _bad_nvme_dir(tmp: str) -> None:
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="uses /proc as a read-only directory")
 def test_nvme_dir_validated_before_any_collective(dist_pool, tmp_path) -> None:
     dist_pool.run(_bad_nvme_dir, str(tmp_path), world_size=2, timeout=60)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("opt_name", ["fused_adamw", "torch_adamw"])
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_offload_stage3_bitwise_equal_to_no_offload(dist_pool, tmp_path, offload, opt_name, dtype) -> None:
+    """Stage 3 (only the param shard persists on the device) with the same offload contract."""
+    dist_pool.run(_equal_to_no_offload, 3, offload, opt_name, dtype, str(tmp_path), 0.004, world_size=2, timeout=120)
