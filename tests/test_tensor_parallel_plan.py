@@ -36,6 +36,15 @@ def _model(tie: bool = True) -> TinyGPT:
 
 
 # ---- plans are data: no processes ----------------------------------------------------------------
+def test_plan_tie_must_match_the_model():
+    """A tied plan on an untied model (or the reverse) would silently train a different model."""
+    with pytest.raises(ValueError, match="untied"):
+        plan_modules(_model(tie=False), gpt_plan(tie_embeddings=True), 2)
+    with pytest.raises(ValueError, match="tied_to=None"):
+        plan_modules(_model(tie=True), gpt_plan(tie_embeddings=False), 2)
+    assert plan_modules(_model(tie=False), gpt_plan(tie_embeddings=False), 2)
+
+
 def test_gpt_plan_resolves_every_module_of_tinygpt():
     found = plan_modules(_model(), gpt_plan(), 4)
     assert sorted(found) == [

@@ -235,6 +235,21 @@ def plan_modules(model: nn.Module, plan: dict[str, Style], tp: int) -> dict[str,
             tied = matched.get(style.tied_to)
             if tied is None or not isinstance(tied[1], VocabParallel):
                 raise ValueError(f"TP plan {pattern!r}: tied_to={style.tied_to!r} must name a module planned VocabParallel()")
+            # a plan that ties an untied model would silently train another model
+            if modules[name].weight is not modules[style.tied_to].weight:
+                raise ValueError(
+                    f"TP plan {pattern!r}: tied_to={style.tied_to!r} but {name}.weight is not {style.tied_to}.weight "
+                    "(the model's head is untied: use the plan's tie_embeddings=False)"
+                )
+        elif isinstance(style, VocabParallelHead) and isinstance(getattr(modules[name], "weight", None), nn.Parameter):
+            shared = [
+                n for n, (_, st) in matched.items() if isinstance(st, VocabParallel) and modules[n].weight is modules[name].weight
+            ]
+            if shared:
+                raise ValueError(
+                    f"TP plan {pattern!r}: {name}.weight is {shared[0]}.weight (tied) but the plan has tied_to=None "
+                    f"(use tied_to={shared[0]!r}, e.g. the plan's tie_embeddings=True)"
+                )
     return matched
 
 
