@@ -13,21 +13,37 @@ the others hanging. The signature check at the start of each step is one tiny al
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from shardkit.comm import broadcast
+from shardkit.comm import ParallelContext, broadcast
 
 from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag
-
-if TYPE_CHECKING:
-    from .executor import PipelineParallel
+from .schedules import Schedule
 
 __all__ = ["describe", "exchange_shapes", "signature"]
 
 _MSG_BYTES = 2048
 Meta = tuple[torch.Size, torch.dtype]
+
+
+class _Pipe(Protocol):
+    """What the exchange reads from a :class:`~shardkit.parallel.pipeline.PipelineParallel`
+    (a protocol, so this module does not import the executor that imports it)."""
+
+    ctx: ParallelContext
+    group: dist.ProcessGroup
+    rank: int
+    schedule: Schedule
+    stages: dict[int, nn.Module]
+    stage_blocks: list[range]
+    loss_fn: Callable[..., Any]
+    _in_meta: dict[int, Meta]
+    _out_meta: dict[int, Meta]
 
 
 def signature(t: torch.Tensor | None) -> int:
@@ -40,7 +56,7 @@ def describe(shape: torch.Size, dtype: torch.dtype) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
-def _try_stage(pipe: PipelineParallel, s: int, x: torch.Tensor, y_mbs: list | None, what: str) -> tuple[Meta | None, str]:
+def _try_stage(pipe: _Pipe, s: int, x: torch.Tensor, y_mbs: list | None, what: str) -> tuple[Meta | None, str]:
     """Run stage ``s`` on ``x`` without grad (and the loss on the last stage); its output's meta,
     or None and the message naming both stages."""
     S = pipe.schedule.num_stages
@@ -65,7 +81,7 @@ def _try_stage(pipe: PipelineParallel, s: int, x: torch.Tensor, y_mbs: list | No
         )
 
 
-def exchange_shapes(pipe: PipelineParallel, x_mbs: list | None, y_mbs: list | None) -> None:
+def exchange_shapes(pipe: _Pipe, x_mbs: list | None, y_mbs: list | None) -> None:
     """Fill ``pipe._in_meta``/``pipe._out_meta``; see [Note: the shape exchange].
 
     Raises:
