@@ -2,7 +2,7 @@
 
 A training step written against :class:`Strategy` reads the same whatever the parallelism::
 
-    strategy = make_strategy("ddp", ctx=ctx, loss_scaler=scaler)   # or "none", "zero1", "zero2"
+    strategy = make_strategy("ddp", ctx=ctx, loss_scaler=scaler)   # or "none", "zero1", "zero2", "zero3"
     model = strategy.wrap(model)
     optimizer = strategy.make_optimizer(FusedAdamW, model.parameters(), lr=3e-4)
     for x, y in batches:
@@ -50,6 +50,7 @@ __all__ = [
     "StrategyReport",
     "Zero1Strategy",
     "Zero2Strategy",
+    "Zero3Strategy",
     "available_strategies",
     "get_strategy_class",
     "make_strategy",
@@ -482,3 +483,18 @@ class Zero2Strategy(_ZeroStrategy):
 
     name = "zero2"
     stage = 2
+
+
+@register_strategy
+class Zero3Strategy(_ZeroStrategy):
+    """ZeRO stage 3 (``"zero3"``): optimizer state, gradients and parameters sharded; each block
+    of the model (each child of a ``ModuleList``/``Sequential``) is gathered just before its
+    forward and backward and freed after, the next one prefetched.
+
+    Example:
+        >>> s = make_strategy("zero3", ctx=ctx, bucket_mb=25)
+        >>> model = s.wrap(model); opt = s.make_optimizer(FusedAdamW, model.parameters(), lr=3e-4)
+    """
+
+    name = "zero3"
+    stage = 3

@@ -1,4 +1,4 @@
-"""The "zero1"/"zero2" strategies behind the training loop's one interface, and `shardkit train`."""
+"""The "zero1"/"zero2"/"zero3" strategies behind the training loop's one interface, and `shardkit train`."""
 
 from __future__ import annotations
 
@@ -69,13 +69,15 @@ def _strategy_body(name: str, steps: int, fp16: bool) -> list[float]:
         assert z_report.skipped_steps == ref_report.skipped_steps == (1 if fp16 else 0)
         assert z_report.loss_scale == ref_report.loss_scale
         assert z_report.comm["reduce_scatter"]["bytes"] > 0 and z_report.comm["all_gather"]["bytes"] > 0
-        for p, r in zip(zero.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, r, **FP32)
-        return [float(p.sum()) for p in zero.parameters()]
+        # full tensors (stage 3 holds only shards between steps; stages 1-2 copy their params)
+        full = zero.full_state_dict()
+        for k, r in ref.state_dict().items():
+            torch.testing.assert_close(full[k], r, **FP32, msg=lambda m, k=k: f"{k}: {m}")
+        return [float(v.sum()) for v in full.values()]
 
 
 @pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scaler"])
-@pytest.mark.parametrize("name", ["zero1", "zero2"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
 def test_zero_strategy_matches_single_process_on_the_global_batch(dist_pool, name: str, fp16: bool) -> None:
     results = dist_pool.run(_strategy_body, name, 4, fp16, world_size=2, timeout=120)
     assert results[0] == results[1]  # replicas identical
@@ -88,19 +90,20 @@ def _run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str
     )
 
 
-def test_cli_train_zero2_two_processes_matches_ddp_and_single_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("zero", ["zero2", "zero3"])
+def test_cli_train_zero_two_processes_matches_ddp_and_single_process(tmp_path: Path, zero: str) -> None:
     common = ["--steps", "5", "--eval-every", "5", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32"]
     losses = {}
     for name, args in {
-        "zero2": ["--nproc", "2", "--strategy", "zero2", "--batch-size", "4"],
+        zero: ["--nproc", "2", "--strategy", zero, "--batch-size", "4"],
         "ddp": ["--nproc", "2", "--strategy", "ddp", "--batch-size", "4"],
         "single": ["--batch-size", "8"],  # 2 ranks x 4 rows = the same global batch
     }.items():
         proc = _run_cli(["train", *args, *common, "--log-json", f"{name}.json"], tmp_path)
         assert proc.returncode == 0, proc.stderr
         losses[name] = [r["final_eval_loss"] for r in json.loads((tmp_path / f"{name}.json").read_text())["ranks"]]
-    assert losses["zero2"][0] == losses["zero2"][1]  # replicas in sync
+    assert losses[zero][0] == losses[zero][1]  # replicas in sync
     # averaged shard grads = global-batch grads up to fp32 summation order; a wrong average or an
     # unsynced shard moves the eval loss by > 1e-2
-    assert abs(losses["zero2"][0] - losses["single"][0]) < 1e-4
-    assert abs(losses["zero2"][0] - losses["ddp"][0]) < 1e-4
+    assert abs(losses[zero][0] - losses["single"][0]) < 1e-4
+    assert abs(losses[zero][0] - losses["ddp"][0]) < 1e-4

@@ -19,8 +19,8 @@ __all__ = ["STRATEGIES", "TrainConfig", "add_arguments", "from_args", "to_argv"]
 
 #: strategy names ``--strategy`` accepts: those registered in :mod:`shardkit.parallel.strategy`
 #: (a test keeps the two equal; the registry is not imported here to keep the CLI light)
-STRATEGIES = ("none", "ddp", "zero1", "zero2")
-Strategy = Literal["none", "ddp", "zero1", "zero2"]
+STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3")
+Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
 _LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model (TinyGPT)", "optimization (FusedAdamW)", "evaluation and logging"
@@ -47,7 +47,11 @@ class TrainConfig:
     nproc: int = _opt(1, "worker processes; > 1 re-launches with torchrun", _LAUNCH, metavar="N")
     strategy: Strategy = _opt("none", "parallel strategy", _LAUNCH)
     bucket_mb: float = _opt(
-        25.0, "ddp/zero1/zero2: gradient bucket size in MiB", _LAUNCH, metavar="MB", strategies=("ddp", "zero1", "zero2")
+        25.0,
+        "ddp/zero1/zero2/zero3: gradient bucket size in MiB",
+        _LAUNCH,
+        metavar="MB",
+        strategies=("ddp", "zero1", "zero2", "zero3"),
     )
     grad_buckets: Literal["copy", "view"] = _opt(
         "copy",
