@@ -236,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_arguments(train)
     _add_plan_parser(commands)
+    config = commands.add_parser("config", help="check a DeepSpeed-style JSON config (`shardkit config check --help`)")
+    config_actions = config.add_subparsers(dest="config_action", metavar="ACTION", required=True)
+    config_actions.add_parser("check", help="validate ds.json; print what it resolves to and the memory per rank", add_help=False)
     consolidate = commands.add_parser(
         "consolidate",
         help="turn a sharded checkpoint into plain torch.save files (model.pt, optimizer.pt)",
@@ -280,6 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return run_benchmark(args.bench, rest)
+    if args.command == "config":
+        from shardkit.engine.cli import config_check_main  # imports torch: only for this command
+
+        return config_check_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "consolidate":

@@ -20,7 +20,15 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # source folder -> package name (pyproject's package-dir)
 PACKAGES = {"shardkit": "shardkit", "kernels": "shardkit.kernels", "comm": "shardkit.comm", "parallel": "shardkit.parallel"}
-APP = ("shardkit.train", "shardkit.cli", "shardkit.bench", "shardkit.models", "shardkit.data")
+APP = (
+    "shardkit.train",
+    "shardkit.cli",
+    "shardkit.bench",
+    "shardkit.models",
+    "shardkit.data",
+    "shardkit.engine",
+    "shardkit.consolidate",
+)
 FORBIDDEN = {
     "shardkit.kernels": ("torch.distributed", "shardkit.comm", "shardkit.parallel", *APP),
     "shardkit.comm": ("triton", "shardkit.kernels", "shardkit.parallel", *APP),
