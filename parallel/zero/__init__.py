@@ -1,4 +1,4 @@
-"""Sharded data parallelism (ZeRO stages 1 and 2) and the ZeRO memory planner.
+"""Sharded data parallelism (ZeRO stages 1, 2 and 3) and the ZeRO memory planner.
 
 :class:`ShardedDataParallel` and :class:`ZeroOptimizer` run the stages; :func:`plan_memory`,
 :func:`plan_table` and :class:`MemoryPlan` predict their bytes per rank without allocating

@@ -1,4 +1,4 @@
-"""``ShardedDataParallel``: ZeRO stages 1 and 2 on the gradient reducer and flat shards.
+"""``ShardedDataParallel``: ZeRO stages 1, 2 and 3 on the gradient reducer and flat shards.
 
 ZeRO (Rajbhandari et al., docs/reference.md "ZeRO memory and communication") removes the
 replication of model state across N data-parallel ranks. Bytes per rank for Ψ parameters, fp32
@@ -23,8 +23,9 @@ sums g² of the shard, then one 8-byte all-reduce agrees the overflow flag and t
 shard views (one launch per group for the fused optimizers) → one all-gather per bucket puts the
 updated shards back into every rank's full params.
 
-Stage 3 (parameters sharded, gathered per unit), CPU/NVMe offload and resharding checkpoints
-are the next steps (docs/zero.md): their arguments exist and raise ``NotImplementedError``.
+Stage 3 (parameters sharded too, (b + g + K)Ψ/N, 3Ψ communication) gathers each ``wrap`` unit
+around its forward and backward: :mod:`~shardkit.parallel.zero.stage3` has its data path and
+ordering Notes, :mod:`~shardkit.parallel.zero.units` how units are chosen.
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ class ShardedDataParallel(nn.Module):
     Args:
         module: the model, on its device, the same on every rank.
         ctx: the parallel context; its ``dp`` axis must span the world.
-        stage: 1 or 2 (3 is declared and raises NotImplementedError: next step).
+        stage: 1, 2 or 3 (stage 3: between steps a rank holds only its shard of each parameter;
+            the module's own tensors are freed — read them through :meth:`full_state_dict`).
         bucket_mb: bucket capacity in MiB (first bucket capped at 1 MiB, as DataParallel).
-        wrap: stage-3 units (stage 3 only).
-        reshard_after_forward: stage 3 only; must stay True for stages 1-2.
+        wrap: stage-3 units: None (each child of a ``ModuleList``/``Sequential``, plus the root
+            unit for the rest), a set of module classes, or ``callable(name, module) -> bool``.
+        reshard_after_forward: stage 3: free each unit after its forward (True, 3Ψ comm) or
+            keep it gathered until its backward (False, 2Ψ, more memory). Stages 1-2: True.
         offload: None (``"cpu"``/``"nvme"``: next step, NotImplementedError).
         nvme_dir: directory for ``offload="nvme"``.
         grad_dtype: dtype of gradient reduction and storage; None: fp32 (also for bf16/fp16
@@ -100,7 +104,6 @@ class ShardedDataParallel(nn.Module):
 
     Raises:
         ValueError / TypeError: a bad argument (named), before any collective.
-        NotImplementedError: stage 3, offload (documented next steps).
 
     Example:
         >>> sdp = ShardedDataParallel(model, ctx, stage=2)
