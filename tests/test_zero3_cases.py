@@ -378,3 +378,30 @@ def _eval_no_grad() -> None:
         torch.testing.assert_close(sdp(_batch(0)[0]), ref(_batch(0)[0]), **FP32)
     assert all(sb.flat_param.untyped_storage().nbytes() == 0 for sb in sdp.sharded_buckets)
     ctx.destroy()
+
+
+def _read_params_between_steps() -> None:
+    """Freed params keep their shape and can be read (an arbitrary value) without touching freed
+    memory: before the placeholders, ``p.sum()`` or ``p in params`` read a 0-byte storage (a
+    segfault); an in-place write raises instead of corrupting anything."""
+    ctx = ParallelContext.from_world()
+    ref = _model()
+    sdp = ShardedDataParallel(_model(), ctx, 3)
+    opt = ZeroOptimizer(sdp, FusedAdamW, lr=1e-2)
+    x, y = _batch(0)
+    _step(sdp, opt, ctx, x, y)
+    params = list(sdp.module.parameters())
+    assert [tuple(p.shape) for p in params] == [tuple(p.shape) for p in ref.parameters()]
+    assert [p.dim() for p in params] == [p.dim() for p in ref.parameters()]  # e.g. decay groups by dim()
+    for p in params:
+        assert p.untyped_storage().nbytes() <= p.element_size()  # not a view of a freed buffer
+        float(p.detach().sum())
+        with pytest.raises(RuntimeError):
+            p.data.add_(1.0)
+    torch.stack([p.detach().float().sum() for p in params]).sum()  # elementwise compare/sum reads
+    _step(sdp, opt, ctx, x, y)  # the next step gathers them back
+    ctx.destroy()
+
+
+def test_zero3_params_are_readable_placeholders_between_steps(dist_pool) -> None:
+    dist_pool.run(_read_params_between_steps, world_size=2, timeout=60)

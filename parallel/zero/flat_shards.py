@@ -123,6 +123,8 @@ class ShardedBucket:
     #: stage 3: ``[shard]`` persistent parameter shard (param dtype); ``flat_param`` is then
     #: allocated only while its unit is gathered
     param_shard: torch.Tensor | None = None
+    #: stage 3: each param's view of ``flat_param`` (its ``.data`` while the bucket is gathered)
+    param_views: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def reduced_shard(self) -> torch.Tensor:

@@ -77,8 +77,9 @@ class Stage3Shards(FlatShards):
         dtype, device = params[0].dtype, params[0].device
         flat = torch.zeros(total, dtype=dtype, device=device)  # gaps and padding stay zero
         flatten_into([p.detach().contiguous() for p in params], flat, offsets, backend=self.backend)
-        for p, o in zip(params, offsets):
-            p.data = flat.narrow(0, o, p.numel()).view(p.shape)  # views survive the storage resizes
+        views = [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets)]
+        for p, v in zip(params, views):
+            p.data = v
         param_shard = flat.narrow(0, start, shard).clone()
         low = dtype != torch.float32
         master = param_shard.float() if (trainable and low and not self.offload) else None
@@ -87,7 +88,9 @@ class Stage3Shards(FlatShards):
             gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard), flat, master
         )
         sb.param_shard = param_shard
+        sb.param_views = views
         flat.untyped_storage().resize_(0)  # from now on only the shard persists
+        _point_at_placeholders(params)
         if not trainable:
             return sb
         sb.grad_shard = torch.zeros(shard, dtype=self.grad_dtype, device=device)
@@ -110,6 +113,8 @@ class Stage3Shards(FlatShards):
         nbytes = sb.total * sb.flat_param.element_size()
         sb.flat_param.untyped_storage().resize_(nbytes)
         self._hold(nbytes)
+        for p, v in zip(sb.grad_bucket.params, sb.param_views):
+            p.data = v
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(sb.flat_param):
             return all_gather(sb.flat_param, sb.param_shard, group=self.group, async_op=True, stats=self.stats)
 
@@ -117,6 +122,7 @@ class Stage3Shards(FlatShards):
         """Release the full buffer (its gather must have been waited)."""
         if self.is_gathered(sb):
             sb.flat_param.untyped_storage().resize_(0)
+            _point_at_placeholders(sb.grad_bucket.params)
             self._release(sb.total * sb.flat_param.element_size())
 
     # ---- step --------------------------------------------------------------------------------
@@ -147,3 +153,19 @@ class Stage3Shards(FlatShards):
             "grads": sum(nb(sb.grad_shard) for sb in self.buckets),
             "master_params": sum(nb(sb.master) for sb in self.buckets),
         }
+
+
+def _point_at_placeholders(params: list[nn.Parameter]) -> None:
+    """Point freed params at a one-element placeholder expanded to their shape.
+
+    A view of a storage resized to 0 bytes keeps its shape, so code that reads a parameter
+    between steps (``p.sum()``, ``p in params``, ``print(p)``) would read freed memory and crash
+    the process. The placeholder keeps ``shape``/``dtype``/``device`` (param groups by ``dim()``
+    still work), reads return an arbitrary value instead of crashing, and an in-place write raises
+    (one element is shared by all). The gather points the params back at their views of the
+    gathered buffer; autograd's saved views are separate tensors and are not affected. Read
+    values through ``ShardedDataParallel.full_state_dict()``.
+    """
+    with torch.no_grad():
+        for p in params:
+            p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
