@@ -111,9 +111,9 @@ class Local:
 
 
 def _param_buckets(sdp: ShardedDataParallel) -> list[Any]:
-    """Every bucket holding params: stage 3 also shards frozen params, in buckets of their own
-    (``_shards.frozen``: no public accessor yet), and their full storage is freed between uses."""
-    return list(sdp.sharded_buckets) + (list(getattr(sdp._shards, "frozen", [])) if sdp.stage == 3 else [])
+    """Every bucket holding params: stage 3 also shards frozen params, in buckets of their own,
+    and their full storage is freed between uses."""
+    return sdp.param_buckets
 
 
 def _bucket_params(sdp: ShardedDataParallel) -> set[nn.Parameter]:

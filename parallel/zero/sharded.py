@@ -92,8 +92,10 @@ class ShardedDataParallel(nn.Module):
             unit for the rest), a set of module classes, or ``callable(name, module) -> bool``.
         reshard_after_forward: stage 3: free each unit after its forward (True, 3Ψ comm) or
             keep it gathered until its backward (False, 2Ψ, more memory). Stages 1-2: True.
-        offload: None (``"cpu"``/``"nvme"``: next step, NotImplementedError).
-        nvme_dir: directory for ``offload="nvme"``.
+        offload: None, ``"cpu"`` (fp32 master shards, optimizer state and the step on the
+            CPU) or ``"nvme"`` (the same in per-rank files under ``nvme_dir``, streamed one
+            bucket at a time); results are bitwise those without offload (docs/offload.md).
+        nvme_dir: an existing, writable directory for ``offload="nvme"``.
         grad_dtype: dtype of gradient reduction and storage; None: fp32 (also for bf16/fp16
             params: peers that reduce in bf16 lose convergence), ``torch.bfloat16`` halves the
             gradient bytes and traffic.
@@ -302,8 +304,14 @@ class ShardedDataParallel(nn.Module):
 
     @property
     def sharded_buckets(self) -> list[ShardedBucket]:
-        """The flat buckets, bucket 0 first (layout, this rank's shard and its segments)."""
+        """The flat buckets of trainable params, bucket 0 first (layout, this rank's shard and its segments)."""
         return self._shards.buckets
+
+    @property
+    def param_buckets(self) -> list[ShardedBucket]:
+        """Every bucket holding params: :attr:`sharded_buckets` plus, in stage 3, the buckets of
+        frozen params (sharded too, with no gradient or optimizer state)."""
+        return self._shards.buckets + list(getattr(self._shards, "frozen", []))
 
     def _attach(self, optimizer: Any) -> None:
         if self._optimizer is not None and self._optimizer() is not None:
@@ -338,6 +346,10 @@ def _validate(
         raise ValueError("nvme_dir is required with offload='nvme' (the directory for the optimizer state files)")
     if offload != "nvme" and nvme_dir is not None:
         raise ValueError(f"nvme_dir is only used with offload='nvme', got offload={offload!r}")
+    if offload == "nvme":
+        from .nvme import validate_nvme_dir  # exists, is a directory, is writable
+
+        validate_nvme_dir(nvme_dir)
     if stage != 3 and wrap is not None:
         raise ValueError(f"wrap chooses stage-3 units; it has no meaning for stage={stage}")
     if stage != 3 and reshard_after_forward is not True:
