@@ -10,13 +10,16 @@ Example:
     >>> tp_model = tensor_parallelize(gpt, ctx, gpt_plan())  # Megatron-style TP over ctx's tp axis
     >>> save_checkpoint("ckpt", sdp, opt); load_checkpoint("ckpt", sdp, opt)  # reshardable
     >>> pipe = PipelineParallel(blocks, ctx, schedule="1f1b", microbatches=8, loss_fn=loss_fn)
+    >>> par = parallelize(gpt, ctx, tp_plan=gpt_plan(), pp={"microbatches": 4}, blocks=gpt_blocks)  # dp x tp x pp
 
 The subpackages hold the rest of each family: :mod:`shardkit.parallel.zero` (and its planner),
 :mod:`shardkit.parallel.tensor`, :mod:`shardkit.parallel.pipeline`.
 """
 
+from .activation_checkpointing import checkpoint_blocks
 from .buckets import BucketedGradReducer, GradBucket, plan_buckets
 from .checkpoint import load_checkpoint, save_checkpoint
+from .compose import ParallelModel, PipelineOptions, parallelize
 from .data_parallel import DataParallel
 from .grad_utils import OverflowReport, clip_grad_norm_, unscale_grads_
 from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
@@ -34,6 +37,10 @@ from .tensor import (
 from .zero import ShardedDataParallel, ZeroOptimizer
 
 __all__ = [
+    "ParallelModel",
+    "PipelineOptions",
+    "checkpoint_blocks",
+    "parallelize",
     "vocab_parallel_cross_entropy",
     "tensor_parallelize",
     "gpt_plan",

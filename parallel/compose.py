@@ -188,9 +188,10 @@ class ParallelModel:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
         params = [p for p in self.parameters() if p.grad is not None]
         device = params[0].grad.device if params else self.ctx.device
+        copies = self._tie_copies()
         sharded, replicated = torch.zeros(1, device=device), torch.zeros(1, device=device)
         for acc, want in ((sharded, True), (replicated, False)):
-            for grads in _by_dtype([p.grad for p in params if is_tp_sharded(p) == want and not _tie_copy(p)]):
+            for grads in _by_dtype([p.grad for p in params if is_tp_sharded(p) == want and id(p) not in copies]):
                 unscale_and_norm_(grads, sumsq=acc)
         sumsq = sharded + replicated / self.ctx.size("tp")
         for axis in ("tp", "pp"):
@@ -220,6 +221,19 @@ class ParallelModel:
             "optimizer_state": sum(v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v)),
         }
         return StrategyReport(memory=memory, comm=self.stats.summary(), loss_scale=None, skipped_steps=0)
+
+    def _tie_copies(self) -> set[int]:
+        """ids of this rank's copies of a parameter tied across pipeline stages whose squares are
+        counted by another copy: a tie's gradient is the same on every copy (the pipeline sums it
+        over them), so only the copy on the tie's source rank counts."""
+        if self.pipeline is None:
+            return set()
+        me = self.ctx.rank("pp")
+        out: set[int] = set()
+        for tie in self.pipeline.tied.ties:
+            counted = tie.local[:1] if me == tie.src else []
+            out |= {id(q) for q in tie.local if not any(q is c for c in counted)}
+        return out
 
     @torch.no_grad()
     def _reduce_over_dp(self) -> None:
@@ -300,7 +314,7 @@ def parallelize(
             loss_fn=loss_fn,
             virtual_stages=opts.virtual_stages,
             split=opts.split,
-            **({"checkpointing": checkpointing} if checkpointing else {}),
+            checkpointing=checkpointing,
         )
         # 4. data parallel: a coalesced all-reduce after each pipeline step (ParallelModel)
         stages = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
@@ -392,11 +406,6 @@ def _by_dtype(grads: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     for g in grads:
         out.setdefault(g.dtype, []).append(g)
     return list(out.values())
-
-
-def _tie_copy(p: nn.Parameter) -> bool:
-    """A pipeline tie's second copy (the same weight on another stage): its norm counts once."""
-    return bool(getattr(p, "_shardkit_tie_copy", False))
 
 
 class _nullcontext:

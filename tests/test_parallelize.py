@@ -11,7 +11,7 @@ from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT, gpt_blocks, lm_loss
-from shardkit.parallel.compose import parallelize
+from shardkit.parallel import parallelize
 from shardkit.parallel.tensor import gpt_plan, shard_state_dict
 from tolerances import FP32
 
@@ -44,15 +44,22 @@ def _dense_run(tie: bool) -> tuple[TinyGPT, list[float], list[float]]:
     return model, losses, norms
 
 
-def _body(tp: int, pp: int, tie: bool, schedule: str) -> list[float]:
+def _dense_slice_eval(dense: TinyGPT, x: torch.Tensor, y: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(lm_loss(dense(x), y))
+
+
+def _body(tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str = False) -> list[float]:
     import torch.distributed as dist
 
     world = dist.get_world_size()
     with ParallelContext.from_world(dp=world // (tp * pp), tp=tp, pp=pp) as ctx:
         dense, ref_losses, ref_norms = _dense_run(tie)
         kwargs = {"tp_plan": gpt_plan(tie_embeddings=tie)} if tp > 1 else {}
+        if pp > 1 or checkpointing:
+            kwargs.update(blocks=gpt_blocks, checkpointing=checkpointing)
         if pp > 1:
-            kwargs.update(pp={"microbatches": 2, "schedule": schedule}, blocks=gpt_blocks)
+            kwargs.update(pp={"microbatches": 2, "schedule": schedule})
         par = parallelize(_model(tie), ctx, dp="ddp", **kwargs)
         opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
         dp, r = ctx.size("dp"), ctx.rank("dp")
@@ -71,6 +78,10 @@ def _body(tp: int, pp: int, tie: bool, schedule: str) -> list[float]:
             losses.append(float(mean))
             assert abs(float(norm) - ref_norms[step]) <= 1e-4 * ref_norms[step], (step, float(norm), ref_norms[step])
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
+        # evaluation (no grad, eval mode) equals the dense model's on a held-out batch
+        gen = torch.Generator().manual_seed(99)
+        xv, yv = torch.randint(VOCAB, (B, T), generator=gen), torch.randint(VOCAB, (B, T), generator=gen)
+        assert abs(par.evaluate(xv[rows], yv[rows]) - _dense_slice_eval(dense, xv[rows], yv[rows])) < 1e-5
         if pp == 1:  # every parameter, sharded as the plan shards it
             want = shard_state_dict(dense.state_dict(), gpt_plan(tie_embeddings=tie), ctx) if tp > 1 else dense.state_dict()
             module = getattr(par.module, "module", par.module)
@@ -88,10 +99,17 @@ def _body(tp: int, pp: int, tie: bool, schedule: str) -> list[float]:
         (2, 1, 2, False, "1f1b"),  # pp 2
         (4, 1, 2, False, "gpipe"),  # pp 2 x dp 2: coalesced dp all-reduce after the pipeline
         (4, 2, 2, False, "1f1b"),  # tp 2 x pp 2
+        (2, 1, 2, True, "1f1b"),  # pp 2, embedding tied to the head across stages: the norm counts it once
+        (4, 2, 2, True, "zb-h1"),  # tp 2 x pp 2, tied across stages, split backward
     ],
 )
 def test_parallelize_trains_like_the_dense_model(dist_pool, world_size, tp, pp, tie, schedule):
     dist_pool.run(_body, tp, pp, tie, schedule, world_size=world_size, timeout=180)
+
+
+@pytest.mark.parametrize("world_size, tp, pp, checkpointing", [(2, 1, 1, True), (2, 2, 1, "cpu"), (2, 1, 2, True)])
+def test_parallelize_with_activation_checkpointing_trains_like_the_dense_model(dist_pool, world_size, tp, pp, checkpointing):
+    dist_pool.run(_body, tp, pp, True, "1f1b", checkpointing, world_size=world_size, timeout=180)
 
 
 def _bad_arguments() -> None:

@@ -37,6 +37,7 @@ from torch.utils.checkpoint import GraphExecGroup
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 
 from .backward import WeightWork, backward_input, backward_weight
+from .evaluate import evaluate_pipeline
 from ..activation_checkpointing import checkpoint_blocks
 from .p2p import p2p_tag, post
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
@@ -145,6 +146,25 @@ class PipelineParallel:
         two of this rank's stages."""
         unique = {id(q): q for s in sorted(self.stages) for q in self.stages[s].parameters()}
         return list(unique.values())
+
+    def evaluate(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+        """Mean loss of a batch without gradients (eval mode): one forward, stage by stage, the
+        whole batch at once; the same float on every pp rank. Collective on pp.
+
+        Example:
+            >>> val = pipe.evaluate(x_val, y_val)   # inputs read on the first stage, targets on the last
+        """
+        return evaluate_pipeline(
+            self.stages,
+            num_stages=self.schedule.num_stages,
+            rank=self.rank,
+            num_ranks=self.schedule.num_ranks,
+            group=self.group,
+            loss_fn=self.loss_fn,
+            inputs=inputs,
+            targets=targets,
+            device=self.ctx.device,
+        )
 
     def close(self) -> None:
         """Release the process groups created for tied parameters (see
