@@ -1,0 +1,341 @@
+"""``shardkit.initialize``: ``deepspeed.initialize``'s signature and return value, on shardkit.
+
+What it builds from the resolved config (:func:`shardkit.engine.load_config`):
+
+* ZeRO stage 0 → :class:`~shardkit.parallel.DataParallel` (bucket size from
+  ``reduce_bucket_size``); stages 1-3 → :class:`~shardkit.parallel.ShardedDataParallel` (same
+  bucket size in elements, ``offload_optimizer`` → ``offload="cpu"|"nvme"``, ``nvme_path`` →
+  ``nvme_dir``) and a :class:`~shardkit.parallel.ZeroOptimizer`.
+* precision: fp16 → the module in fp16 and a :class:`~shardkit.parallel.DynamicLossScaler`
+  with the config's arguments; bf16 → the module in bf16. Both keep fp32 masters: ZeRO always,
+  stage 0 through the fused optimizers' ``master_weights=True``.
+* the optimizer from ``optimizer`` (shardkit's fused classes) unless ``optimizer=`` is given;
+  the LR scheduler from ``scheduler`` unless ``lr_scheduler=`` is given.
+
+Every check runs before the first collective (the model check of the wrapper): a bad config,
+unknown parameter groups, an nvme path that does not exist, a built optimizer for ZeRO.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.comm import ParallelContext
+from shardkit.parallel import DataParallel, ShardedDataParallel, ZeroOptimizer
+
+from .config import load_config
+from .engine import Engine
+from .resolved import EngineConfig
+
+__all__ = ["initialize"]
+
+logger = logging.getLogger("shardkit.engine")
+
+#: ``deepspeed.initialize`` arguments that have no meaning here: accepted at their defaults.
+_DEEPSPEED_DEFAULTS = {"distributed_port": None, "dist_init_required": None, "mpu": None, "mesh_param": None}
+
+
+def initialize(
+    model: nn.Module | None = None,
+    config: str | Path | Mapping[str, Any] | None = None,
+    *,
+    ctx: ParallelContext | None = None,
+    model_parameters: Iterable[Any] | None = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Any = None,
+    collate_fn: Callable[..., Any] | None = None,
+    args: Any = None,
+    config_params: str | Path | Mapping[str, Any] | None = None,
+    strict: bool = True,
+    **auto_values: Any,
+) -> tuple[Engine, Any, Any, Any]:
+    """Build a training engine from a DeepSpeed-style config, as ``deepspeed.initialize`` does.
+
+    Args:
+        model: the ``nn.Module`` (built identically, same seed, on every rank).
+        config: a JSON path or a dict (DeepSpeed's keys, docs/engine.md); also read from
+            ``args.deepspeed_config`` or ``config_params`` (DeepSpeed's other spellings).
+        ctx: the parallel context; default ``ParallelContext.from_env()`` (gloo for a CPU model).
+        model_parameters: what to optimize: parameters, or param-group dicts whose ``"params"``
+            are the model's parameters or their names (e.g. Trainer-style no-decay groups);
+            default every trainable parameter.
+        optimizer: None (the config's ``optimizer``), an optimizer class or a callable
+            ``params -> torch.optim.Optimizer`` (called with the groups: ZeRO calls it with
+            this rank's shard parameters, so it must be elementwise — AdamW, SGD, Lion), or,
+            for stage 0 in fp32 only, a built optimizer over the model's parameters.
+        lr_scheduler: None (the config's ``scheduler``), a callable ``optimizer -> scheduler``
+            (given the torch optimizer that steps, as DeepSpeed gives its basic optimizer), or a
+            scheduler built on the optimizer passed as ``optimizer=``.
+        training_data: a ``torch.utils.data.Dataset``: a DataLoader over this rank's
+            ``DistributedSampler`` share, micro-batch size per rank, is returned third.
+        collate_fn: the DataLoader's ``collate_fn``.
+        args: DeepSpeed's ``args`` (its ``deepspeed_config`` is the config when ``config`` is None).
+        config_params: DeepSpeed's old name of ``config``.
+        strict: unknown config keys raise (True) or warn (False).
+        **auto_values: what ``"auto"`` config values stand for (``lr``, ``weight_decay``,
+            ``warmup_num_steps``, ``total_num_steps``, ``train_micro_batch_size_per_gpu``,
+            ``gradient_clipping``, ...; see :func:`shardkit.engine.load_config`).
+            ``hidden_size`` defaults to ``model.config.hidden_size`` (Hugging Face models), for
+            the bucket-size "auto" rules.
+
+    Returns:
+        ``(engine, engine.optimizer, dataloader or None, engine.lr_scheduler)`` — DeepSpeed's
+        4-tuple.
+
+    Raises:
+        ValueError / TypeError: naming the key or argument, before any collective.
+        NotImplementedError: ``tensor_parallel.size`` or ``pipeline.stages`` > 1.
+
+    Example:
+        >>> engine, optimizer, _, scheduler = shardkit.initialize(
+        ...     model=model, model_parameters=model.parameters(), config="ds_config.json",
+        ...     lr=3e-4, weight_decay=0.01, warmup_num_steps=100, total_num_steps=1000,
+        ...     gradient_clipping=1.0, train_micro_batch_size_per_gpu=8)
+        >>> loss = engine(input_ids=x, labels=x).loss
+        >>> engine.backward(loss); engine.step()
+    """
+    for key, default in _DEEPSPEED_DEFAULTS.items():
+        if key in auto_values and auto_values.pop(key) is not default:
+            raise NotImplementedError(f"initialize({key}=...) is DeepSpeed's; shardkit takes ctx= (a ParallelContext) instead")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, (Engine, DataParallel, ShardedDataParallel)):
+        raise TypeError(f"model is already wrapped ({type(model).__name__}); pass the unwrapped model")
+    config = _the_config(config, config_params, args)
+    if ctx is not None and not isinstance(ctx, ParallelContext):
+        raise TypeError(f"ctx must be a ParallelContext or None, got {type(ctx).__name__}")
+    if ctx is None and not dist.is_initialized():
+        # torchrun's environment, or a one-process world: the rendezvous, no collective yet
+        ctx = ParallelContext.from_env(backend=_backend_for(model))
+    world = ctx.world_size if ctx is not None else dist.get_world_size()
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden is not None and "hidden_size" not in auto_values:
+        auto_values["hidden_size"] = hidden
+    cfg = load_config(config, world_size=world, strict=strict, **auto_values)
+    _check_supported(cfg)
+    groups = _resolve_groups(model, model_parameters)
+    make_optimizer = _optimizer_factory(cfg, optimizer, model)
+    _check_scheduler(lr_scheduler, optimizer)
+    if ctx is None:
+        ctx = ParallelContext.from_env()  # the default group exists: its dp axis over the world
+    if ctx.size("dp") != ctx.world_size:
+        raise ValueError(f"ctx: the dp axis has {ctx.size('dp')} of {ctx.world_size} ranks; initialize needs dp = world")
+
+    model = _to_device_and_dtype(model, ctx, cfg)
+    scaler = cfg.precision.loss_scaler.make() if cfg.precision.dtype == "fp16" else None
+    wrapped, opt = _wrap(model, ctx, cfg, scaler, groups, make_optimizer)
+    basic = opt.optimizer if isinstance(opt, ZeroOptimizer) else opt  # the torch optimizer that steps
+    if lr_scheduler is None:
+        sched = cfg.scheduler.build(basic) if cfg.scheduler is not None else None
+    elif _is_scheduler(lr_scheduler):
+        sched = lr_scheduler
+    else:
+        sched = lr_scheduler(basic)
+        if cfg.scheduler is not None:
+            logger.warning("initialize: lr_scheduler= given; the config's scheduler section (%s) is not used", cfg.scheduler.type)
+    engine = Engine(module=model, wrapped=wrapped, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
+    loader = _dataloader(training_data, collate_fn, cfg, ctx) if training_data is not None else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+# ---- checks (no collective) --------------------------------------------------------------------
+def _the_config(config: Any, config_params: Any, args: Any) -> Any:
+    given = [c for c in (config, config_params) if c is not None]
+    if len(given) == 2:
+        raise ValueError("config and config_params are the same argument (config_params is DeepSpeed's old name); give one")
+    if given:
+        return given[0]
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is None:
+        raise ValueError("config is required: a JSON path or a dict (or args.deepspeed_config, as DeepSpeed)")
+    return from_args
+
+
+def _backend_for(model: nn.Module) -> str | None:
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return "gloo" if device.type == "cpu" else None
+
+
+def _check_supported(cfg: EngineConfig) -> None:
+    if cfg.tensor_parallel.size > 1 or cfg.pipeline.stages > 1:
+        key = "tensor_parallel.size" if cfg.tensor_parallel.size > 1 else "pipeline.stages"
+        raise NotImplementedError(
+            f"{key} > 1: initialize builds data parallelism (ZeRO 0-3) only; compose tensor/pipeline "
+            "parallelism with shardkit.parallel.parallelize"
+        )
+    off = cfg.zero.offload_optimizer
+    if off.device == "nvme":
+        path = Path(off.nvme_path)
+        if not path.is_dir():
+            raise ValueError(f"zero_optimization.offload_optimizer.nvme_path {str(path)!r} is not an existing directory")
+    if cfg.zero.offload_param.enabled:
+        # Parameter offload is not built; the config still runs (parameters stay on the device).
+        warnings.warn(
+            f"zero_optimization.offload_param.device={cfg.zero.offload_param.device!r} is not implemented: parameters "
+            "stay on the model's device (optimizer offload, offload_optimizer, is applied)",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _resolve_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
+    """``model_parameters`` as group dicts of the model's Parameter objects (names resolved)."""
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    names = {p: n for n, p in reversed(list(by_name.items()))}
+    if params is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if isinstance(params, (torch.Tensor, str)):
+        params = [params]
+    items = list(params)
+    if not items:
+        raise ValueError("model_parameters: empty (give parameters or param-group dicts, or None for all)")
+    groups = [dict(g) for g in items] if isinstance(items[0], Mapping) else [{"params": items}]
+    seen: set[nn.Parameter] = set()
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(f"model_parameters: group {i} is not a dict with a 'params' key")
+        ps = [g["params"]] if isinstance(g["params"], (torch.Tensor, str)) else list(g["params"])
+        out = []
+        for p in ps:
+            if isinstance(p, str):
+                if p not in by_name:
+                    raise ValueError(f"model_parameters: group {i} names {p!r}, which is not a parameter of the model")
+                p = by_name[p]
+            if not isinstance(p, torch.Tensor) or p not in names:
+                what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
+                raise ValueError(f"model_parameters: group {i} holds {what}, which is not a parameter of the model")
+            if not p.requires_grad:
+                raise ValueError(f"model_parameters: {names[p]!r} is frozen (requires_grad=False)")
+            if p in seen:
+                raise ValueError(f"model_parameters: {names[p]!r} is in more than one group (or twice)")
+            seen.add(p)
+            out.append(p)
+        g["params"] = out
+    return groups
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return hasattr(obj, "step") and hasattr(obj, "state_dict") and not isinstance(obj, type)
+
+
+def _check_scheduler(lr_scheduler: Any, optimizer: Any) -> None:
+    if lr_scheduler is None:
+        return
+    if _is_scheduler(lr_scheduler):
+        if not isinstance(optimizer, torch.optim.Optimizer) or getattr(lr_scheduler, "optimizer", None) is not optimizer:
+            raise TypeError(
+                "lr_scheduler: a built scheduler must be over the optimizer passed as optimizer= (the engine builds "
+                "its own otherwise); pass a callable optimizer -> scheduler instead"
+            )
+    elif not callable(lr_scheduler):
+        raise TypeError(f"lr_scheduler must be None, a scheduler or a callable optimizer -> scheduler, got {lr_scheduler!r}")
+
+
+# ---- the optimizer -----------------------------------------------------------------------------
+def _optimizer_factory(cfg: EngineConfig, optimizer: Any, model: nn.Module) -> Callable[..., Any]:
+    """``make(groups, zero: bool) -> (class, kwargs)`` for ZeroOptimizer, or a built optimizer."""
+    low = cfg.precision.dtype != "fp32"
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.zero.stage > 0:
+            raise TypeError(
+                f"optimizer: a built {type(optimizer).__name__} cannot be sharded after the fact "
+                f"(zero_optimization.stage={cfg.zero.stage}); pass its class or a callable params -> optimizer"
+            )
+        if low:
+            raise TypeError(
+                f"optimizer: a built optimizer with {cfg.precision.dtype} keeps no fp32 master weights; pass its class "
+                "(shardkit's fused optimizers then keep them) or train in fp32"
+            )
+        owned = {p for p in model.parameters()}
+        if any(p not in owned for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("optimizer: the built optimizer holds tensors that are not parameters of the model")
+        return lambda groups: (None, optimizer)
+    if optimizer is None:
+        if cfg.optimizer is None:
+            raise ValueError("optimizer: the config has no 'optimizer' section and initialize got no optimizer=")
+        cls, kwargs = cfg.optimizer.optimizer_class(), dict(cfg.optimizer.params)
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        cls, kwargs = optimizer, {}
+    elif isinstance(optimizer, functools.partial) and isinstance(optimizer.func, type) and not optimizer.args:
+        cls, kwargs = optimizer.func, dict(optimizer.keywords)
+    elif callable(optimizer):
+        cls, kwargs = _from_callable(optimizer), {}
+    else:
+        raise TypeError(f"optimizer must be None, an optimizer class or a callable params -> optimizer, got {optimizer!r}")
+    if optimizer is not None and cfg.optimizer is not None:
+        logger.warning("initialize: optimizer= given; the config's optimizer section (%s) is not used", cfg.optimizer.type)
+    if low and cfg.zero.stage == 0:
+        # ZeRO keeps fp32 masters itself; replicated training needs the optimizer's own
+        if "master_weights" in inspect.signature(cls).parameters:
+            kwargs.setdefault("master_weights", True)
+        else:
+            warnings.warn(
+                f"{cls.__name__} has no master_weights: with {cfg.precision.dtype} at zero_optimization.stage 0 it "
+                "updates the low-precision parameters directly (use a shardkit fused optimizer or ZeRO >= 1)",
+                UserWarning,
+                stacklevel=4,
+            )
+    return lambda groups: (cls, kwargs)
+
+
+def _from_callable(fn: Callable[..., Any]) -> type:
+    """A class whose construction is ``fn(params)``: ZeroOptimizer builds its optimizer from a
+    class, over this rank's shard parameters."""
+
+    class ClientOptimizer(torch.optim.Optimizer):
+        def __new__(cls, params: Any, **kwargs: Any) -> Any:  # noqa: ARG004 - ZeroOptimizer passes no kwargs
+            opt = fn(params)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"optimizer: the callable returned {type(opt).__name__}, not a torch.optim.Optimizer")
+            return opt
+
+    ClientOptimizer.__qualname__ = ClientOptimizer.__name__ = getattr(fn, "__name__", "ClientOptimizer")
+    return ClientOptimizer
+
+
+# ---- building ----------------------------------------------------------------------------------
+def _to_device_and_dtype(model: nn.Module, ctx: ParallelContext, cfg: EngineConfig) -> nn.Module:
+    if ctx.device.type != "cpu":
+        model.to(ctx.device)
+    if cfg.precision.dtype == "fp16":
+        model.half()  # as DeepSpeed: the whole module, buffers included
+    elif cfg.precision.dtype == "bf16":
+        model.bfloat16()
+    return model
+
+
+def _wrap(
+    model: nn.Module, ctx: ParallelContext, cfg: EngineConfig, scaler: Any, groups: list[dict[str, Any]], make: Any
+) -> tuple[nn.Module, Any]:
+    zero = cfg.zero
+    if zero.stage == 0:
+        wrapped = DataParallel(model, ctx, bucket_mb=zero.bucket_mb(cfg.precision.grad_bytes), loss_scaler=scaler)
+        cls, kwargs = make(groups)
+        return wrapped, (kwargs if cls is None else cls(groups, **kwargs))
+    # ZeRO reduces and keeps gradients in fp32 whatever the params' dtype: reduce_bucket_size
+    # elements are 4 bytes each
+    nvme = zero.offload_optimizer.nvme_path if zero.offload == "nvme" else None
+    wrapped = ShardedDataParallel(
+        model, ctx, zero.stage, bucket_mb=zero.bucket_mb(4), offload=zero.offload, nvme_dir=nvme, loss_scaler=scaler
+    )
+    cls, kwargs = make(groups)
+    return wrapped, ZeroOptimizer(wrapped, cls, groups, **kwargs)
+
+
+def _dataloader(dataset: Any, collate_fn: Any, cfg: EngineConfig, ctx: ParallelContext) -> Any:
+    """DeepSpeed's DeepSpeedDataLoader: a DistributedSampler share per dp rank, micro-batches."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(dataset, num_replicas=ctx.size("dp"), rank=ctx.rank("dp"))
+    return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn)
