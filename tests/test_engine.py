@@ -342,3 +342,55 @@ def test_deepspeed_names_are_accepted_at_their_defaults():
     with mock.patch("shardkit.engine.entry.load_config", side_effect=AssertionError("not reached")):
         with pytest.raises(NotImplementedError, match="mpu"):
             shardkit.initialize(model=_gpt2(), config={}, ctx=None, mpu=object())
+
+
+# ---- DeepSpeed itself, same config -------------------------------------------------------------
+def _resolved_for_deepspeed(cfg: dict) -> dict:
+    """The config with its "auto" values filled as HF's Trainer would (DeepSpeed reads no "auto")."""
+    cfg = json.loads(json.dumps(cfg))
+    cfg["optimizer"]["params"].update(lr=AUTO["lr"], weight_decay=AUTO["weight_decay"])
+    cfg["scheduler"]["params"].update(
+        warmup_min_lr=AUTO["warmup_min_lr"], warmup_max_lr=AUTO["lr"],
+        warmup_num_steps=AUTO["warmup_num_steps"], total_num_steps=AUTO["total_num_steps"],
+    )  # fmt: skip
+    cfg.update(
+        gradient_clipping=AUTO["gradient_clipping"], train_micro_batch_size_per_gpu=MICRO, train_batch_size=MICRO * GAS * 2
+    )
+    return cfg
+
+
+def _deepspeed_body(name: str) -> dict:
+    import os
+
+    import shardkit
+
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(torch.distributed.get_rank()))
+    deepspeed = pytest.importorskip("deepspeed")
+    world = torch.distributed.get_world_size()
+    cfg = _config(name, fp16=False)
+    with ParallelContext.from_world() as ctx:
+        rank = ctx.rank("dp")
+        ours, *_ = shardkit.initialize(model=_gpt2(), config=cfg, ctx=ctx, **AUTO)
+        model = _gpt2()
+        theirs, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_resolved_for_deepspeed(cfg))
+        out = {}
+        for who, engine in (("shardkit", ours), ("deepspeed", theirs)):
+            losses, lrs = [], []
+            for step in range(STEPS):
+                for micro in range(GAS):
+                    x = _batch(step, micro, world)[MICRO * rank : MICRO * (rank + 1)]
+                    loss = engine(input_ids=x, labels=x).loss
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(float(loss))
+                lrs.append(engine.get_lr()[0])
+            out[who] = (losses, lrs)
+        return out
+
+
+@pytest.mark.parametrize("name", [ZERO2])
+def test_losses_equal_deepspeed_with_the_same_config(dist_pool, name):
+    for out in dist_pool.run(_deepspeed_body, name, world_size=2, timeout=180):
+        (ours, our_lrs), (theirs, their_lrs) = out["shardkit"], out["deepspeed"]
+        assert our_lrs == pytest.approx(their_lrs, rel=1e-12)
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), **FP32)
