@@ -66,7 +66,7 @@ def initialize(
         model: the ``nn.Module`` (built identically, same seed, on every rank).
         config: a JSON path or a dict (DeepSpeed's keys, docs/engine.md); also read from
             ``args.deepspeed_config`` or ``config_params`` (DeepSpeed's other spellings).
-        ctx: the parallel context; default ``ParallelContext.from_env()`` (gloo for a CPU model).
+        ctx: the parallel context; default ``ParallelContext.from_env()`` (gloo without CUDA).
         model_parameters: what to optimize: parameters, or param-group dicts whose ``"params"``
             are the model's parameters or their names (e.g. Trainer-style no-decay groups);
             default every trainable parameter.
@@ -116,8 +116,10 @@ def initialize(
     if ctx is not None and not isinstance(ctx, ParallelContext):
         raise TypeError(f"ctx must be a ParallelContext or None, got {type(ctx).__name__}")
     if ctx is None and not dist.is_initialized():
-        # torchrun's environment, or a one-process world: the rendezvous, no collective yet
-        ctx = ParallelContext.from_env(backend=_backend_for(model))
+        # torchrun's environment, or a one-process world: the rendezvous, no collective yet. NCCL
+        # when CUDA is available (the model then moves to the rank's GPU, as DeepSpeed moves it),
+        # else gloo.
+        ctx = ParallelContext.from_env()
     world = ctx.world_size if ctx is not None else dist.get_world_size()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden is not None and "hidden_size" not in auto_values:
@@ -160,11 +162,6 @@ def _the_config(config: Any, config_params: Any, args: Any) -> Any:
     if from_args is None:
         raise ValueError("config is required: a JSON path or a dict (or args.deepspeed_config, as DeepSpeed)")
     return from_args
-
-
-def _backend_for(model: nn.Module) -> str | None:
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    return "gloo" if device.type == "cpu" else None
 
 
 def _check_supported(cfg: EngineConfig) -> None:
