@@ -103,7 +103,7 @@ class ParallelModel:
 
     def __init__(
         self,
-        ctx: ParallelContext,
+        ctx: ParallelContext | None,
         *,
         module: nn.Module,
         loss_fn: LossFn,
@@ -117,7 +117,7 @@ class ParallelModel:
         self.stats = CommStats()
         self._autocast = autocast
         # tp/pp: the norm spans shards and stages, which the dp strategies' clip does not know
-        self._composite = ctx.size("tp") > 1 or ctx.size("pp") > 1
+        self._composite = _size(ctx, "tp") > 1 or _size(ctx, "pp") > 1
 
     # ---- the step ------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -147,7 +147,7 @@ class ParallelModel:
         if self.pipeline is not None:
             with record_function("shardkit::pipeline_step"):
                 loss = torch.tensor(self.pipeline.step(inputs, targets))
-            if self.ctx.size("dp") > 1:
+            if _size(self.ctx, "dp") > 1:
                 self._reduce_over_dp()
             return loss
         with self._autocast() if self._autocast is not None else _nullcontext():
@@ -187,15 +187,15 @@ class ParallelModel:
         if not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
         params = [p for p in self.parameters() if p.grad is not None]
-        device = params[0].grad.device if params else self.ctx.device
+        device = params[0].grad.device if params else torch.device("cpu")
         copies = self._tie_copies()
         sharded, replicated = torch.zeros(1, device=device), torch.zeros(1, device=device)
         for acc, want in ((sharded, True), (replicated, False)):
             for grads in _by_dtype([p.grad for p in params if is_tp_sharded(p) == want and id(p) not in copies]):
                 unscale_and_norm_(grads, sumsq=acc)
-        sumsq = sharded + replicated / self.ctx.size("tp")
+        sumsq = sharded + replicated / _size(self.ctx, "tp")
         for axis in ("tp", "pp"):
-            if self.ctx.size(axis) > 1:
+            if _size(self.ctx, axis) > 1:
                 all_reduce(sumsq, group=self.ctx.group(axis), stats=self.stats)
         for grads in _by_dtype([p.grad for p in params]):
             clip_grads_(grads, sumsq, max_norm=max_norm)
@@ -212,7 +212,10 @@ class ParallelModel:
     def report(self, optimizer: Any = None) -> StrategyReport:
         """This rank's memory by category and communication so far."""
         if self.strategy is not None:
-            return self.strategy.report(optimizer)
+            report = self.strategy.report(optimizer)
+            if self._composite:  # the dp wrapper's collectives plus the TP layers' and the norm's
+                report.comm = _merge(report.comm or {}, self.stats.summary())
+            return report
         params = self.parameters()
         state = optimizer.state.values() if optimizer is not None else ()
         memory = {
@@ -251,7 +254,7 @@ class ParallelModel:
 
 def parallelize(
     model: nn.Module,
-    ctx: ParallelContext,
+    ctx: ParallelContext | None,
     *,
     loss_fn: LossFn | None = None,
     tp_plan: Mapping[str, Any] | None = None,
@@ -267,7 +270,7 @@ def parallelize(
 
     Args:
         model: the full model, built identically (same seed) on every rank, on ``ctx.device``.
-        ctx: the context whose ``dp``/``tp``/``pp`` axes to use.
+        ctx: the context whose ``dp``/``tp``/``pp`` axes to use (None: one process, ``dp="none"``).
         loss_fn: ``loss_fn(logits, targets) -> 0-d mean loss``; default token cross-entropy
             (logits ``(..., V)``, integer targets ``(...)``), vocab-parallel when the plan turns
             the head into a :class:`~shardkit.parallel.tensor.plan.VocabParallelLMHead`.
@@ -296,10 +299,11 @@ def parallelize(
         ...                   blocks=gpt_blocks)
     """
     opts = _validate(model, ctx, loss_fn, tp_plan, pp, dp, blocks, checkpointing, loss_scaler, autocast)
-    tp, pp_size = ctx.size("tp"), ctx.size("pp")
+    tp, pp_size = _size(ctx, "tp"), _size(ctx, "pp")
+    stats = CommStats()  # the TP layers', the pipeline's and the norm's collectives (ParallelModel.stats)
     # 1. tensor parallel (the plan names modules of the unsplit model)
     if tp_plan is not None and tp > 1:
-        tensor_parallelize(model, ctx, dict(tp_plan))
+        tensor_parallelize(model, ctx, dict(tp_plan), stats=stats)
     if loss_fn is None:
         heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
         loss_fn = _vocab_parallel_loss(ctx, heads[0].vocab_size) if heads else _token_cross_entropy
@@ -315,21 +319,27 @@ def parallelize(
             virtual_stages=opts.virtual_stages,
             split=opts.split,
             checkpointing=checkpointing,
+            stats=stats,
         )
         # 4. data parallel: a coalesced all-reduce after each pipeline step (ParallelModel)
         stages = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
-        return ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=None, pipeline=pipe, dp=dp, autocast=None)
+        par = ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=None, pipeline=pipe, dp=dp, autocast=None)
+        par.stats = stats
+        return par
     # 3. activation checkpointing on the blocks (no pipeline)
     if checkpointing:
         from .activation_checkpointing import checkpoint_blocks
 
         checkpoint_blocks(list(blocks(model)), offload_to_cpu=checkpointing == "cpu")
     # 4. data parallel
-    if dp == "none" or (ctx.size("dp") == 1 and tp > 1):  # nothing to replicate over
-        return ParallelModel(ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast)
-    strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
-    module = strategy.wrap(model)
-    return ParallelModel(ctx, module=module, loss_fn=loss_fn, strategy=strategy, pipeline=None, dp=dp, autocast=autocast)
+    if tp > 1 and (dp == "none" or _size(ctx, "dp") == 1):  # nothing to replicate over
+        par = ParallelModel(ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast)
+    else:
+        strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
+        module = strategy.wrap(model)
+        par = ParallelModel(ctx, module=module, loss_fn=loss_fn, strategy=strategy, pipeline=None, dp=dp, autocast=autocast)
+    par.stats = stats
+    return par
 
 
 def _validate(
@@ -347,8 +357,12 @@ def _validate(
     """Every check, before any collective (ValueError/TypeError naming the argument)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(ctx, ParallelContext):
-        raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
+    if ctx is None and dp != "none":
+        raise ValueError(f"dp={dp!r} needs a ParallelContext (ctx=None is one process: dp='none')")
+    if ctx is not None and not isinstance(ctx, ParallelContext):
+        raise TypeError(f"ctx must be a ParallelContext or None, got {type(ctx).__name__}")
+    if dp == "none" and _size(ctx, "dp") > 1:
+        raise ValueError(f"dp='none' but ctx has a dp axis of size {_size(ctx, 'dp')}: pick 'ddp' or a ZeRO stage")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
     if dp not in _DP:
@@ -357,7 +371,7 @@ def _validate(
         raise ValueError(f"checkpointing must be False, True or 'cpu', got {checkpointing!r}")
     if blocks is not None and not callable(blocks):
         raise TypeError(f"blocks must be callable (model -> sequence of blocks) or None, got {type(blocks).__name__}")
-    tp, pp_size = ctx.size("tp"), ctx.size("pp")
+    tp, pp_size = _size(ctx, "tp"), _size(ctx, "pp")
     if tp > 1 and tp_plan is None:
         raise ValueError(f"tp_plan is required: ctx has a tp axis of size {tp}")
     if tp_plan is not None and not isinstance(tp_plan, Mapping):
@@ -392,6 +406,24 @@ def _validate(
     if pp_size > 1 and autocast is not None:
         raise ValueError("autocast is not applied inside pipeline stages yet; pipeline in fp32 (or bf16 params)")
     return opts
+
+
+def _merge(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:
+    """Two ``CommStats.summary()`` dicts added op by op."""
+    out = {op: {"calls": v["calls"], "bytes": v["bytes"], "groups": dict(v.get("groups", {}))} for op, v in a.items()}
+    for op, v in b.items():
+        cur = out.setdefault(op, {"calls": 0, "bytes": 0, "groups": {}})
+        cur["calls"] += v["calls"]
+        cur["bytes"] += v["bytes"]
+        for label, g in v.get("groups", {}).items():
+            old = cur["groups"].get(label, {"calls": 0, "bytes": 0})
+            cur["groups"][label] = {"calls": old["calls"] + g["calls"], "bytes": old["bytes"] + g["bytes"]}
+    return out
+
+
+def _size(ctx: ParallelContext | None, axis: str) -> int:
+    """The size of ``axis`` (1 without a context: one process)."""
+    return 1 if ctx is None else ctx.size(axis)
 
 
 def _vocab_parallel_loss(ctx: ParallelContext, vocab_size: int) -> LossFn:

@@ -394,21 +394,41 @@ class _ZeroStrategy(Strategy):
         ctx: the parallel context (dp must span the world).
         loss_scaler: fp16 loss scaler, or None.
         bucket_mb: bucket capacity in MiB.
+        offload: None/"none", "cpu" or "nvme": the optimizer state and step off the device (docs/offload.md).
+        nvme_dir: the directory for ``offload="nvme"``.
     """
 
     needs_context = True
     stage: ClassVar[int]
 
     def __init__(
-        self, *, ctx: ParallelContext | None = None, loss_scaler: DynamicLossScaler | None = None, bucket_mb: float = 25.0
+        self,
+        *,
+        ctx: ParallelContext | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        bucket_mb: float = 25.0,
+        offload: Literal["none", "cpu", "nvme"] | None = None,
+        nvme_dir: str | None = None,
     ) -> None:
         super().__init__(ctx=ctx, loss_scaler=loss_scaler)
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if offload not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"offload must be None, 'none', 'cpu' or 'nvme', got {offload!r}")
         self.bucket_mb = float(bucket_mb)
+        self.offload = None if offload == "none" else offload
+        self.nvme_dir = nvme_dir
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        self.model = ShardedDataParallel(model, self.ctx, self.stage, bucket_mb=self.bucket_mb, loss_scaler=self.loss_scaler)
+        self.model = ShardedDataParallel(
+            model,
+            self.ctx,
+            self.stage,
+            bucket_mb=self.bucket_mb,
+            loss_scaler=self.loss_scaler,
+            offload=self.offload,
+            nvme_dir=self.nvme_dir,
+        )
         return self.model
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> ZeroOptimizer:

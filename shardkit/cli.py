@@ -188,7 +188,8 @@ def launch(cfg: TrainConfig) -> int:
     """
     from shardkit.train import resolve_device, train
 
-    cfg.validate()
+    if cfg.nproc > 1:  # with nproc == 1, train() validates against the world it runs in (torchrun's)
+        cfg.validate()
     # Before starting any worker: local rank r would take cuda:r, so N ranks need N GPUs here.
     resolve_device(cfg.device, ranks_per_node=cfg.nproc)
     if cfg.nproc == 1:
@@ -300,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from shardkit.train import resolve_device  # imports torch: only for `train`
 
     try:
-        cfg.validate()
+        # a torchrun worker runs with nproc=1 (see launch) in a world of WORLD_SIZE ranks
+        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")) if cfg.nproc == 1 else cfg.nproc)
         resolve_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
     except ValueError as e:
         parser.error(str(e))

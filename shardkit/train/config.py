@@ -24,6 +24,7 @@ Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
 _LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model (TinyGPT)", "optimization (FusedAdamW)", "evaluation and logging"
+_PARALLEL = "tensor and pipeline parallelism (composed with --strategy on the dp axis)"
 
 
 def _opt(default: Any, help: str, group: str, *, metavar: str | None = None, **extra: Any) -> Any:
@@ -59,6 +60,25 @@ class TrainConfig:
         _LAUNCH,
         strategies=("ddp",),
     )
+    offload: Literal["none", "cpu", "nvme"] = _opt(
+        "none",
+        "zero1/zero2/zero3: fp32 masters, optimizer state and step on the CPU, or in files under --nvme-dir",
+        _LAUNCH,
+        strategies=("zero1", "zero2", "zero3"),
+    )
+    nvme_dir: str | None = _opt(
+        None, "zero*: directory for --offload nvme", _LAUNCH, metavar="DIR", strategies=("zero1", "zero2", "zero3")
+    )
+    tp: int = _opt(
+        1, "tensor-parallel ranks (TinyGPT's gpt_plan, vocab-parallel loss); nproc = dp x tp x pp", _PARALLEL, metavar="N"
+    )
+    pp: int = _opt(1, "pipeline stages (embedding, blocks, head split by layer count)", _PARALLEL, metavar="N")
+    schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = _opt("1f1b", "pipeline schedule (--pp > 1)", _PARALLEL)
+    microbatches: int = _opt(4, "micro-batches per step (--pp > 1); must divide --batch-size", _PARALLEL, metavar="M")
+    virtual_stages: int = _opt(1, "stages per rank (--schedule interleaved)", _PARALLEL, metavar="V")
+    checkpointing: Literal["none", "blocks", "cpu"] = _opt(
+        "none", "activation checkpointing per block; cpu also keeps the saved block inputs on the CPU", _PARALLEL
+    )
     device: Literal["auto", "cpu", "cuda"] = _opt(
         "auto", "auto: cuda when available; cpu forces the gloo backend even where CUDA exists", _LAUNCH
     )
@@ -86,8 +106,13 @@ class TrainConfig:
     sample: int = _opt(0, "print a generated sample of CHARS characters at the end", _LOG, metavar="CHARS")
     log_json: str | None = _opt(None, "write the config, loss curves and per-rank summaries here", _LOG, metavar="PATH")
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first invalid field."""
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the first invalid field.
+
+        Args:
+            world_size: the ranks of the run when they are not ``nproc`` (a torchrun worker runs
+                with ``nproc=1`` in a world of ``WORLD_SIZE``); default ``nproc``.
+        """
         for name in ("nproc", "steps", "batch_size", "seq_len", "eval_every", "eval_iters", "bucket_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -102,8 +127,41 @@ class TrainConfig:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        if self.nproc > 1 and self.strategy == "none":
-            raise ValueError(f"nproc={self.nproc} needs a parallel strategy: pass --strategy ddp")
+        for name in ("tp", "pp", "microbatches", "virtual_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        model_ranks = self.tp * self.pp
+        world = self.nproc if world_size is None else world_size
+        if world % model_ranks:
+            raise ValueError(f"nproc={world} must be a multiple of tp x pp = {self.tp} x {self.pp}")
+        dp = world // model_ranks
+        if dp > 1 and self.strategy == "none":
+            raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp (or zero1/2/3 without --tp/--pp)")
+        if model_ranks > 1:
+            if self.strategy.startswith("zero"):
+                raise ValueError(
+                    f"strategy={self.strategy} with --tp/--pp: ZeRO shards over the whole world for now; use --strategy ddp"
+                )
+            if self.precision == "fp16":
+                raise ValueError("precision=fp16 with --tp/--pp is not supported yet; use --bf16 (tp only) or --fp32")
+            if self.n_heads % self.tp:
+                raise ValueError(f"n_heads={self.n_heads} must be divisible by tp={self.tp}")
+        if self.pp > 1:
+            if self.precision != "fp32":
+                raise ValueError("--pp runs in fp32 for now (autocast is not applied inside pipeline stages)")
+            if self.batch_size % self.microbatches:
+                raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
+            if self.n_layers + 2 < self.pp * self.virtual_stages:
+                raise ValueError(
+                    f"pp x virtual_stages = {self.pp * self.virtual_stages} stages but TinyGPT has only "
+                    f"n_layers + 2 = {self.n_layers + 2} blocks (embedding, layers, head)"
+                )
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs --schedule interleaved")
+        if self.offload == "nvme" and not self.nvme_dir:
+            raise ValueError("offload=nvme needs --nvme-dir DIR")
+        if self.offload != "none" and not self.strategy.startswith("zero"):
+            raise ValueError(f"offload={self.offload} needs --strategy zero1, zero2 or zero3")
 
     def strategy_options(self) -> dict[str, Any]:
         """The options of the chosen strategy, for ``make_strategy(cfg.strategy, **options)``.

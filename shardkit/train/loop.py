@@ -4,8 +4,10 @@
 process for ``--nproc 1``, or starts N torchrun workers that each call it. Rank 0 draws the
 progress bar and prints every rank's summary, gathered in rank order.
 
-Parallelism is entirely behind :class:`~shardkit.parallel.strategy.Strategy` (wrap, backward,
-clip, step, report): the loop has no branch per strategy.
+Parallelism is entirely behind :func:`~shardkit.parallel.parallelize` (TP -> pipeline split ->
+activation checkpointing -> DP on one ParallelContext): the loop reads ``loss =
+par.forward_backward(x, y); par.clip(...); par.step(opt)`` whatever the parallelism, with no
+branch per strategy.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from torch import nn
 from shardkit.comm import ParallelContext
 from shardkit.data import get_batch, load_corpus
 from shardkit.kernels import FusedAdamW
-from shardkit.models import TinyGPT, lm_loss
-from shardkit.parallel import DynamicLossScaler
-from shardkit.parallel.strategy import Strategy, get_strategy_class, make_strategy
+from shardkit.models import TinyGPT, gpt_blocks
+from shardkit.parallel import DynamicLossScaler, ParallelModel, parallelize
+from shardkit.parallel.strategy import get_strategy_class
+from shardkit.parallel.tensor import gpt_plan
 from shardkit.parallel.zero import plan_memory
 
 from .config import Precision, TrainConfig
@@ -137,9 +140,10 @@ def planned_memory(cfg: TrainConfig, model: nn.Module, dp: int) -> dict[str, Any
     """
     cls = get_strategy_class(cfg.strategy)
     stage = getattr(cls, "stage", 0 if cfg.strategy == "ddp" else None)
-    if not isinstance(stage, int):
+    if not isinstance(stage, int) or cfg.tp * cfg.pp > 1:
         return None
     opts = cfg.strategy_options()
+    offload = None if opts.get("offload", "none") == "none" else opts["offload"]
     plan = plan_memory(
         model,
         dp=dp,
@@ -149,6 +153,7 @@ def planned_memory(cfg: TrainConfig, model: nn.Module, dp: int) -> dict[str, Any
         bucket_mb=opts.get("bucket_mb", 25.0),
         gradient_as_bucket_view=opts.get("grad_buckets") == "view",
         grad_dtype_bytes=4 if stage else None,
+        offload=offload,
     )
     out: dict[str, Any] = {
         "stage": plan.name,
@@ -167,15 +172,8 @@ def _autocast(precision: Precision, device: torch.device) -> contextlib.Abstract
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-@torch.no_grad()
-def _evaluate(
-    model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]], precision: Precision, device: torch.device
-) -> float:
-    model.eval()
-    with _autocast(precision, device):
-        losses = [lm_loss(model(x), y) for x, y in batches]
-    model.train()
-    return float(torch.stack(losses).mean())
+def _evaluate(par: ParallelModel, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    return sum(par.evaluate(x, y) for x, y in batches) / len(batches)
 
 
 def train(cfg: TrainConfig) -> TrainResult:
@@ -202,21 +200,22 @@ def train(cfg: TrainConfig) -> TrainResult:
         >>> res.evals[-1][1] < res.evals[0][1]
         True
     """
-    cfg.validate()
     t_start = time.perf_counter()
     # torchrun's contract: LOCAL_RANK picks the GPU among LOCAL_WORLD_SIZE ranks on this machine.
     # Read here, at the application entry only.
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", str(cfg.nproc)))
+    cfg.validate(world_size=world)
     device = resolve_device(cfg.device, ranks_per_node=ranks_per_node, local_rank=local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if not get_strategy_class(cfg.strategy).needs_context:
+    if not get_strategy_class(cfg.strategy).needs_context and world == 1:
         return _train(cfg, None, device, t_start)
     owns_world = not dist.is_initialized()
     # The backend follows the device, not CUDA's presence: --device cpu trains over gloo even on
     # a GPU machine (from_env's default would pick NCCL there and then fail on CPU tensors).
-    ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl")
+    ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp)
     try:
         return _train(cfg, ctx, device, t_start)
     finally:
@@ -237,15 +236,26 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     model = TinyGPT(vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.dropout).to(device)
     n_params = model.num_parameters()
     plan = planned_memory(cfg, model, dp_size)  # before wrapping: the user's model, as planned
-    strategy: Strategy = make_strategy(
-        cfg.strategy, ctx=ctx, loss_scaler=make_loss_scaler(cfg.precision), **cfg.strategy_options()
+    # [Note: the order of parallelize] in shardkit.parallel.compose: TP -> pipeline -> checkpointing -> DP
+    par = parallelize(
+        model,
+        ctx,
+        dp=cfg.strategy,
+        tp_plan=gpt_plan() if cfg.tp > 1 else None,
+        pp={"schedule": cfg.schedule, "microbatches": cfg.microbatches, "virtual_stages": cfg.virtual_stages}
+        if cfg.pp > 1
+        else None,
+        blocks=gpt_blocks,
+        checkpointing={"none": False, "blocks": True, "cpu": "cpu"}[cfg.checkpointing],
+        loss_scaler=make_loss_scaler(cfg.precision),
+        autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
+        dp_options=cfg.strategy_options(),
     )
-    model = strategy.wrap(model)
     torch.manual_seed(cfg.seed + 1 + rank)  # independent dropout streams per rank
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # no decay on biases / LayerNorm
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for p in par.parameters() if p.dim() >= 2]  # no decay on biases / LayerNorm
+    no_decay = [p for p in par.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = strategy.make_optimizer(FusedAdamW, groups, lr=cfg.lr, betas=(0.9, 0.95))  # ZeRO: on the shard
+    optimizer = par.make_optimizer(FusedAdamW, groups, lr=cfg.lr, betas=(0.9, 0.95))  # ZeRO: on the shard
 
     data_gen = torch.Generator().manual_seed(cfg.seed)  # same stream on every rank: see data.py
     # Every rank evaluates the same fixed validation batches of global-batch size: eval losses
@@ -259,7 +269,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
 
     bar = ProgressBar(cfg.steps, enabled=rank == 0)
     bar.write(
-        f"TinyGPT {n_params / 1e6:.2f}M params | strategy={cfg.strategy} world={world} {cfg.precision} "
+        f"TinyGPT {n_params / 1e6:.2f}M params | strategy={cfg.strategy}{_layout(cfg, dp_size)} world={world} {cfg.precision} "
         f"{device.type} | {cfg.steps} steps x {cfg.batch_size * dp_size} seqs x {cfg.seq_len} tokens"
     )
     losses: list[torch.Tensor] = []  # this rank's micro-batch losses, kept on device (no sync)
@@ -283,18 +293,16 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
             device=device,
         )
         optimizer.zero_grad(set_to_none=True)
-        with _autocast(cfg.precision, device):
-            loss = lm_loss(model(x), y)
-        strategy.backward(loss)
-        strategy.clip(cfg.clip if cfg.clip > 0 else None)
-        strategy.step(optimizer)
+        loss = par.forward_backward(x, y)  # autocast, loss scaling, micro-batches, dp reduction
+        par.clip(cfg.clip if cfg.clip > 0 else None)
+        par.step(optimizer)
         losses.append(loss.detach())
         lrs.append(lr)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - t0
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            evals.append((step, _evaluate(model, eval_batches, cfg.precision, device)))
+            evals.append((step, _evaluate(par, eval_batches)))
             if not math.isfinite(evals[-1][1]) and cfg.precision != "fp16":
                 raise FloatingPointError(f"rank {rank}: eval loss is {evals[-1][1]} at step {step}")
             width = len(str(cfg.steps))
@@ -304,7 +312,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
 
     train_losses = torch.stack(losses).float().tolist()
     tail = train_losses[-min(10, len(train_losses)) :]
-    report = strategy.report(optimizer)
+    report = par.report(optimizer)
     summary: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
@@ -325,7 +333,8 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         "comm": report.comm,
     }
     result = TrainResult(summary, train_losses, evals, lrs, ranks=[summary])
-    if rank == 0 and cfg.sample > 0:
+    if rank == 0 and cfg.sample > 0 and cfg.tp * cfg.pp == 1:  # TP/PP hold parts of the model
+        model = par.module
         prompt = corpus.tokenizer.encode("\n").view(1, 1).to(device)
         gen = torch.Generator(device).manual_seed(cfg.seed)
         out = getattr(model, "module", model).generate(prompt, cfg.sample, temperature=0.8, generator=gen)
@@ -343,9 +352,17 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     return result
 
 
+def _layout(cfg: TrainConfig, dp: int) -> str:
+    """`` dp=2 x tp=2 x pp=2 (1f1b, m=4)`` when tensor or pipeline parallelism is on, else ``""``."""
+    if cfg.tp * cfg.pp == 1:
+        return ""
+    pipe = f" ({cfg.schedule}, m={cfg.microbatches})" if cfg.pp > 1 else ""
+    return f" dp={dp} x tp={cfg.tp} x pp={cfg.pp}{pipe}"
+
+
 def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int) -> None:
     print(
-        f"== summary: TinyGPT {n_params / 1e6:.2f}M params, strategy={cfg.strategy}, world={len(ranks)}, "
+        f"== summary: TinyGPT {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, len(ranks) // (cfg.tp * cfg.pp))}, world={len(ranks)}, "
         f"{cfg.precision}, {cfg.steps} steps =="
     )
     for s in ranks:
