@@ -84,19 +84,25 @@ def _pipeline_rows(res: dict) -> list[str]:
 
 
 def _zero_rows(res: dict) -> list[str]:
+    """One row per ZeRO stage that has a peer measured; rows with offload (``"2+cpu"``) say so."""
     rows = []
-    for stage, st in res["stages"].items():
+    for key, st in res["stages"].items():
         if not st.get("built") or not st["ratios"]:
             continue
         ours, best = st["configs"]["shardkit"], st["fastest_peer"]
+        stage = st.get("stage", key)  # results written before the offload rows have no "stage"
+        what = f"ZeRO-{stage} + CPU optimizer offload step" if st.get("offload") else f"ZeRO-{stage} step"
+        peer = f"{best} offload_optimizer cpu" if st.get("offload") else best
         mem = ", ".join(
             f"{p.replace('torch.', '')} {r['model_state']:.2f}× at rest, {r.get('model_state_in_step', float('nan')):.2f}× in step"
             for p, r in st["ratios"].items()
+            if "model_state" in r  # offload rows: time only (host memory is counted differently)
         )
         rows.append(
-            f"| ZeRO-{stage} step, {res['params'] / 1e6:.1f}M-param TinyGPT, {res['nproc']} ranks {res['backend']} "
-            f"(memory ours/peer: {mem}) | {ours['median_ms']:.1f} ms "
-            f"| {best} {st['configs'][best]['median_ms']:.1f} ms | **{st['ratios'][best]['time_median']:.3f}×** "
+            f"| {what}, {res['params'] / 1e6:.1f}M-param TinyGPT, {res['nproc']} ranks {res['backend']}"
+            + (f" (memory ours/peer: {mem})" if mem else "")
+            + f" | {ours['median_ms']:.1f} ms "
+            f"| {peer} {st['configs'][best]['median_ms']:.1f} ms | **{st['ratios'][best]['time_median']:.3f}×** "
             f"(min {st['ratios'][best]['time_min']:.3f}×) | `{res['command']}` |"
         )
     return rows
