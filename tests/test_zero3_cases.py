@@ -405,3 +405,35 @@ def _read_params_between_steps() -> None:
 
 def test_zero3_params_are_readable_placeholders_between_steps(dist_pool) -> None:
     dist_pool.run(_read_params_between_steps, world_size=2, timeout=60)
+
+
+def _diverged(extra_forward: bool) -> str:
+    """Rank 1 runs one more forward (or its units in another order); with check_sync every rank
+    raises the same error naming both ranks' positions, instead of mis-pairing the gathers."""
+    ctx = ParallelContext.from_world()
+    sdp = ShardedDataParallel(_model(), ctx, 3, check_sync=True)
+    x, y = _batch(0)
+    try:
+        if ctx.rank("dp") == 1:
+            if extra_forward:
+                sdp(x[_rows(ctx)])  # an extra forward only this rank runs
+            else:
+                sdp._units._last_order = list(reversed(sdp._units._last_order))
+                sdp._units._order = list(reversed(sdp._units.units))  # another unit order next time
+        out = sdp(x[_rows(ctx)])
+        nn.functional.mse_loss(out, y[_rows(ctx)]).backward()
+        if not extra_forward:
+            sdp(x[_rows(ctx)])
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        ctx.destroy()
+    return "no error"
+
+
+@pytest.mark.parametrize("extra_forward", [True, False])
+def test_zero3_check_sync_names_diverged_ranks_on_every_rank(dist_pool, extra_forward: bool) -> None:
+    messages = dist_pool.run(_diverged, extra_forward, world_size=2, timeout=60)
+    for m in messages:
+        assert "diverged" in m and "rank 0:" in m and "rank 1:" in m, messages
+    assert messages[0] == messages[1]

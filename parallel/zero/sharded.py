@@ -103,6 +103,10 @@ class ShardedDataParallel(nn.Module):
             overflow is agreed over dp, and ``ZeroOptimizer.step`` updates the scale.
         stats: CommStats to record into (default a new one, ``.comm_stats``).
         backend: kernel backend (``"triton"`` runs the interpreter on CPU).
+        check_sync: stage 3 debug switch: before every unit all-gather, agree over dp which
+            gather it is (one 24-byte all-gather); ranks that diverged (one more forward, another
+            unit order) then raise the same ``RuntimeError`` naming each rank's position instead
+            of mis-pairing gathers or hanging until the timeout ([Note: diverged ranks]).
 
     Raises:
         ValueError / TypeError: a bad argument (named), before any collective.
@@ -129,9 +133,14 @@ class ShardedDataParallel(nn.Module):
         loss_scaler: DynamicLossScaler | None = None,
         stats: CommStats | None = None,
         backend: str = "auto",
+        check_sync: bool = False,
     ) -> None:
         super().__init__()
         params = _validate(module, ctx, stage, bucket_mb, wrap, reshard_after_forward, offload, nvme_dir, grad_dtype, loss_scaler)
+        if not isinstance(check_sync, bool) or (check_sync and stage != 3):
+            raise ValueError(
+                f"check_sync must be a bool and applies to stage 3 (per-unit gathers); got {check_sync!r} with stage={stage}"
+            )
         self.module = module
         self.ctx = ctx
         self.stage = stage
@@ -160,7 +169,12 @@ class ShardedDataParallel(nn.Module):
         self._units: ShardUnits | None = None
         if stage == 3:
             self._units = ShardUnits(
-                module, wrap=wrap, reshard_after_forward=reshard_after_forward, bucket_mb=bucket_mb, **shard_kwargs
+                module,
+                wrap=wrap,
+                reshard_after_forward=reshard_after_forward,
+                bucket_mb=bucket_mb,
+                check_sync=check_sync,
+                **shard_kwargs,
             )
             self._shards: FlatShards = self._units.shards
             self._reducer = self._units.reducer
