@@ -10,6 +10,7 @@ This module imports neither torch nor the rest of shardkit.
 from __future__ import annotations
 
 import argparse
+import os
 import typing
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
@@ -23,8 +24,23 @@ STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3")
 Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3"]
 Precision = Literal["fp32", "bf16", "fp16"]
 
-_LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model (TinyGPT)", "optimization (FusedAdamW)", "evaluation and logging"
+_LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model", "optimization (FusedAdamW)", "evaluation and logging"
 _PARALLEL = "tensor and pipeline parallelism (composed with --strategy on the dp axis)"
+_CONFIG = "DeepSpeed-style config (shardkit.initialize; docs/engine.md)"
+Model = Literal["tinygpt", "hf:gpt2", "hf:llama"]
+
+#: flags a DeepSpeed config decides itself (its zero_optimization, fp16/bf16 and batch keys):
+#: with --config, any other value than the default is a usage error naming the flag
+CONFIG_EXCLUSIVE = {
+    "strategy": "none",
+    "offload": "none",
+    "nvme_dir": None,
+    "precision": "fp32",
+    "tp": 1,
+    "pp": 1,
+    "checkpointing": "none",
+    "grad_buckets": "copy",
+}
 
 
 def _opt(default: Any, help: str, group: str, *, metavar: str | None = None, **extra: Any) -> Any:
@@ -46,6 +62,28 @@ class TrainConfig:
     """
 
     nproc: int = _opt(1, "worker processes; > 1 re-launches with torchrun", _LAUNCH, metavar="N")
+    config: str | None = _opt(
+        None,
+        "train through shardkit.initialize with this DeepSpeed JSON config (ZeRO stage, offload, fp16/bf16, "
+        "optimizer, scheduler, batch sizes, clipping come from it); --lr, --weight-decay, --warmup, --steps, "
+        '--clip, --batch-size fill its "auto" values',
+        _CONFIG,
+        metavar="DS.JSON",
+    )
+    auto: tuple[str, ...] = _opt(
+        (),
+        'with --config: what an "auto" stands for, by load_config\'s keyword (e.g. lr=3e-4, '
+        "gradient_accumulation_steps=2); overrides the flags above; repeatable",
+        _CONFIG,
+        metavar="KEY=VALUE",
+        repeat=True,
+    )
+    model: Model = _opt(
+        "tinygpt",
+        "tinygpt (built in) or a transformers GPT-2 / Llama built from config with --d-model/--n-layers/--n-heads/"
+        "--seq-len (needs the 'test' extra)",
+        _MODEL,
+    )
     strategy: Strategy = _opt("none", "parallel strategy", _LAUNCH)
     bucket_mb: float = _opt(
         25.0,
@@ -125,6 +163,29 @@ class TrainConfig:
             choices = _choices(f.name)
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        if self.config is not None:
+            if not os.path.isfile(self.config):
+                raise ValueError(f"--config {self.config}: no such file")
+            for name, default in CONFIG_EXCLUSIVE.items():
+                if getattr(self, name) != default:
+                    flag = f"--{getattr(self, name)}" if name == "precision" else f"--{name.replace('_', '-')}"
+                    raise ValueError(
+                        f"{flag} with --config: the config decides this (zero_optimization, fp16/bf16); "
+                        "edit the config or drop the flag"
+                    )
+        elif self.auto:
+            raise ValueError('--auto fills a DeepSpeed config\'s "auto" values: it needs --config')
+        for item in self.auto:
+            key, sep, _ = item.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--auto expects KEY=VALUE, got {item!r}")
+        if self.model != "tinygpt":
+            if self.pp > 1:
+                raise ValueError(f"--pp with --model {self.model}: pipeline splits are defined for TinyGPT only")
+            if self.checkpointing != "none":
+                raise ValueError(f"--checkpointing with --model {self.model}: defined for TinyGPT blocks only")
+            if self.sample:
+                raise ValueError(f"--sample with --model {self.model}: generation is TinyGPT's")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         for name in ("tp", "pp", "microbatches", "virtual_stages"):
@@ -135,7 +196,7 @@ class TrainConfig:
         if world % model_ranks:
             raise ValueError(f"nproc={world} must be a multiple of tp x pp = {self.tp} x {self.pp}")
         dp = world // model_ranks
-        if dp > 1 and self.strategy == "none":
+        if dp > 1 and self.strategy == "none" and self.config is None:
             raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp (or zero1/2/3 without --tp/--pp)")
         if model_ranks > 1:
             if self.strategy.startswith("zero"):
@@ -211,6 +272,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 exclusive.add_argument(f"--{value}", dest=f.name, action="store_const", const=value, help=what)
             parser.set_defaults(**{f.name: f.default})
             continue
+        if meta.get("repeat"):  # a repeatable flag: a tuple of its values in the order given
+            group.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                dest=f.name,
+                action="append",
+                default=None,
+                metavar=meta.get("metavar"),
+                help=meta["help"],
+            )
+            continue
         choices = _choices(f.name)
         default_note = "" if f.default is None or f.default is MISSING else " (default %(default)s)"
         group.add_argument(
@@ -226,7 +297,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def from_args(ns: argparse.Namespace) -> TrainConfig:
     """Build a :class:`TrainConfig` from parsed flags (attributes that are not fields are ignored)."""
-    return TrainConfig(**{f.name: getattr(ns, f.name) for f in fields(TrainConfig) if hasattr(ns, f.name)})
+    values = {f.name: getattr(ns, f.name) for f in fields(TrainConfig) if hasattr(ns, f.name)}
+    for f in fields(TrainConfig):
+        if f.metadata.get("repeat") and f.name in values:
+            values[f.name] = tuple(values[f.name] or ())
+    return TrainConfig(**values)
 
 
 def to_argv(cfg: TrainConfig, *, skip: Iterable[str] = ()) -> list[str]:
@@ -245,6 +320,9 @@ def to_argv(cfg: TrainConfig, *, skip: Iterable[str] = ()) -> list[str]:
     for f in fields(cfg):
         value = getattr(cfg, f.name)
         if f.name in skip or value is None:
+            continue
+        if f.metadata.get("repeat"):
+            argv += [a for item in value for a in (f"--{f.name.replace('_', '-')}", str(item))]
             continue
         argv += [f"--{value}"] if "flags" in f.metadata else [f"--{f.name.replace('_', '-')}", str(value)]
     return argv

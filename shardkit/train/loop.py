@@ -28,14 +28,16 @@ from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.data import get_batch, load_corpus
+from shardkit.hf_models import LogitsOnly, hf_tp_plan
 from shardkit.kernels import FusedAdamW
-from shardkit.models import TinyGPT, gpt_blocks
+from shardkit.models import gpt_blocks
 from shardkit.parallel import DynamicLossScaler, ParallelModel, parallelize
 from shardkit.parallel.strategy import get_strategy_class
 from shardkit.parallel.tensor import gpt_plan
 from shardkit.parallel.zero import plan_memory
 
 from .config import Precision, TrainConfig
+from .engine_loop import build_model
 from .progress import ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan
 from .schedule import lr_at
 
@@ -177,7 +179,10 @@ def _evaluate(par: ParallelModel, batches: Sequence[tuple[torch.Tensor, torch.Te
 
 
 def train(cfg: TrainConfig) -> TrainResult:
-    """Train TinyGPT as configured, as one rank of a run (or alone).
+    """Train the ``--model`` as configured, as one rank of a run (or alone).
+
+    With ``cfg.config`` (a DeepSpeed JSON config) the run goes through ``shardkit.initialize``
+    instead (:mod:`shardkit.train.engine_loop`); otherwise through ``parallelize``.
 
     For a strategy that communicates (``needs_context``, e.g. ``"ddp"``) it builds the
     :class:`~shardkit.comm.ParallelContext` from torchrun's environment (a world of one
@@ -210,6 +215,10 @@ def train(cfg: TrainConfig) -> TrainResult:
     device = resolve_device(cfg.device, ranks_per_node=ranks_per_node, local_rank=local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if cfg.config is not None:  # a DeepSpeed config: shardkit.initialize's engine loop
+        from .engine_loop import train_from_config
+
+        return train_from_config(cfg, device, t_start)
     if not get_strategy_class(cfg.strategy).needs_context and world == 1:
         return _train(cfg, None, device, t_start)
     owns_world = not dist.is_initialized()
@@ -233,19 +242,21 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     vocab = corpus.tokenizer.vocab_size
-    model = TinyGPT(vocab, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.dropout).to(device)
-    n_params = model.num_parameters()
+    model = build_model(cfg, vocab).to(device)
+    n_params = sum(p.numel() for p in model.parameters())  # a tied weight once
+    if cfg.model != "tinygpt":  # tokens -> logits, as parallelize's loss expects
+        model = LogitsOnly(model)
     plan = planned_memory(cfg, model, dp_size)  # before wrapping: the user's model, as planned
     # [Note: the order of parallelize] in shardkit.parallel.compose: TP -> pipeline -> checkpointing -> DP
     par = parallelize(
         model,
         ctx,
         dp=cfg.strategy,
-        tp_plan=gpt_plan() if cfg.tp > 1 else None,
+        tp_plan=(gpt_plan() if cfg.model == "tinygpt" else hf_tp_plan(cfg.model, model)) if cfg.tp > 1 else None,
         pp={"schedule": cfg.schedule, "microbatches": cfg.microbatches, "virtual_stages": cfg.virtual_stages}
         if cfg.pp > 1
         else None,
-        blocks=gpt_blocks,
+        blocks=gpt_blocks if cfg.model == "tinygpt" else None,
         checkpointing={"none": False, "blocks": True, "cpu": "cpu"}[cfg.checkpointing],
         loss_scaler=make_loss_scaler(cfg.precision),
         autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
@@ -269,7 +280,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
 
     bar = ProgressBar(cfg.steps, enabled=rank == 0)
     bar.write(
-        f"TinyGPT {n_params / 1e6:.2f}M params | strategy={cfg.strategy}{_layout(cfg, dp_size)} world={world} {cfg.precision} "
+        f"{cfg.model} {n_params / 1e6:.2f}M params | strategy={cfg.strategy}{_layout(cfg, dp_size)} world={world} {cfg.precision} "
         f"{device.type} | {cfg.steps} steps x {cfg.batch_size * dp_size} seqs x {cfg.seq_len} tokens"
     )
     losses: list[torch.Tensor] = []  # this rank's micro-batch losses, kept on device (no sync)
@@ -362,7 +373,7 @@ def _layout(cfg: TrainConfig, dp: int) -> str:
 
 def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int) -> None:
     print(
-        f"== summary: TinyGPT {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, len(ranks) // (cfg.tp * cfg.pp))}, world={len(ranks)}, "
+        f"== summary: {cfg.model} {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, len(ranks) // (cfg.tp * cfg.pp))}, world={len(ranks)}, "
         f"{cfg.precision}, {cfg.steps} steps =="
     )
     for s in ranks:
