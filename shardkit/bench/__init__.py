@@ -29,7 +29,7 @@ class Benchmark(NamedTuple):
 #: its own processes and stays a repository script for now.
 BENCHMARKS: dict[str, Benchmark] = {
     "optim": Benchmark("optim", "fused optimizers vs torch.optim and DeepSpeed"),
-    "zero": Benchmark("zero", "ZeRO-1/2 step time and memory vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed"),
+    "zero": Benchmark("zero", "ZeRO-1/2/3 (+ CPU offload) step time and memory vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed"),
 }
 
 
