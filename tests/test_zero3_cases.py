@@ -98,10 +98,12 @@ class _LoggedStats(CommStats):
         self.log.append(op)
 
 
-def _prefetch_order() -> tuple[list, list]:
+def _prefetch_order(forward_prefetch: bool = True) -> tuple[list, list]:
     ctx = ParallelContext.from_world()
     log: list = []
-    sdp = ShardedDataParallel(_model(), ctx, 3, bucket_mb=1.0, stats=_LoggedStats(log))  # one bucket per unit
+    sdp = ShardedDataParallel(  # one bucket per unit
+        _model(), ctx, 3, bucket_mb=1.0, stats=_LoggedStats(log), forward_prefetch=forward_prefetch
+    )
     for name in ("0", "2", "4"):  # after the wrap: these run after its pre-forward hooks
         sdp.module.get_submodule(name).register_forward_hook(lambda m, a, o, n=name: log.append(f"ran {n}"))
     opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.1)
@@ -126,6 +128,13 @@ def test_zero3_prefetch_issues_the_next_gather_before_the_current_unit_runs(dist
         assert forward == [("0", "prefetch"), ("2", "prefetch"), ("4", "prefetch")], gathers
         # backward: unit 4 is gathered when its outputs get their grad, units 2 and 0 prefetched
         assert [n for n, _ in backward] == ["4", "2", "0"] and all(w == "prefetch" for _, w in backward[1:]), gathers
+
+
+def test_zero3_without_forward_prefetch_gathers_each_unit_just_before_it_runs(dist_pool) -> None:
+    """forward_prefetch=False (FSDP2's default): one gathered unit at a time in forward."""
+    for _, (second, gathers) in dist_pool.run(_prefetch_order, False, world_size=2, timeout=60):
+        assert second[:6] == ["all_gather", "ran 0", "all_gather", "ran 2", "all_gather", "ran 4"], second
+        assert gathers[:3] == [("0", "forward"), ("2", "forward"), ("4", "forward")], gathers
 
 
 def _fp16_overflow_on_one_rank() -> tuple[bool, float]:

@@ -111,10 +111,12 @@ class ShardUnits:
         reshard_after_forward: bool,
         bucket_mb: float,
         check_sync: bool = False,
+        forward_prefetch: bool = True,
         **shard_kwargs: Any,
     ) -> None:
         specs = select_units(module, wrap)
         self.check_sync = check_sync
+        self.forward_prefetch = forward_prefetch
         self._gathers = 0  # unit gathers issued so far (check_sync compares it across ranks)
         self.reshard_after_forward = reshard_after_forward
         cap = int(bucket_mb * 2**20)
@@ -244,7 +246,7 @@ class ShardUnits:
             self._unshard(unit, "forward")
             # [Note: stage-3 gather order]: the next unit of the previous forward, issued after
             # this unit's own gather on every rank
-            if pos + 1 < len(self._last_order):
+            if self.forward_prefetch and pos + 1 < len(self._last_order):
                 self._unshard(self._last_order[pos + 1], "prefetch")
             self._wait(unit)
 
