@@ -212,12 +212,14 @@ def test_offload_state_dict_round_trip(dist_pool, tmp_path, offload, dtype) -> N
     dist_pool.run(_round_trip, offload, dtype, str(tmp_path), world_size=2, timeout=120)
 
 
-def _user_writes_params(offload: str, nvme_dir: str) -> None:
+def _user_writes_params(offload: str, nvme_dir: str, stage: int = 2) -> None:
     """Params replaced mid-training (``load_full_state_dict`` only, no optimizer state): the
-    next step continues from them on the CPU master, as the device master does without offload."""
+    next step continues from them on the CPU master, as the device master does without offload.
+    Stage 3 writes the param shards directly (no ``_version`` moves): the load itself must tell
+    the offloaded masters."""
     ctx = ParallelContext.from_world()
-    base, base_opt = _build(ctx, 2, None, "fused_adamw", torch.bfloat16, None)
-    sdp, opt = _build(ctx, 2, offload, "fused_adamw", torch.bfloat16, nvme_dir)
+    base, base_opt = _build(ctx, stage, None, "fused_adamw", torch.bfloat16, None)
+    sdp, opt = _build(ctx, stage, offload, "fused_adamw", torch.bfloat16, nvme_dir)
     for step in range(2):
         _train_step(base, base_opt, ctx, step, torch.bfloat16)
         _train_step(sdp, opt, ctx, step, torch.bfloat16)
@@ -228,14 +230,16 @@ def _user_writes_params(offload: str, nvme_dir: str) -> None:
     for step in range(2, 4):
         _train_step(base, base_opt, ctx, step, torch.bfloat16)
         _train_step(sdp, opt, ctx, step, torch.bfloat16)
-    for p, q in zip(sdp.module.parameters(), base.module.parameters()):
-        assert torch.equal(p, q)
+    ours, ref = sdp.full_state_dict(), base.full_state_dict()
+    for k in ref:
+        assert torch.equal(ours[k], ref[k]), k
     ctx.destroy()
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
-def test_offload_step_continues_from_params_the_user_wrote(dist_pool, tmp_path, offload) -> None:
-    dist_pool.run(_user_writes_params, offload, str(tmp_path), world_size=2, timeout=60)
+def test_offload_step_continues_from_params_the_user_wrote(dist_pool, tmp_path, offload, stage) -> None:
+    dist_pool.run(_user_writes_params, offload, str(tmp_path), stage, world_size=2, timeout=60)
 
 
 # ---- a full disk -------------------------------------------------------------------------------

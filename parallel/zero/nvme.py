@@ -260,6 +260,12 @@ class NvmeOffload(CpuOffload):
         # optimizers' cached plans remember (see [Note: one optimizer, state swapped per sub-group])
         self.optimizer.state = state
 
+    def params_loaded(self) -> None:
+        """Every param was just written: the next step re-reads every master from the params
+        (see :meth:`CpuOffload.params_loaded`)."""
+        self._dirty = {b: set(range(len(sb.segments))) for b, sb in enumerate(self.buckets)}
+        self.record_versions()
+
     def _resync_written(self) -> None:
         for b, j in self.written_segments():
             self._dirty.setdefault(b, set()).add(j)

@@ -177,6 +177,18 @@ class CpuOffload:
             seg = sb.segments[j]
             _piece(master, sb, seg).copy_(_piece(local, sb, seg))
 
+    def params_loaded(self) -> None:
+        """Every param was just written (``load_full_state_dict``): take all masters from the
+        params. Needed at stage 3, where loading writes the param shards directly, so no
+        parameter's ``_version`` moves and :meth:`written_segments` would see nothing.
+
+        Example:
+            >>> sdp.load_full_state_dict(sd)    # calls opt._offload.params_loaded()
+        """
+        for b, sb in enumerate(self.buckets):
+            self.refresh_from_params(self.masters[b], b, range(len(sb.segments)))
+        self.record_versions()
+
     def _resync_written(self) -> None:
         by_bucket: dict[int, list[int]] = {}
         for b, j in self.written_segments():

@@ -300,9 +300,13 @@ class ShardedDataParallel(nn.Module):
         re-read the fp32 master shards from them (stage 3: into this rank's param shards)."""
         if self._units is not None:
             self._units.load_full_state_dict(self.module, state)
-            return
-        self.module.load_state_dict(state)
-        self._shards.refresh_master()
+        else:
+            self.module.load_state_dict(state)
+            self._shards.refresh_master()
+        opt = self._optimizer() if self._optimizer is not None else None
+        offload = getattr(opt, "_offload", None)
+        if offload is not None:  # masters off the device: re-read them from the loaded params
+            offload.params_loaded()
 
     def memory_report(self) -> dict[str, Any]:
         """This rank's memory, in bytes (``"unit": "bytes"``).
