@@ -61,7 +61,8 @@ def _batch(step: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _build(kind: str, stage: int, opt: str, dtype: torch.dtype) -> tuple[nn.Module, object, nn.Module, slice]:
-    """(model, optimizer, unwrapped module, this rank's rows) for kind zero / dp / module."""
+    """(model, optimizer, unwrapped module, this rank's rows) for kind zero / zero+cpu (optimizer
+    offload) / dp / module."""
     kw = dict(lr=1e-2, weight_decay=0.1)
     if kind == "module":
         m = _model(dtype)
@@ -70,8 +71,10 @@ def _build(kind: str, stage: int, opt: str, dtype: torch.dtype) -> tuple[nn.Modu
     ctx = ParallelContext.from_world()
     r, n = ctx.rank("dp"), ctx.size("dp")
     rows = slice(r * GLOBAL_BATCH // n, (r + 1) * GLOBAL_BATCH // n)
-    if kind == "zero":
-        sdp = ShardedDataParallel(_model(dtype), ctx, stage, bucket_mb=0.002)  # several buckets, pieces split params
+    if kind.startswith("zero"):
+        offload = kind.partition("+")[2] or None
+        # several buckets, pieces split params
+        sdp = ShardedDataParallel(_model(dtype), ctx, stage, bucket_mb=0.002, offload=offload)
         return sdp, ZeroOptimizer(sdp, OPTS[opt], _groups(sdp.module), **kw), sdp.module, rows
     dp = DataParallel(_model(dtype), ctx)
     return dp, OPTS[opt](_groups(dp.module), **kw), dp.module, rows
@@ -205,6 +208,25 @@ def test_bf16_with_master(dist_pool, tmp_path) -> None:
     _same(_read_all(again), saved, None)
     load_then_run(path, "module", 0, "fused", torch.bfloat16, resave=str(tmp_path / "one"))
     _same(_read_all(str(tmp_path / "one")), saved, None)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_with_cpu_offload_resumes_bitwise(dist_pool, tmp_path, stage: int) -> None:
+    """With offload the fp32 masters live on the CPU (``sb.master`` is None): the saved masters
+    must still be loaded, not rebuilt from the bf16-rounded params (0.0078 off before the fix);
+    into offload and into no offload alike."""
+    path = str(tmp_path / "bf16cpu")
+    ref = dist_pool.run(run_then_save, path, "zero+cpu", stage, "fused", torch.bfloat16, world_size=2, timeout=60)[0]
+    for kind in ("zero+cpu", "zero"):
+        out = dist_pool.run(load_then_run, path, kind, stage, "fused", torch.bfloat16, world_size=2, timeout=60)
+        _same(out[0], ref, None)
+
+
+def test_fp32_offload_checkpoint_has_no_master_entries(dist_pool, tmp_path) -> None:
+    """fp32 params are their own master: no ``master.*`` keys, with offload too (docs/checkpoint.md)."""
+    path = str(tmp_path / "fp32cpu")
+    dist_pool.run(run_then_save, path, "zero+cpu", 2, "fused", torch.float32, world_size=2, timeout=60)
+    assert not any(k.startswith("master.") for k in _read_all(path))
 
 
 # ---- atomicity -----------------------------------------------------------------------------------

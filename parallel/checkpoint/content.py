@@ -157,6 +157,8 @@ def _zero_content(sdp: ShardedDataParallel, opt: ZeroOptimizer, names: dict[nn.P
     st = opt.state_dict()
     masters = st["master"] + [None] * (len(_param_buckets(sdp)) - len(st["master"]))
     for sb, master in zip(_param_buckets(sdp), masters):
+        if sb.flat_param.dtype == torch.float32:
+            master = None  # fp32 params are their own master (offload keeps a CPU copy of them too)
         local = sb.local_param_shard()
         for seg in sb.segments:
             p = sb.grad_bucket.params[seg.index]
@@ -323,12 +325,15 @@ def _check(plan: LoadPlan, saved: dict[str, tuple[int, ...]], key: str, numel: i
 
 def _plan_zero(layout: Layout, opt: ZeroOptimizer, meta: dict, saved: dict, names: dict, plan: LoadPlan) -> None:
     masters_saved = set(meta["masters"])
+    offloaded = layout.sdp.offload is not None
     for sb in layout.sdp.sharded_buckets:
-        if sb.master is None:
+        # low-precision params have an fp32 master: on the device, or off it with offload
+        # (sb.master is then None, but the saved master must still win over the rounded params)
+        if sb.master is None and not (offloaded and sb.flat_param.dtype != torch.float32):
             plan.masters.append(None)
             plan.master_from_ckpt.append([])
             continue
-        tmp = torch.empty_like(sb.master)
+        tmp = torch.empty(sb.shard, dtype=torch.float32, device=sb.local_param_shard().device)
         flags = []
         for seg in sb.segments:
             p = sb.grad_bucket.params[seg.index]
