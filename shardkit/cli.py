@@ -6,6 +6,7 @@
 Example:
     $ shardkit train --steps 300                      # one process
     $ shardkit train --nproc 2 --strategy ddp --bf16  # two processes, data parallel
+    $ shardkit train --nproc 2 --config ds.json       # a DeepSpeed config, through shardkit.initialize
     $ shardkit bench optim --help
     $ shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32   # ZeRO memory plan
     $ shardkit consolidate ckpt/latest export/        # sharded checkpoint -> model.pt, optimizer.pt
@@ -33,6 +34,9 @@ examples:
   shardkit train --nproc 2 --strategy ddp --bf16     2 processes, data parallel, bf16 autocast
   shardkit train --steps 50 --log-json run.json      write loss curves and per-rank summaries
   shardkit train --nproc 2 --strategy zero2          2 processes, ZeRO-2 (the `make demo` run)
+  shardkit train --nproc 2 --config ds.json          through shardkit.initialize with a DeepSpeed config
+  shardkit train --config ds.json --model hf:gpt2    a transformers GPT-2 from config (the `test` extra)
+  shardkit config check ds.json --auto lr=3e-4       what a DeepSpeed config resolves to, memory per rank
   shardkit bench optim                               fused AdamW vs torch.optim
   shardkit bench zero                                ZeRO-1/2 vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed
   shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32
@@ -43,10 +47,14 @@ examples:
 """
 
 _TRAIN_DESCRIPTION = """\
-Train TinyGPT (char-level, ~0.8M params by default) on a deterministic generated corpus.
---nproc N > 1 re-launches with torchrun (needs --strategy ddp); rank 0 shows progress and
+Train TinyGPT (char-level, ~0.8M params by default) on a deterministic generated corpus, or a
+transformers GPT-2/Llama built from config (--model hf:gpt2|hf:llama).
+--nproc N > 1 re-launches with torchrun (needs --strategy, or --config); rank 0 shows progress and
 prints every rank's summary: losses, tokens/s, wall time, bytes of params/grads/optimizer
-state per rank, and communication volume. bf16/fp16 are emulated (slow) on most CPUs."""
+state per rank, and communication volume. bf16/fp16 are emulated (slow) on most CPUs.
+--config ds.json trains through shardkit.initialize: the DeepSpeed config decides ZeRO stage,
+offload, precision, optimizer, LR schedule and batch sizes; the flags only fill its "auto"
+values (docs/engine.md, "The command line")."""
 
 
 _PLAN_DESCRIPTION = """\
