@@ -408,6 +408,10 @@ def _read_params_between_steps() -> None:
         with pytest.raises(RuntimeError):
             p.data.add_(1.0)
     torch.stack([p.detach().float().sum() for p in params]).sum()  # elementwise compare/sum reads
+    # a state_dict of the placeholders would be a model of zeros that loads cleanly: refused
+    for call in (sdp.module.state_dict, sdp.state_dict):
+        with pytest.raises(RuntimeError, match="full_state_dict"):
+            call()
     _step(sdp, opt, ctx, x, y)  # the next step gathers them back
     ctx.destroy()
 
@@ -446,3 +450,40 @@ def test_zero3_check_sync_names_diverged_ranks_on_every_rank(dist_pool, extra_fo
     for m in messages:
         assert "diverged" in m and "rank 0:" in m and "rank 1:" in m, messages
     assert messages[0] == messages[1]
+
+
+class _Boxed(nn.Module):
+    """A block whose output is a plain dataclass (not a pytree): its backward cannot be hooked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        from dataclasses import dataclass
+
+        @dataclass
+        class Out:
+            h: torch.Tensor
+
+        return Out(torch.tanh(self.lin(x.h if hasattr(x, "h") else x)))
+
+
+def _opaque_output() -> str:
+    ctx = ParallelContext.from_world()
+    torch.manual_seed(0)
+    model = nn.Sequential(_Boxed(), _Boxed(), _Boxed())
+    sdp = ShardedDataParallel(model, ctx, 3)
+    try:
+        sdp(torch.randn(4, D))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ctx.destroy()
+    return "no error"
+
+
+def test_zero3_unit_with_an_opaque_output_is_a_clear_error(dist_pool) -> None:
+    """Before: a RuntimeError deep in backward (a saved parameter read from a freed storage)."""
+    for message in dist_pool.run(_opaque_output, world_size=2, timeout=60):
+        assert "unit '0'" in message and "register_dataclass" in message, message

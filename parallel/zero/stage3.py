@@ -157,6 +157,7 @@ class ShardUnits:
         for u in self.units[1:]:
             self._handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
             self._handles.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+        self._handles.append(module.register_state_dict_pre_hook(self._guard_state_dict))
         self._last_order: list[_Unit] = []  # the previous forward's unit sequence ([Note: why ...])
         self._order: list[_Unit] = []  # this forward's
         self._bwd_cursor = 0
@@ -262,6 +263,15 @@ class ShardUnits:
             tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 register_multi_grad_hook(tensors, lambda *_: self._pre_backward(unit), mode="any")
+            elif not unit.root and unit.last_bucket is not None and self.reshard_after_forward:
+                # the unit's params are freed now and nothing would gather them before the
+                # backward nodes that saved them run (a crash reading a 0-byte storage)
+                raise ValueError(
+                    f"ShardedDataParallel(stage=3): unit {unit.name!r} returned a {type(out).__name__} in which "
+                    "no tensor requires grad, so its backward cannot be hooked to gather its parameters "
+                    "again. Return tensors (or tuples/lists/dicts of them), register the output type "
+                    "with torch.utils._pytree (e.g. register_dataclass), or pass reshard_after_forward=False"
+                )
             if unit.root:
                 self._bwd_cursor = len(self._order)
 
@@ -296,6 +306,20 @@ class ShardUnits:
         self.reshard_all()
 
     # ---- state -------------------------------------------------------------------------------
+    def _guard_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        """``module.state_dict()`` between steps would copy the freed params' placeholders (zeros
+        of the right shapes, which load without complaint): refuse it and point at the gather.
+        ``keep_vars=True`` (the Parameter objects themselves, as the gather and the checkpoint
+        code read them) stays allowed."""
+        if keep_vars or all(u.gathered or not u.buckets for u in self.units):
+            return
+        raise RuntimeError(
+            "ShardedDataParallel(stage=3): module.state_dict() would read parameters that are freed "
+            "between steps (only this rank's shard is kept). Use sdp.full_state_dict() (collective: "
+            "every rank calls it; rank0_only=True to keep the copy on rank 0 only) or "
+            "shardkit.parallel.save_checkpoint"
+        )
+
     def unit_of_param(self) -> dict[nn.Parameter, _Unit]:
         """Every sharded parameter -> its unit."""
         return {p: u for u in self.units for sb in u.buckets for p in sb.grad_bucket.params}

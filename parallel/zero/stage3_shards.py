@@ -163,8 +163,11 @@ def _point_at_placeholders(params: list[nn.Parameter]) -> None:
     the process. The placeholder keeps ``shape``/``dtype``/``device`` (param groups by ``dim()``
     still work), reads return an arbitrary value instead of crashing, and an in-place write raises
     (one element is shared by all). The gather points the params back at their views of the
-    gathered buffer; autograd's saved views are separate tensors and are not affected. Read
-    values through ``ShardedDataParallel.full_state_dict()``.
+    gathered buffer. Autograd saves a leaf parameter as the Parameter itself, so backward reads
+    whatever ``p.data`` is when it runs: it is correct because the unit's pre-backward hook
+    gathers (and re-points ``p.data``) before any node that saved the unit's params runs.
+    Read values through ``ShardedDataParallel.full_state_dict()`` (``module.state_dict()``
+    raises between steps: see ``ShardUnits._guard_state_dict``).
     """
     with torch.no_grad():
         for p in params:
