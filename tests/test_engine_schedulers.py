@@ -354,7 +354,7 @@ def test_warmup_cosine_equals_deepspeed(kind, n, total, r0, c) -> None:
     k2=st.one_of(st.none(), st.integers(0, 4)),
     d=st.integers(0, 4),
     lr_rate=st.sampled_from([0.0, 0.1, 0.5]),
-    mom_rate=st.sampled_from([0.0, 0.05]),
+    mom_rate=st.sampled_from([0.0, 0.05, 1.0]),  # 1.0: the 'no decay' test must compare with 0, not 1
     cycle_momentum=st.booleans(),
     mlo=st.floats(0.5, 0.9),
 )
@@ -378,3 +378,26 @@ def test_one_cycle_equals_deepspeed(lo, hi, f, f2, k1, k2, d, lr_rate, mom_rate,
     ours, theirs = OneCycle(a, **kw), ds.OneCycle(b, **kw)
     assert [g.get("betas") for g in a.param_groups] == [g.get("betas") for g in b.param_groups]
     _drive(ours, theirs, a, b, 2 * (f + (f if f2 is None else f2)) + 6, momentum=cycle_momentum)
+
+
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"])
+def test_constructor_defaults_equal_deepspeeds(name: str) -> None:
+    """A config that leaves a key out gets DeepSpeed's default (e.g. OneCycle's
+    cycle_first_step_size=2000, decay_step_size=0), not a near miss."""
+    import inspect
+
+    ds = _ds()
+    ours = inspect.signature(SCHEDULERS[name]).parameters
+    theirs = inspect.signature(getattr(ds, name)).parameters
+    shared = [k for k in ours if k in theirs and k != "optimizer"]
+    assert len(shared) >= 4, shared
+    for k in shared:
+        assert ours[k].default == theirs[k].default, (name, k, ours[k].default, theirs[k].default)
+
+
+def test_warmup_cosine_ratio_before_the_first_step_equals_deepspeeds() -> None:
+    ds = _ds()
+    a, b = _pair(1)
+    kw = dict(total_num_steps=10, warmup_num_steps=3)
+    ours, theirs = WarmupCosineLR(a, **kw), ds.WarmupCosineLR(b, **kw)
+    assert ours.get_lr_ratio() == theirs.get_lr_ratio() == 0.0

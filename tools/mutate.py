@@ -60,6 +60,17 @@ MODULE_TESTS: dict[str, list[str]] = {
     "comm/handle.py": ["tests/test_comm.py"],
     "comm/collectives.py": ["tests/test_comm.py"],
     "comm/context.py": ["tests/test_comm.py"],
+    "parallel/reducer.py": ["tests/test_reducer.py", "tests/test_data_parallel.py", "tests/test_zero.py"],
+    "parallel/compose.py": ["tests/test_parallelize.py"],
+    "parallel/zero/stage3.py": ["tests/test_zero3.py", "tests/test_zero3_cases.py"],
+    "parallel/zero/offload.py": ["tests/test_zero_offload.py"],
+    "parallel/zero/nvme.py": ["tests/test_zero_offload.py"],
+    "parallel/checkpoint/content.py": ["tests/test_checkpoint.py"],
+    "parallel/pipeline/schedules.py": ["tests/test_pipeline_schedules.py"],
+    "parallel/pipeline/tied.py": ["tests/test_pipeline_tied.py"],
+    "parallel/tensor/sequence_parallel.py": ["tests/test_tensor_parallel.py"],
+    "shardkit/engine/schedulers.py": ["tests/test_engine_schedulers.py"],
+    "shardkit/engine/config.py": ["tests/test_engine_config.py"],
 }
 #: ``make mutate`` with no MODULE: these, in sequence.
 DEFAULT_MODULES = list(MODULE_TESTS)
