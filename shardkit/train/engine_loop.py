@@ -156,10 +156,11 @@ def _plan(model: nn.Module, ecfg: Any) -> dict[str, Any]:
     return out
 
 
-def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) -> Any:
+def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) -> dict[str, Any]:
     """One rank of ``shardkit train --config``: build the context, train, tear it down.
 
-    Called by :func:`shardkit.train.train` when ``cfg.config`` is set (``device`` resolved there).
+    Called by :func:`shardkit.train.train` when ``cfg.config`` is set (``device`` resolved there),
+    which returns ``TrainResult(**result)`` (this module does not import the loop's module).
 
     Args:
         cfg: the run configuration (validated).
@@ -167,7 +168,9 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
         t_start: ``time.perf_counter()`` at the start of the run (for the wall time).
 
     Returns:
-        This rank's :class:`~shardkit.train.TrainResult`.
+        This rank's :class:`~shardkit.train.TrainResult` fields: ``summary``, ``train_losses``
+        (mean micro-batch loss per step), ``evals``, ``lrs`` (per step) and ``ranks`` (every
+        rank's summary on rank 0).
 
     Raises:
         ValueError: a bad config (naming the key), before any collective of the training.
@@ -186,11 +189,9 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
             dist.destroy_process_group()
 
 
-def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start: float) -> Any:
+def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start: float) -> dict[str, Any]:
     import shardkit
     from shardkit.engine import load_config
-
-    from .loop import TrainResult
 
     rank, world = ctx.global_rank, ctx.world_size
     dp_rank, dp = ctx.rank("dp"), ctx.size("dp")
@@ -290,13 +291,13 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
         "global_steps": engine.global_steps,
         "comm": None,
     }
-    result = TrainResult(summary, train_losses, evals, lrs, ranks=[summary])
+    result = {"summary": summary, "train_losses": train_losses, "evals": evals, "lrs": lrs, "ranks": [summary]}
     if world > 1:  # one gather, so rank 0 prints all summaries in rank order
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(summary, gathered, dst=0)
-        result.ranks = gathered or []
+        result["ranks"] = gathered or []
     if rank == 0:
-        _print_summary(cfg, ecfg, result.ranks, n_params)
+        _print_summary(cfg, ecfg, result["ranks"], n_params)
         if cfg.log_json:
             log = {
                 "config": asdict(cfg),
@@ -308,7 +309,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
                 "eval": evals,
             }
             with open(cfg.log_json, "w") as f:
-                json.dump({**log, "ranks": result.ranks}, f, indent=1)
+                json.dump({**log, "ranks": result["ranks"]}, f, indent=1)
     return result
 
 

@@ -218,7 +218,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.config is not None:  # a DeepSpeed config: shardkit.initialize's engine loop
         from .engine_loop import train_from_config
 
-        return train_from_config(cfg, device, t_start)
+        return TrainResult(**train_from_config(cfg, device, t_start))
     if not get_strategy_class(cfg.strategy).needs_context and world == 1:
         return _train(cfg, None, device, t_start)
     owns_world = not dist.is_initialized()
