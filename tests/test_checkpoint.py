@@ -269,6 +269,20 @@ def test_crash_mid_save_keeps_previous_checkpoint(dist_pool, tmp_path) -> None:
     assert out[0]["leftovers"] == ["ck"], out[0]["leftovers"]  # the failed save's temp dir is gone
 
 
+def test_a_save_removes_leftovers_of_killed_saves(tmp_path) -> None:
+    """A save killed before its manifest leaves ``<dir>.tmp-*``; one killed between the renames
+    leaves ``<dir>.old-*``: the next successful save removes both (and nothing else)."""
+    for stale in ("ck.tmp-0123456789ab", "ck.old-ba9876543210"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "part.distcp").write_bytes(b"x" * 10)
+    (tmp_path / "ck.tmp-notes.txt").write_text("a user's file")  # not a directory: kept
+    (tmp_path / "other.tmp-0123456789ab").mkdir()  # another checkpoint's: kept
+    model, optim, _, rows = _build("module", 0, "fused", torch.float32)
+    _train(model, optim, rows, range(1), torch.float32)
+    save_checkpoint(str(tmp_path / "ck"), model, optim)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.tmp-notes.txt", "other.tmp-0123456789ab"]
+
+
 def test_interrupted_publish_falls_back_to_a_complete_copy(tmp_path) -> None:
     """A kill between the two renames leaves ``dir`` missing: load finds the complete sibling."""
     path = tmp_path / "ck"

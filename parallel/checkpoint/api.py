@@ -228,6 +228,11 @@ def _publish(tmp: Path, final: Path, layout: Layout, keys: list[str], sums: dict
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+    # leftovers of earlier saves that were killed (before their manifest, or between the two
+    # renames): a complete checkpoint now exists at ``final``, so they are never read again
+    for stale in final.parent.glob(f"{final.name}.*-*"):
+        if stale.name.rsplit("-", 1)[0] in (f"{final.name}.tmp", f"{final.name}.old") and stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 # ---- load --------------------------------------------------------------------------------------
