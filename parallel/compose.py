@@ -180,7 +180,8 @@ class ParallelModel:
         Returns:
             The pre-clip norm (0-d fp32), or None when nothing was computed.
         """
-        if self.strategy is not None and not self._composite:
+        if self.strategy is not None and (not self._composite or self.dp.startswith("zero")):
+            # ZeRO's finalize agrees the norm over dp and tp itself (its gradients are sharded)
             return self.strategy.clip(max_norm)
         if max_norm is None:
             return None
@@ -276,8 +277,8 @@ def parallelize(
             the head into a :class:`~shardkit.parallel.tensor.plan.VocabParallelLMHead`.
         tp_plan: a TP plan (:func:`~shardkit.parallel.tensor_parallelize`); required when tp > 1.
         pp: :class:`PipelineOptions` or a dict of its fields; required when pp > 1.
-        dp: ``"none"``, ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (ZeRO needs tp = pp = 1
-            for now).
+        dp: ``"none"``, ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (ZeRO composes with tp,
+            not yet with pp).
         blocks: ``blocks(model) -> [embedding, *blocks, head]`` (a sequence whose composition is
             the model); needed for pp > 1 unless ``model`` is an ``nn.Sequential``, and used by
             ``checkpointing`` without a pipeline.
@@ -332,7 +333,7 @@ def parallelize(
 
         checkpoint_blocks(list(blocks(model)), offload_to_cpu=checkpointing == "cpu")
     # 4. data parallel
-    if tp > 1 and (dp == "none" or _size(ctx, "dp") == 1):  # nothing to replicate over
+    if tp > 1 and (dp == "none" or (dp == "ddp" and _size(ctx, "dp") == 1)):  # nothing to replicate over
         par = ParallelModel(ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast)
     else:
         strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
@@ -396,13 +397,16 @@ def _validate(
     if checkpointing and pp_size == 1 and blocks is None:
         raise ValueError("checkpointing without a pipeline needs blocks= (which modules to recompute)")
     composite = tp > 1 or pp_size > 1
-    if composite and dp.startswith("zero"):
+    if pp_size > 1 and dp.startswith("zero"):
         raise ValueError(
-            f"dp={dp!r} with tp={tp}, pp={pp_size}: ZeRO shards over the whole world for now; use dp='ddp' "
-            "(replicated on the dp axis) with tensor or pipeline parallelism"
+            f"dp={dp!r} with pp={pp_size}: ZeRO does not compose with the pipeline yet (its gradients reach "
+            "p.grad outside autograd's hooks); use dp='ddp' with pipeline parallelism"
         )
-    if composite and loss_scaler is not None:
-        raise ValueError("loss_scaler (fp16) is supported with dp only for now; use bf16 or fp32 with tp/pp")
+    if composite and loss_scaler is not None and not dp.startswith("zero"):
+        raise ValueError(
+            "loss_scaler (fp16) with tp/pp needs a ZeRO dp strategy (its finalize agrees the overflow over "
+            "dp and tp); use bf16 or fp32, or dp='zero1'/'zero2'/'zero3' with tp"
+        )
     if pp_size > 1 and autocast is not None:
         raise ValueError("autocast is not applied inside pipeline stages yet; pipeline in fp32 (or bf16 params)")
     return opts

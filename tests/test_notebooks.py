@@ -15,7 +15,14 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 def test_notebooks_exist() -> None:
     names = {p.name for p in NOTEBOOKS}
-    assert {"01_fused_optimizers.ipynb", "02_data_parallel.ipynb", "03_zero.ipynb", "04_tensor_parallel.ipynb", "05_pipeline_parallel.ipynb"} <= names
+    assert {
+        "01_fused_optimizers.ipynb",
+        "02_data_parallel.ipynb",
+        "03_zero.ipynb",
+        "04_tensor_parallel.ipynb",
+        "05_pipeline_parallel.ipynb",
+        "06_from_deepspeed.ipynb",
+    } <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

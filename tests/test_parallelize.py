@@ -11,7 +11,7 @@ from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT, gpt_blocks, lm_loss
-from shardkit.parallel import parallelize
+from shardkit.parallel import DynamicLossScaler, parallelize
 from shardkit.parallel.tensor import gpt_plan, shard_state_dict
 from tolerances import FP32
 
@@ -49,7 +49,7 @@ def _dense_slice_eval(dense: TinyGPT, x: torch.Tensor, y: torch.Tensor) -> float
         return float(lm_loss(dense(x), y))
 
 
-def _body(tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str = False) -> list[float]:
+def _body(tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str = False, strategy: str = "ddp") -> list[float]:
     import torch.distributed as dist
 
     world = dist.get_world_size()
@@ -60,7 +60,7 @@ def _body(tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str 
             kwargs.update(blocks=gpt_blocks, checkpointing=checkpointing)
         if pp > 1:
             kwargs.update(pp={"microbatches": 2, "schedule": schedule})
-        par = parallelize(_model(tie), ctx, dp="ddp", **kwargs)
+        par = parallelize(_model(tie), ctx, dp=strategy, **kwargs)
         opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
         dp, r = ctx.size("dp"), ctx.rank("dp")
         rows = slice(r * B // dp, (r + 1) * B // dp)
@@ -85,7 +85,8 @@ def _body(tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str 
         if pp == 1:  # every parameter, sharded as the plan shards it
             want = shard_state_dict(dense.state_dict(), gpt_plan(tie_embeddings=tie), ctx) if tp > 1 else dense.state_dict()
             module = getattr(par.module, "module", par.module)
-            for key, value in module.state_dict().items():
+            state = par.module.full_state_dict() if strategy.startswith("zero") else module.state_dict()
+            for key, value in state.items():
                 torch.testing.assert_close(value, want[key], **FP32, msg=lambda m, key=key: f"{key}: {m}")
         return losses
 
@@ -107,6 +108,13 @@ def test_parallelize_trains_like_the_dense_model(dist_pool, world_size, tp, pp, 
     dist_pool.run(_body, tp, pp, tie, schedule, world_size=world_size, timeout=180)
 
 
+@pytest.mark.parametrize("dp", ["zero1", "zero2", "zero3"])
+def test_parallelize_zero_with_tp_trains_like_the_dense_model(dist_pool, dp):
+    """tp 2 x dp 2 with ZeRO on the dp axis: each rank shards its TP slices over its dp peers; the
+    clip norm adds over dp and tp with the replicated params (norms, row biases) counted once."""
+    dist_pool.run(_body, 2, 1, True, "1f1b", False, dp, world_size=4, timeout=180)
+
+
 @pytest.mark.parametrize("world_size, tp, pp, checkpointing", [(2, 1, 1, True), (2, 2, 1, "cpu"), (2, 1, 2, True)])
 def test_parallelize_with_activation_checkpointing_trains_like_the_dense_model(dist_pool, world_size, tp, pp, checkpointing):
     dist_pool.run(_body, tp, pp, True, "1f1b", checkpointing, world_size=world_size, timeout=180)
@@ -121,7 +129,7 @@ def _bad_arguments() -> None:
         cases = [
             (dict(dp="zero4"), ValueError, "dp"),
             (dict(), ValueError, "tp_plan"),
-            (dict(tp_plan=gpt_plan(), dp="zero2"), ValueError, "zero2"),
+            (dict(tp_plan=gpt_plan(), dp="ddp", loss_scaler=DynamicLossScaler()), ValueError, "loss_scaler"),
             (dict(tp_plan=gpt_plan(), pp={"microbatches": 2}), ValueError, "pp"),
             (dict(tp_plan=gpt_plan(), checkpointing="gpu"), ValueError, "checkpointing"),
             (dict(tp_plan=gpt_plan(), checkpointing=True), ValueError, "blocks"),
@@ -146,6 +154,8 @@ def _bad_arguments() -> None:
             parallelize(_model(), ctx, pp={"microbatches": 2})
         with pytest.raises(ValueError, match="unknown option"):
             parallelize(_model(), ctx, pp={"micro": 2}, blocks=gpt_blocks)
+        with pytest.raises(ValueError, match="zero2"):
+            parallelize(_model(), ctx, pp={"microbatches": 2}, blocks=gpt_blocks, dp="zero2")
 
 
 def test_parallelize_bad_arguments_raise_before_any_collective(dist_pool):

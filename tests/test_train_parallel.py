@@ -45,8 +45,9 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
         ["--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
         ["--nproc", "2", "--pp", "2", "--schedule", "zb-h1", "--checkpointing", "blocks"],
         ["--nproc", "2", "--strategy", "zero2", "--offload", "cpu", "--batch-size", "4"],  # dp 2 x 4 rows = 8
+        ["--nproc", "2", "--tp", "2", "--strategy", "zero3"],  # ZeRO on a dp axis of 1 inside tp 2
     ],
-    ids=["tp2", "pp2-1f1b", "pp2-zbh1-ckpt", "zero2-offload-cpu"],
+    ids=["tp2", "pp2-1f1b", "pp2-zbh1-ckpt", "zero2-offload-cpu", "tp2-zero3"],
 )
 def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args: list[str]) -> None:
     """Same global batch (8 rows), same seed: the same losses as one process, every step."""
@@ -66,7 +67,7 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
     [
         (dict(nproc=3, tp=2, strategy="ddp"), "multiple of tp x pp"),
         (dict(nproc=4, tp=2, strategy="none"), "dp=2"),
-        (dict(nproc=2, tp=2, strategy="zero2"), "ZeRO"),
+        (dict(nproc=2, pp=2, strategy="zero2"), "ZeRO"),
         (dict(nproc=2, tp=2, precision="fp16"), "fp16"),
         (dict(nproc=2, pp=2, precision="bf16"), "fp32"),
         (dict(nproc=2, pp=2, microbatches=3), "microbatches"),

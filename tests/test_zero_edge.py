@@ -78,7 +78,7 @@ def _bad_arguments() -> None:
             ShardedDataParallel("not a module", ctx, 2)
     finally:
         patch.stop()
-    sub = ParallelContext.from_world(dp=1, tp=ctx.world_size)  # dp is not the world
+    sub = ParallelContext.from_world(dp=1, pp=ctx.world_size)  # a pipeline axis: not composable yet
     patch = _no_collective()
     try:
         with pytest.raises(ValueError, match="ctx"):

@@ -358,8 +358,17 @@ class FlatShards:
         self.finalized = False
 
     @torch.no_grad()
-    def epilogue(self, inv_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def epilogue(
+        self, inv_scale: float, *, replicated: set[nn.Parameter] | None = None, replicated_weight: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Average (and unscale) this rank's reduced shards once per step; flag inf/nan, sum g².
+
+        Args:
+            inv_scale: the factor applied to every gradient element (1/(N·S)).
+            replicated: params whose squares count ``replicated_weight`` times in ``sumsq``
+                (with tensor parallelism: the params every tp rank holds whole, counted
+                ``1/tp`` on each so that the sum over tp counts them once).
+            replicated_weight: their weight.
 
         Returns:
             ``(found_inf, sumsq)``: fp32 ``[1]`` each, of this rank's shards only (the caller
@@ -377,6 +386,16 @@ class FlatShards:
             self._bind_opt_grad(sb, torch.empty(sb.shard, dtype=torch.float32, device=device))  # transient fp32
             self._hold(sb.shard * 4)
             unscale_and_norm_([g], inv_scale=inv_scale, out=[sb.opt_grad], found_inf=found_inf, sumsq=sumsq, backend=self.backend)
+        if replicated and replicated_weight != 1.0:
+            # re-read the (small: norms, biases) replicated pieces, already unscaled, and take
+            # (1 - w) of their squares back out of the bucket sums
+            rep = torch.zeros(1, device=device)
+            for sb in self.buckets:
+                g = sb.opt_grad if sb.opt_grad is not None else sb.reduced_shard
+                for seg in sb.segments:
+                    if sb.grad_bucket.params[seg.index] in replicated:
+                        rep += g.narrow(0, seg.flat_offset - sb.start, seg.numel).float().square().sum()
+            sumsq.sub_((1.0 - replicated_weight) * rep)
         self.finalized = True
         return found_inf, sumsq
 

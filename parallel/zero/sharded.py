@@ -43,6 +43,7 @@ from shardkit.comm import CommStats, ParallelContext, all_reduce
 from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
 from ..data_parallel import broadcast_module_state, check_same_model
 from ..loss_scaler import DynamicLossScaler
+from ..tensor.layers import is_tp_sharded
 from ..reducer import GradReducer
 from .flat_shards import FlatShards, ShardedBucket
 from .stage3 import ShardUnits
@@ -160,6 +161,10 @@ class ShardedDataParallel(nn.Module):
         self.nvme_dir = nvme_dir
         self._group = ctx.group("dp")
         self._dp = ctx.size("dp")
+        # tensor parallelism inside each dp replica: ZeRO shards this rank's TP slices over dp;
+        # the global norm adds over tp with the tp-replicated params counted once
+        self._tp = ctx.size("tp")
+        self._replicated = {p for p in params if not is_tp_sharded(p)} if self._tp > 1 else set()
         self._optimizer: Any = None  # weakref to the ZeroOptimizer, set by it
         self._step_state: tuple[bool, torch.Tensor | None] | None = None
         check_same_model(module, group=self._group, device=ctx.device, stats=self.comm_stats, who="ShardedDataParallel")
@@ -250,11 +255,15 @@ class ShardedDataParallel(nn.Module):
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        found_inf, sumsq = self._shards.epilogue(1.0 / (self._dp * scale))
+        found_inf, sumsq = self._shards.epilogue(
+            1.0 / (self._dp * scale), replicated=self._replicated, replicated_weight=1.0 / self._tp
+        )
         overflow, norm = False, None
         if self.loss_scaler is not None or max_norm is not None:
             both = torch.cat([found_inf, sumsq])
             all_reduce(both, group=self._group, op="sum", stats=self.comm_stats)
+            if self._tp > 1:  # the other tp ranks' slices (and their overflows)
+                all_reduce(both, group=self.ctx.group("tp"), op="sum", stats=self.comm_stats)
             sumsq = both[1:2]
             # Read the flag on the host only with a loss scaler (the step must be skipped): a
             # clip-only step stays free of host syncs, and, as torch's clip_grad_norm_ and our
@@ -387,10 +396,10 @@ def _validate(
         raise ValueError(f"grad_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {grad_dtype!r}")
     if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
         raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}")
-    if ctx.size("dp") != ctx.world_size:
+    if ctx.size("pp") != 1:
         raise ValueError(
-            f"ctx: ShardedDataParallel shards over the whole world for now, but the dp axis has "
-            f"{ctx.size('dp')} of {ctx.world_size} ranks (tp/pp composition is not built yet)"
+            f"ctx: ShardedDataParallel does not compose with pipeline parallelism yet (pp={ctx.size('pp')}): "
+            "the pipeline accumulates gradients outside autograd's hooks; use DataParallel on the dp axis"
         )
     params = list(module.parameters())
     for name, p in module.named_parameters():

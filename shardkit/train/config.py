@@ -199,12 +199,14 @@ class TrainConfig:
         if dp > 1 and self.strategy == "none" and self.config is None:
             raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp (or zero1/2/3 without --tp/--pp)")
         if model_ranks > 1:
-            if self.strategy.startswith("zero"):
+            if self.strategy.startswith("zero") and self.pp > 1:
                 raise ValueError(
-                    f"strategy={self.strategy} with --tp/--pp: ZeRO shards over the whole world for now; use --strategy ddp"
+                    f"strategy={self.strategy} with --pp: ZeRO does not compose with the pipeline yet; use --strategy ddp"
                 )
-            if self.precision == "fp16":
-                raise ValueError("precision=fp16 with --tp/--pp is not supported yet; use --bf16 (tp only) or --fp32")
+            if self.precision == "fp16" and not self.strategy.startswith("zero"):
+                raise ValueError(
+                    "precision=fp16 with --tp/--pp needs --strategy zero1/2/3 (tp only), or use --bf16 (tp only) / --fp32"
+                )
             if self.n_heads % self.tp:
                 raise ValueError(f"n_heads={self.n_heads} must be divisible by tp={self.tp}")
         if self.pp > 1:
