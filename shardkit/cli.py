@@ -310,9 +310,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         # a torchrun worker runs with nproc=1 (see launch) in a world of WORLD_SIZE ranks
-        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")) if cfg.nproc == 1 else cfg.nproc)
+        world = int(os.environ.get("WORLD_SIZE", "1")) if cfg.nproc == 1 else cfg.nproc
+        cfg.validate(world_size=world)
         resolve_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
-    except ValueError as e:
+        if cfg.config:  # the config's own errors (unknown key, unfilled "auto") before any worker starts
+            from shardkit.engine import load_config
+            from shardkit.train.engine_loop import auto_values
+
+            load_config(cfg.config, world_size=world, **auto_values(cfg))
+    except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     return launch(cfg)
 

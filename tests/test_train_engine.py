@@ -139,6 +139,21 @@ def test_a_flag_the_config_decides_exits_2_naming_it() -> None:
     assert proc.returncode == 2 and "--strategy with --config" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_config_error_exits_2_naming_the_key_before_any_worker(tmp_path: Path) -> None:
+    """An unknown key (or an "auto" nothing fills) is a usage error in the launcher, not a
+    traceback from every worker."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2, "bogus_key": 1}}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "train", "--config", str(bad), "--nproc", "2", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "zero_optimization.bogus_key" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     "kwargs, word",
     [
