@@ -66,10 +66,12 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        # (B, T, 3, H, Dh) -> three (B, H, T, Dh). Widths are inferred (-1), not taken from x: under
-        # tensor parallelism this rank holds n_heads / tp heads and a qkv/proj slice of that width.
-        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x)
+        # (B, T, 3, H, Dh) -> three (B, H, T, Dh). Shapes come from qkv's output, not from x: under
+        # tensor parallelism this rank holds n_heads / tp heads and a qkv/proj slice of that width,
+        # and under sequence parallelism x holds T / tp tokens while qkv gathers all T.
+        b, t = qkv.shape[:2]
+        q, k, v = qkv.view(b, t, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 

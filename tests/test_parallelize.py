@@ -49,13 +49,16 @@ def _dense_slice_eval(dense: TinyGPT, x: torch.Tensor, y: torch.Tensor) -> float
         return float(lm_loss(dense(x), y))
 
 
-def _body(tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str = False, strategy: str = "ddp") -> list[float]:
+def _body(
+    tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str = False, strategy: str = "ddp", sp: bool = False
+) -> list[float]:
     import torch.distributed as dist
 
     world = dist.get_world_size()
     with ParallelContext.from_world(dp=world // (tp * pp), tp=tp, pp=pp) as ctx:
         dense, ref_losses, ref_norms = _dense_run(tie)
-        kwargs = {"tp_plan": gpt_plan(tie_embeddings=tie)} if tp > 1 else {}
+        plan = gpt_plan(tie_embeddings=tie, sequence_parallel=sp)
+        kwargs = {"tp_plan": plan} if tp > 1 else {}
         if pp > 1 or checkpointing:
             kwargs.update(blocks=gpt_blocks, checkpointing=checkpointing)
         if pp > 1:
@@ -83,7 +86,7 @@ def _body(tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str 
         xv, yv = torch.randint(VOCAB, (B, T), generator=gen), torch.randint(VOCAB, (B, T), generator=gen)
         assert abs(par.evaluate(xv[rows], yv[rows]) - _dense_slice_eval(dense, xv[rows], yv[rows])) < 1e-5
         if pp == 1:  # every parameter, sharded as the plan shards it
-            want = shard_state_dict(dense.state_dict(), gpt_plan(tie_embeddings=tie), ctx) if tp > 1 else dense.state_dict()
+            want = shard_state_dict(dense.state_dict(), plan, ctx) if tp > 1 else dense.state_dict()
             module = getattr(par.module, "module", par.module)
             state = par.module.full_state_dict() if strategy.startswith("zero") else module.state_dict()
             for key, value in state.items():
@@ -113,6 +116,13 @@ def test_parallelize_zero_with_tp_trains_like_the_dense_model(dist_pool, dp):
     """tp 2 x dp 2 with ZeRO on the dp axis: each rank shards its TP slices over its dp peers; the
     clip norm adds over dp and tp with the replicated params (norms, row biases) counted once."""
     dist_pool.run(_body, 2, 1, True, "1f1b", False, dp, world_size=4, timeout=180)
+
+
+@pytest.mark.parametrize("world_size, strategy", [(2, "ddp"), (4, "ddp"), (4, "zero2")])
+def test_parallelize_sequence_parallel_trains_like_the_dense_model(dist_pool, world_size, strategy):
+    """gpt_plan(sequence_parallel=True): sequence shards between the linears, LayerNorm gradients
+    summed over tp; the same losses, norms and parameters as the dense model."""
+    dist_pool.run(_body, 2, 1, True, "1f1b", False, strategy, True, world_size=world_size, timeout=180)
 
 
 @pytest.mark.parametrize("world_size, tp, pp, checkpointing", [(2, 1, 1, True), (2, 2, 1, "cpu"), (2, 1, 2, True)])

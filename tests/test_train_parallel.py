@@ -42,12 +42,13 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> dict:
     "args",
     [
         ["--nproc", "2", "--tp", "2"],  # tp 2: vocab-parallel loss, TP-aware global-norm clip
+        ["--nproc", "2", "--tp", "2", "--sequence-parallel"],
         ["--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--microbatches", "4"],
         ["--nproc", "2", "--pp", "2", "--schedule", "zb-h1", "--checkpointing", "blocks"],
         ["--nproc", "2", "--strategy", "zero2", "--offload", "cpu", "--batch-size", "4"],  # dp 2 x 4 rows = 8
         ["--nproc", "2", "--tp", "2", "--strategy", "zero3"],  # ZeRO on a dp axis of 1 inside tp 2
     ],
-    ids=["tp2", "pp2-1f1b", "pp2-zbh1-ckpt", "zero2-offload-cpu", "tp2-zero3"],
+    ids=["tp2", "tp2-sp", "pp2-1f1b", "pp2-zbh1-ckpt", "zero2-offload-cpu", "tp2-zero3"],
 )
 def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args: list[str]) -> None:
     """Same global batch (8 rows), same seed: the same losses as one process, every step."""
@@ -77,6 +78,8 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
         (dict(offload="cpu", strategy="ddp", nproc=2), "offload"),
         (dict(offload="nvme", strategy="zero2", nproc=2), "nvme-dir"),
         (dict(nproc=2, tp=2, n_heads=3, d_model=48), "n_heads"),
+        (dict(sequence_parallel=True), "sequence_parallel"),
+        (dict(nproc=2, tp=2, seq_len=33, sequence_parallel=True), "seq_len=33"),
     ],
 )
 def test_bad_parallel_combinations_name_the_flag(kwargs: dict, word: str) -> None:

@@ -21,6 +21,8 @@ from .plan import (
     Colwise,
     Heads,
     Rowwise,
+    ScatterSequence,
+    SequenceParallel,
     VocabParallel,
     VocabParallelHead,
     VocabParallelLMHead,
@@ -32,7 +34,7 @@ from .plan import (
 )
 from .hf_plans import hf_gpt2_plan, hf_llama_plan, llama_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_tp_sharded
-from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm, share_sequence_parallel_grads
+from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm, make_sequence_parallel_, share_sequence_parallel_grads
 
 __all__ = [
     "clip_grad_norm_tp_",
@@ -54,7 +56,10 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "SequenceParallelGrads",
+    "ScatterSequence",
+    "SequenceParallel",
     "SequenceParallelNorm",
+    "make_sequence_parallel_",
     "share_sequence_parallel_grads",
     "VocabParallelEmbedding",
     "copy_to_tp_region",

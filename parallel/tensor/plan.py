@@ -40,13 +40,15 @@ from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext
 
-from .functions import copy_to_tp_region, gather_along
+from .functions import copy_to_tp_region, gather_along, gather_from_sequence_region, scatter_to_sequence_region
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .sequence_parallel import share_sequence_parallel_grads
+from .sequence_parallel import make_sequence_parallel_, share_sequence_parallel_grads
 
 __all__ = [
     "Colwise",
     "Rowwise",
+    "ScatterSequence",
+    "SequenceParallel",
     "VocabParallel",
     "VocabParallelHead",
     "Heads",
@@ -67,6 +69,7 @@ class Colwise:
     fused_chunks: int = 1
     gather_output: bool = False
     transposed: bool = False
+    sequence_parallel: bool = False  # input: sequence shards, all-gathered (reduce-scattered back)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Rowwise:
 
     input_is_parallel: bool = True
     transposed: bool = False
+    sequence_parallel: bool = False  # output: reduce-scattered into sequence shards
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,21 @@ class VocabParallelHead:
     """Split an LM head's vocabulary over tp; ``tied_to`` names the embedding sharing its weight."""
 
     tied_to: str | None = None
+    sequence_parallel: bool = False  # input: sequence shards, all-gathered before the head
+
+
+@dataclass(frozen=True)
+class SequenceParallel:
+    """Run a module with replicated parameters (LayerNorm, RMSNorm) on sequence shards, its
+    gradients summed over tp (:func:`~shardkit.parallel.tensor.make_sequence_parallel_`)."""
+
+
+@dataclass(frozen=True)
+class ScatterSequence:
+    """The module's first input enters the sequence-parallel region: each rank keeps its
+    ``s/tp`` tokens (dim ``seq_dim``); the backward all-gathers the gradient."""
+
+    seq_dim: int = -2
 
 
 @dataclass(frozen=True)
@@ -103,7 +122,7 @@ class Heads:
     config_heads: tuple[str, ...] = ()
 
 
-Style = Colwise | Rowwise | VocabParallel | VocabParallelHead | Heads
+Style = Colwise | Rowwise | VocabParallel | VocabParallelHead | Heads | SequenceParallel | ScatterSequence
 
 
 class VocabParallelLMHead(nn.Module):
@@ -123,9 +142,18 @@ class VocabParallelLMHead(nn.Module):
         >>> loss = vocab_parallel_cross_entropy(head(h), y, ctx=ctx, vocab_size=head.vocab_size)
     """
 
-    def __init__(self, weight: nn.Parameter, *, vocab_size: int, ctx: ParallelContext, stats: CommStats | None = None) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        *,
+        vocab_size: int,
+        ctx: ParallelContext,
+        stats: CommStats | None = None,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.weight, self.vocab_size, self.group, self.stats = weight, vocab_size, ctx.group("tp"), stats
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` -> ``[..., Vs]`` (this rank's vocabulary columns)."""
@@ -133,6 +161,8 @@ class VocabParallelLMHead(nn.Module):
             raise ValueError(
                 f"VocabParallelLMHead: input must have last dimension {self.weight.shape[1]}, got shape {tuple(x.shape)}"
             )
+        if self.sequence_parallel:  # [b, s/tp, D] -> [b, s, D]; the gradient is reduce-scattered back
+            return F.linear(gather_from_sequence_region(x, group=self.group, stats=self.stats), self.weight)
         return F.linear(copy_to_tp_region(x, group=self.group, stats=self.stats), self.weight)
 
 
@@ -289,14 +319,33 @@ def tensor_parallelize(
                 if isinstance(getattr(module, a, None), int):
                     setattr(module, a, getattr(module, a) // tp)
             continue
+        if isinstance(style, ScatterSequence):
+            group, seq_dim = ctx.group("tp"), style.seq_dim
+            module.register_forward_pre_hook(
+                lambda m, args, g=group, d=seq_dim: (
+                    scatter_to_sequence_region(args[0], group=g, seq_dim=d, stats=stats),
+                    *args[1:],
+                )
+            )
+            continue
         if getattr(style, "transposed", False):
             module = _as_linear(module)
+        if isinstance(style, SequenceParallel):  # in place: names and state_dict keys unchanged
+            make_sequence_parallel_(module, ctx=ctx, stats=stats)
+            continue
         if isinstance(style, Colwise):
             new = ColumnParallelLinear.from_dense(
-                module, ctx=ctx, fused_chunks=style.fused_chunks, gather_output=style.gather_output, stats=stats
+                module,
+                ctx=ctx,
+                fused_chunks=style.fused_chunks,
+                gather_output=style.gather_output,
+                sequence_parallel=style.sequence_parallel,
+                stats=stats,
             )
         elif isinstance(style, Rowwise):
-            new = RowParallelLinear.from_dense(module, ctx=ctx, input_is_parallel=style.input_is_parallel, stats=stats)
+            new = RowParallelLinear.from_dense(
+                module, ctx=ctx, input_is_parallel=style.input_is_parallel, sequence_parallel=style.sequence_parallel, stats=stats
+            )
         elif isinstance(style, VocabParallel):
             new = VocabParallelEmbedding.from_dense(module, ctx=ctx, stats=stats)
         else:
@@ -304,7 +353,9 @@ def tensor_parallelize(
                 weight = converted[style.tied_to].weight
             else:
                 weight = VocabParallelEmbedding.from_dense(nn.Embedding.from_pretrained(module.weight.detach()), ctx=ctx).weight
-            new = VocabParallelLMHead(weight, vocab_size=module.out_features, ctx=ctx, stats=stats)
+            new = VocabParallelLMHead(
+                weight, vocab_size=module.out_features, ctx=ctx, stats=stats, sequence_parallel=style.sequence_parallel
+            )
         converted[name] = new
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
@@ -313,25 +364,35 @@ def tensor_parallelize(
     return model
 
 
-def gpt_plan(*, tie_embeddings: bool = True) -> dict[str, Style]:
+def gpt_plan(*, tie_embeddings: bool = True, sequence_parallel: bool = False) -> dict[str, Style]:
     """The TP plan of a GPT-2-layout model (shardkit's TinyGPT): attention heads and the MLP split
     Megatron-style, the vocabulary split in the embedding and the LM head.
 
-    Positions, LayerNorms and biases of row-parallel layers stay replicated.
+    Positions, LayerNorms and biases of row-parallel layers stay replicated. With
+    ``sequence_parallel`` the activations between the blocks' linears are sequence shards
+    (``[b, s/tp, d]``): the first block's input is scattered, the LayerNorms run on shards
+    (their gradients summed over tp), column-parallel inputs are all-gathered and row-parallel
+    outputs reduce-scattered (the same bytes as the two all-reduces), and the head gathers the
+    sequence back; the sequence length must be divisible by tp.
 
     Example:
         >>> gpt_plan()["blocks.*.attn.qkv"]
-        Colwise(fused_chunks=3, gather_output=False)
+        Colwise(fused_chunks=3, gather_output=False, transposed=False, sequence_parallel=False)
     """
-    return {
+    sp = sequence_parallel
+    plan: dict[str, Style] = {
         "tok_emb": VocabParallel(),
         "blocks.*.attn": Heads("n_heads"),
-        "blocks.*.attn.qkv": Colwise(fused_chunks=3),
-        "blocks.*.attn.proj": Rowwise(),
-        "blocks.*.mlp.fc": Colwise(),
-        "blocks.*.mlp.proj": Rowwise(),
-        "head": VocabParallelHead(tied_to="tok_emb" if tie_embeddings else None),
+        "blocks.*.attn.qkv": Colwise(fused_chunks=3, sequence_parallel=sp),
+        "blocks.*.attn.proj": Rowwise(sequence_parallel=sp),
+        "blocks.*.mlp.fc": Colwise(sequence_parallel=sp),
+        "blocks.*.mlp.proj": Rowwise(sequence_parallel=sp),
+        "head": VocabParallelHead(tied_to="tok_emb" if tie_embeddings else None, sequence_parallel=sp),
     }
+    if sp:
+        plan.update({"blocks.0": ScatterSequence(), "blocks.*.ln1": SequenceParallel(), "blocks.*.ln2": SequenceParallel()})
+        plan["ln_f"] = SequenceParallel()
+    return plan
 
 
 def _shard_dim(style: Style, param: str) -> int | None:

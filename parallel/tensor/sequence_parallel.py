@@ -43,7 +43,7 @@ from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce
 
-__all__ = ["SequenceParallelGrads", "SequenceParallelNorm", "share_sequence_parallel_grads"]
+__all__ = ["SequenceParallelGrads", "SequenceParallelNorm", "make_sequence_parallel_", "share_sequence_parallel_grads"]
 
 
 class _CoalescedCopyToTP(torch.autograd.Function):
@@ -198,6 +198,60 @@ class SequenceParallelNorm(nn.Module):
             return self.module(*args, **kwargs)
         params = {n: self.grad_sync.use(p) for n, p in self.module.named_parameters()}
         return torch.func.functional_call(self.module, params, args, kwargs)
+
+
+class _SequenceParallelModule:
+    """Mixed into a module's class by :func:`make_sequence_parallel_` (FSDP2's class-swap trick):
+    its own forward runs on the :class:`SequenceParallelGrads` identities of its parameters, and
+    its names, ``state_dict`` keys and ``isinstance`` checks stay those of the original class."""
+
+    _sp_inside = False
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are summed over tp (all of the module's)."""
+        return list(self.parameters())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sp_inside or self._sp_group.size() == 1:  # the original forward (see below)
+            return super().forward(*args, **kwargs)
+        params = {n: self.grad_sync.use(p) for n, p in self.named_parameters()}
+        self._sp_inside = True  # functional_call calls this forward again: run the original one
+        try:
+            return torch.func.functional_call(self, params, args, kwargs)
+        finally:
+            self._sp_inside = False
+
+
+def make_sequence_parallel_(
+    module: nn.Module, *, ctx: ParallelContext, stats: CommStats | None = None, grad_sync: SequenceParallelGrads | None = None
+) -> nn.Module:
+    """Turn ``module`` (a LayerNorm, RMSNorm: replicated parameters) in place into one that runs
+    on sequence shards with its gradients summed over tp — :class:`SequenceParallelNorm`'s
+    behaviour without a wrapper, so parameter names and ``state_dict`` keys do not change (the
+    TP plans use it; dense checkpoints load as they are).
+
+    Args:
+        module: the module (its class is swapped for a subclass; nothing is copied).
+        ctx: the parallel context (the tp group).
+        stats: optional CommStats for the gradient all-reduce.
+        grad_sync: the :class:`SequenceParallelGrads` to join (default: its own).
+
+    Returns:
+        ``module``.
+
+    Example:
+        >>> ln = make_sequence_parallel_(nn.LayerNorm(512), ctx=ctx)
+        >>> isinstance(ln, nn.LayerNorm), list(ln.state_dict())
+        (True, ['weight', 'bias'])
+    """
+    if isinstance(module, _SequenceParallelModule):
+        return module
+    cls = type(module)
+    module.__class__ = type(f"SequenceParallel{cls.__name__}", (_SequenceParallelModule, cls), {})
+    module._sp_group = ctx.group("tp")
+    module.grad_sync = grad_sync if grad_sync is not None else SequenceParallelGrads(group=module._sp_group, stats=stats)
+    module.grad_sync.register(module.parameters())
+    return module
 
 
 def share_sequence_parallel_grads(model: nn.Module, *, stats: CommStats | None = None) -> list[SequenceParallelGrads]:

@@ -114,6 +114,9 @@ class TrainConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = _opt("1f1b", "pipeline schedule (--pp > 1)", _PARALLEL)
     microbatches: int = _opt(4, "micro-batches per step (--pp > 1); must divide --batch-size", _PARALLEL, metavar="M")
     virtual_stages: int = _opt(1, "stages per rank (--schedule interleaved)", _PARALLEL, metavar="V")
+    sequence_parallel: bool = _opt(
+        False, "with --tp: activations between the linears as sequence shards (LayerNorm grads summed over tp)", _PARALLEL
+    )
     checkpointing: Literal["none", "blocks", "cpu"] = _opt(
         "none", "activation checkpointing per block; cpu also keeps the saved block inputs on the CPU", _PARALLEL
     )
@@ -209,6 +212,11 @@ class TrainConfig:
                 )
             if self.n_heads % self.tp:
                 raise ValueError(f"n_heads={self.n_heads} must be divisible by tp={self.tp}")
+        if self.sequence_parallel and (self.tp == 1 or self.seq_len % self.tp or self.model != "tinygpt"):
+            raise ValueError(
+                f"sequence_parallel needs --tp > 1 dividing seq_len={self.seq_len} and the TinyGPT model "
+                f"(the HF plans have no sequence-parallel variant yet), got tp={self.tp}, model={self.model}"
+            )
         if self.pp > 1:
             if self.precision != "fp32":
                 raise ValueError("--pp runs in fp32 for now (autocast is not applied inside pipeline stages)")
@@ -284,6 +292,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 help=meta["help"],
             )
             continue
+        if _hints()[f.name] is bool:  # a switch: --name sets it, absent keeps the default (False)
+            group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_true", help=meta["help"])
+            continue
         choices = _choices(f.name)
         default_note = "" if f.default is None or f.default is MISSING else " (default %(default)s)"
         group.add_argument(
@@ -325,6 +336,9 @@ def to_argv(cfg: TrainConfig, *, skip: Iterable[str] = ()) -> list[str]:
             continue
         if f.metadata.get("repeat"):
             argv += [a for item in value for a in (f"--{f.name.replace('_', '-')}", str(item))]
+            continue
+        if isinstance(value, bool):
+            argv += [f"--{f.name.replace('_', '-')}"] if value else []
             continue
         argv += [f"--{value}"] if "flags" in f.metadata else [f"--{f.name.replace('_', '-')}", str(value)]
     return argv

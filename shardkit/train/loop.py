@@ -252,7 +252,9 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         model,
         ctx,
         dp=cfg.strategy,
-        tp_plan=(gpt_plan() if cfg.model == "tinygpt" else hf_tp_plan(cfg.model, model)) if cfg.tp > 1 else None,
+        tp_plan=(gpt_plan(sequence_parallel=cfg.sequence_parallel) if cfg.model == "tinygpt" else hf_tp_plan(cfg.model, model))
+        if cfg.tp > 1
+        else None,
         pp={"schedule": cfg.schedule, "microbatches": cfg.microbatches, "virtual_stages": cfg.virtual_stages}
         if cfg.pp > 1
         else None,
