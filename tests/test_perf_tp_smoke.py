@@ -27,7 +27,8 @@ def _load(name: str, path: Path):
 
 
 def test_peak_bytes_sees_torch_allocations_and_frees() -> None:
-    tp = _load("perf_tp", REPO / "perf" / "tp.py")
+    from shardkit.bench import tp
+
     n = 1 << 20  # 4 MiB of fp32
 
     def two_live() -> None:

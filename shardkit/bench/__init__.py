@@ -29,6 +29,8 @@ class Benchmark(NamedTuple):
 #: its own processes and stays a repository script for now.
 BENCHMARKS: dict[str, Benchmark] = {
     "optim": Benchmark("optim", "fused optimizers vs torch.optim and DeepSpeed"),
+    "tp": Benchmark("tp", "tensor/sequence parallel step vs DTensor; vocab-parallel cross-entropy vs gather + F.cross_entropy"),
+    "pipeline": Benchmark("pipeline", "pipeline schedules (step time, measured bubble) vs torch.distributed.pipelining"),
     "zero": Benchmark("zero", "ZeRO-1/2/3 (+ CPU offload) step time and memory vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed"),
 }
 
@@ -49,4 +51,5 @@ def run(name: str, argv: list[str] | None = None) -> int:
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; available: {sorted(BENCHMARKS)}")
     module = importlib.import_module(f"{__name__}.{BENCHMARKS[name].module}")
-    return int(module.main(argv) or 0)
+    result = module.main(argv)
+    return result if isinstance(result, int) else 0  # some mains return their results dict

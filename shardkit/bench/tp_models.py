@@ -1,6 +1,6 @@
-"""Model builders for ``perf/tp.py``: the same dense weights made tensor-parallel by shardkit's
+"""Model builders for :mod:`shardkit.bench.tp` (``shardkit bench tp``, ``perf/tp.py``): the same dense weights made tensor-parallel by shardkit's
 layers and by DTensor ``parallelize_module``, for TinyGPT and for a stack of pre-LN blocks (with
-and without sequence parallelism). Imported by ``perf/tp.py``; not a script."""
+and without sequence parallelism). Not a script."""
 
 from __future__ import annotations
 
