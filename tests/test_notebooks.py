@@ -20,7 +20,7 @@ def test_notebooks_exist() -> None:
         "02_data_parallel.ipynb",
         "03_zero.ipynb",
         "04_tensor_parallel.ipynb",
-        "05_pipeline_parallel.ipynb",
+        "05_pipeline.ipynb",
         "06_from_deepspeed.ipynb",
     } <= names
 

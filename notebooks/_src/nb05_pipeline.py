@@ -1,10 +1,10 @@
-"""Cells of notebooks/05_pipeline_parallel.ipynb (built by notebooks/_build.py)."""
+"""Cells of notebooks/05_pipeline.ipynb (built by notebooks/_build.py)."""
 
 from __future__ import annotations
 
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
-NAME = "05_pipeline_parallel.ipynb"
+NAME = "05_pipeline.ipynb"
 
 PP_SCRIPT = """
 import json, sys, torch
