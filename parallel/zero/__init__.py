@@ -16,5 +16,16 @@ from .optimizer import ZeroOptimizer
 from .plan_table import plan_table
 from .planner import MemoryPlan, plan_memory
 from .sharded import ShardedDataParallel
+from .strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy
 
-__all__ = ["MemoryPlan", "ShardedDataParallel", "ZeroOptimizer", "paper_comm_bytes", "plan_memory", "plan_table"]
+__all__ = [
+    "MemoryPlan",
+    "ShardedDataParallel",
+    "Zero1Strategy",
+    "Zero2Strategy",
+    "Zero3Strategy",
+    "ZeroOptimizer",
+    "paper_comm_bytes",
+    "plan_memory",
+    "plan_table",
+]

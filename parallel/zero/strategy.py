@@ -1,0 +1,168 @@
+"""The ZeRO strategies (``"zero1"``, ``"zero2"``, ``"zero3"``) of :mod:`shardkit.parallel.strategy`.
+
+They live beside :class:`ShardedDataParallel` (the registry's base classes do not import the ZeRO
+runtime); importing :mod:`shardkit.parallel` registers them.
+
+Example:
+    >>> from shardkit.parallel.strategy import make_strategy
+    >>> s = make_strategy("zero2", ctx=ctx, offload="cpu")
+    >>> model = s.wrap(model); opt = s.make_optimizer(FusedAdamW, model.parameters(), lr=3e-4)
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from shardkit.comm import ParallelContext
+
+from ..loss_scaler import DynamicLossScaler
+from ..strategy import Strategy, StrategyReport, register_strategy
+from .optimizer import ZeroOptimizer
+from .sharded import ShardedDataParallel
+
+__all__ = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy"]
+
+
+class _ZeroStrategy(Strategy):
+    """ZeRO over ``ctx``'s dp axis on :class:`~shardkit.parallel.zero.ShardedDataParallel`.
+
+    ``wrap`` shards, :meth:`make_optimizer` returns a
+    :class:`~shardkit.parallel.zero.ZeroOptimizer` (the loop's per-group lr updates reach the
+    shard optimizer through its ``param_groups``), ``clip`` finalizes the gradient shards (one
+    fused pass: average, unscale, inf/nan, Σg²; one 8-byte all-reduce for the overflow flag and
+    the GLOBAL norm), ``step`` steps the shard and all-gathers, and ``report`` gives
+    ``memory_report()``'s persistent bytes (optimizer state = fp32 master shards + moments, the
+    paper's KΨ/N) plus the peak of transient buffers.
+
+    Args:
+        ctx: the parallel context (dp must span the world).
+        loss_scaler: fp16 loss scaler, or None.
+        bucket_mb: bucket capacity in MiB.
+        offload: None/"none", "cpu" or "nvme": the optimizer state and step off the device (docs/offload.md).
+        nvme_dir: the directory for ``offload="nvme"``.
+    """
+
+    needs_context = True
+    stage: ClassVar[int]
+
+    def __init__(
+        self,
+        *,
+        ctx: ParallelContext | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
+        bucket_mb: float = 25.0,
+        offload: Literal["none", "cpu", "nvme"] | None = None,
+        nvme_dir: str | None = None,
+    ) -> None:
+        super().__init__(ctx=ctx, loss_scaler=loss_scaler)
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if offload not in (None, "none", "cpu", "nvme"):
+            raise ValueError(f"offload must be None, 'none', 'cpu' or 'nvme', got {offload!r}")
+        self.bucket_mb = float(bucket_mb)
+        self.offload = None if offload == "none" else offload
+        self.nvme_dir = nvme_dir
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.model = ShardedDataParallel(
+            model,
+            self.ctx,
+            self.stage,
+            bucket_mb=self.bucket_mb,
+            loss_scaler=self.loss_scaler,
+            offload=self.offload,
+            nvme_dir=self.nvme_dir,
+        )
+        return self.model
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> ZeroOptimizer:
+        self._require_model()
+        return ZeroOptimizer(self.model, optimizer_class, params, **kwargs)
+
+    def clip(self, max_norm: float | None) -> torch.Tensor | None:
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
+        self._require_model()
+        with record_function("shardkit::finalize"):
+            self._overflow, norm = self.model.finalize_gradients(max_norm)
+            self._finalized = True
+        return norm
+
+    def step(self, optimizer: Any) -> bool:
+        if not isinstance(optimizer, ZeroOptimizer):
+            raise TypeError(
+                f"strategy {self.name!r} steps a ZeroOptimizer (strategy.make_optimizer), got {type(optimizer).__name__}"
+            )
+        if not self._finalized:
+            self.clip(None)
+        optimizer.step()  # skips on an agreed overflow and updates the loss scale itself
+        self.skipped_steps += int(optimizer.last_step_skipped)
+        self._overflow = False
+        return not optimizer.last_step_skipped
+
+    def overflow_group(self) -> Any:
+        return self.ctx.group("dp")
+
+    def norm_group(self) -> Any:
+        return self.ctx.group("dp")  # gradients are partitioned: squared norms add over dp
+
+    def report(self, optimizer: Any = None) -> StrategyReport:
+        model = self._require_model()
+        mem = model.memory_report()
+        memory = {
+            "params": mem["params"],
+            "grads": mem["grads"],
+            "optimizer_state": mem["optimizer_state"] + mem["master_params"],
+            "peak_transient": mem["peak_transient"],
+        }
+        return StrategyReport(
+            memory=memory,
+            comm=model.comm_stats.summary(),
+            loss_scale=self.loss_scaler.scale if self.loss_scaler is not None else None,
+            skipped_steps=self.skipped_steps,
+        )
+
+
+@register_strategy
+class Zero1Strategy(_ZeroStrategy):
+    """ZeRO stage 1 (``"zero1"``): optimizer state sharded; full gradients kept.
+
+    Example:
+        >>> s = make_strategy("zero1", ctx=ctx)
+        >>> model = s.wrap(model); opt = s.make_optimizer(FusedAdamW, model.parameters(), lr=3e-4)
+    """
+
+    name = "zero1"
+    stage = 1
+
+
+@register_strategy
+class Zero2Strategy(_ZeroStrategy):
+    """ZeRO stage 2 (``"zero2"``): optimizer state and gradients sharded.
+
+    Example:
+        >>> s = make_strategy("zero2", ctx=ctx, bucket_mb=25)
+        >>> model = s.wrap(model); opt = s.make_optimizer(FusedAdamW, model.parameters(), lr=3e-4)
+    """
+
+    name = "zero2"
+    stage = 2
+
+
+@register_strategy
+class Zero3Strategy(_ZeroStrategy):
+    """ZeRO stage 3 (``"zero3"``): optimizer state, gradients and parameters sharded; each block
+    of the model (each child of a ``ModuleList``/``Sequential``) is gathered just before its
+    forward and backward and freed after, the next one prefetched.
+
+    Example:
+        >>> s = make_strategy("zero3", ctx=ctx, bucket_mb=25)
+        >>> model = s.wrap(model); opt = s.make_optimizer(FusedAdamW, model.parameters(), lr=3e-4)
+    """
+
+    name = "zero3"
+    stage = 3
