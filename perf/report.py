@@ -108,6 +108,22 @@ def _zero_rows(res: dict) -> list[str]:
     return rows
 
 
+def _engine_rows(res: dict) -> list[str]:
+    """shardkit.initialize vs deepspeed.initialize on the same DeepSpeed config and HF model."""
+    ours, peer = res["engines"]["shardkit"], res["engines"].get("deepspeed", {})
+    if not peer.get("available"):
+        return []
+    r = res["ratios"]["shardkit / deepspeed"]
+    mem = r.get("model_state_bytes_rank0")
+    mem_note = f" (model-state memory ours/peer {mem:.2f}×)" if isinstance(mem, (int, float)) else ""
+    return [
+        f"| DeepSpeed-config step (seed-002 ZeRO-2, fp32), HF GPT-2 {res['params'] / 1e6:.1f}M params, "
+        f"{res['nproc']} ranks {res['backend']}{mem_note} | {ours['median_ms']:.1f} ms "
+        f"| deepspeed.initialize {peer['median_ms']:.1f} ms | **{r['time_median']:.3f}×** (min {r['time_min']:.3f}×) "
+        f"| `{res['command']}` |"
+    ]
+
+
 def render() -> str:
     rows: list[str] = []
     optim = _load("optim_cpu.json")
@@ -125,6 +141,9 @@ def render() -> str:
     pipeline = _load("pipeline_cpu.json")
     if pipeline:
         rows += _pipeline_rows(pipeline)
+    engine = _load("engine_cpu.json")
+    if engine:
+        rows += _engine_rows(engine)
     header = [
         "| what | shardkit (median) | fastest peer (median) | ratio (<1 faster) | command |",
         "|---|---|---|---|---|",
