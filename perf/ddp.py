@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from torch import nn
 from shardkit.comm import ParallelContext
 from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DataParallel
+from shardkit.bench.spawn import run_workers
 
 
 def make_model(width: int, depth: int, seed: int = 0) -> nn.Module:
@@ -182,19 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.width, args.depth, args.batch, args.sweep = 64, 2, 8, [1.0]
         args.warmup, args.steps, args.repeats = 1, 2, 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
-    for proc in procs:
-        proc.start()
-    raw = queue.get()
-    for proc in procs:
-        proc.join(timeout=120)
-        if proc.exitcode != 0:
-            raise SystemExit(f"benchmark worker failed with exit code {proc.exitcode}")
+    try:
+        raw = run_workers(worker, args.nproc, args, timeout=3600, what="ddp benchmark")
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from exc
 
     n_params = sum(q.numel() for q in make_model(args.width, args.depth).parameters())
     main_sk, main_td = summarize(raw["main"]["shardkit"]), summarize(raw["main"]["torch_ddp"])

@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from shardkit.bench.spawn import run_workers
 
 CONFIG = Path(__file__).resolve().parent.parent / "tests" / "configs" / "zero2_config_accelerate.json"
 ENGINES = ("shardkit", "deepspeed")
@@ -191,27 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.d_model, args.n_layers, args.n_heads, args.vocab, args.seq_len, args.batch = 64, 2, 4, 128, 32, 2
         args.warmup, args.steps, args.repeats = 1, 1, 2
-    import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mctx = mp.get_context("spawn")
-    queue = mctx.SimpleQueue()
-    procs = [mctx.Process(target=_worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.timeout
-    while queue.empty():
-        if time.monotonic() > deadline or any(proc.exitcode not in (None, 0) for proc in procs):
-            for proc in procs:
-                proc.kill()
-            print(f"engine benchmark: a worker failed or timed out ({[q.exitcode for q in procs]})", file=sys.stderr)
-            return 1
-        time.sleep(0.2)
-    raw = queue.get()
-    for proc in procs:
-        proc.join(timeout=60)
+    try:
+        raw = run_workers(_worker, args.nproc, args, timeout=args.timeout, what="engine benchmark")
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     engines: dict[str, Any] = {}
     for name in args.engines:
         if name in raw["samples"]:

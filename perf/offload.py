@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from shardkit.bench.zero_peers import HYPER, Runner, build_model
+from shardkit.bench.spawn import run_workers
 
 CONFIGS = ("shardkit", "shardkit+cpu", "shardkit+nvme", "deepspeed+cpu")
 
@@ -204,28 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.d_model, args.n_layers, args.n_heads, args.vocab, args.seq_len, args.batch = 64, 2, 4, 128, 32, 2
         args.warmup, args.steps, args.repeats, args.io_mib = 1, 1, 2, 4
-    import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_dir:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mctx = mp.get_context("spawn")
-        queue = mctx.SimpleQueue()
-        procs = [mctx.Process(target=_worker, args=(r, args.nproc, port, args, nvme_dir, queue)) for r in range(args.nproc)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.timeout
-        while queue.empty():
-            if time.monotonic() > deadline or any(proc.exitcode not in (None, 0) for proc in procs):
-                for proc in procs:
-                    proc.kill()
-                print(f"offload benchmark: a worker failed or timed out ({[q.exitcode for q in procs]})", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        raw = queue.get()
-        for proc in procs:
-            proc.join(timeout=60)
+        try:
+            raw = run_workers(_worker, args.nproc, args, nvme_dir, timeout=args.timeout, what="offload benchmark")
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
         io = io_formats(args.io_mib, max(3, args.repeats), nvme_dir)
     configs: dict[str, Any] = {}
     for name in args.configs:

@@ -38,7 +38,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -53,6 +52,8 @@ from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.parallel.pipeline import PipelineParallel, build_schedule, simulate, split_blocks
+
+from .spawn import run_workers
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 TORCH_PEERS = {
@@ -359,19 +360,10 @@ def main(argv: list[str] | None = None) -> dict:
         args.depth = max(4, args.pp * args.virtual)  # interleaved needs a block per stage
         args.warmup, args.repeats = 1, 2
     args.threads = args.threads or max(1, (os.cpu_count() or 2) // args.pp)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mpctx = mp.get_context("spawn")
-    queue = mpctx.SimpleQueue()
-    procs = [mpctx.Process(target=worker, args=(r, args.pp, port, args, queue)) for r in range(args.pp)]
-    for proc in procs:
-        proc.start()
-    raw = queue.get()
-    for proc in procs:
-        proc.join(timeout=300)
-        if proc.exitcode != 0:
-            raise SystemExit(f"benchmark worker failed with exit code {proc.exitcode}")
+    try:
+        raw = run_workers(worker, args.pp, args, timeout=3600, what="pipeline benchmark")
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from exc
     if set(raw) != set(args.schedules):
         raise SystemExit(f"benchmark finished only {sorted(raw)} of {args.schedules}")
     n_params = sum(q.numel() for b in make_blocks(args.width, args.hidden, args.depth) for q in b.parameters())

@@ -37,7 +37,6 @@ import copy
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -47,7 +46,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch import nn
@@ -58,6 +56,7 @@ from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.tensor import gpt_plan, tensor_parallelize, vocab_parallel_cross_entropy
 
 from .tp_models import Block, dtensor_blocks, dtensor_tinygpt, ours_blocks
+from .spawn import run_workers
 
 MEMORY_METHOD = (
     "torch.profiler(profile_memory=True) records every allocation and free of torch's CPU allocator "
@@ -357,19 +356,12 @@ def main(argv: list[str] | None = None) -> dict:
     for v in [args.vocab, *args.vocabs]:
         if v % args.nproc:
             raise SystemExit(f"vocabulary {v} must be divisible by --nproc {args.nproc} (DTensor's even Shard)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mpc = mp.get_context("spawn")
-    queue = mpc.SimpleQueue()
-    procs = [mpc.Process(target=worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
-    for proc in procs:
-        proc.start()
-    raw = queue.get()
-    for proc in procs:
-        proc.join(timeout=300)
-    if "error" in raw or any(proc.exitcode != 0 for proc in procs):
-        raise SystemExit(f"benchmark worker failed: {raw.get('error', [proc.exitcode for proc in procs])}")
+    try:
+        raw = run_workers(worker, args.nproc, args, timeout=3600, what="tp benchmark")
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from exc
+    if "error" in raw:
+        raise SystemExit(f"benchmark worker failed: {raw['error']}")
 
     st = raw["step"]
     ours, peer = summarize(st["samples"]["shardkit"]), summarize(st["samples"]["dtensor"])

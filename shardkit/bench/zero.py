@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ import torch
 
 from .zero_peers import OFFLOAD_PEERS, PEERS, SHARDKIT, Runner, build_model, build_runner
 from .zero_report import bench_rows, build_report, format_table, row_configs, write_plot
+from .spawn import run_workers
 
 __all__ = ["format_table", "main", "run_benchmark", "write_plot"]
 
@@ -172,30 +172,12 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         SystemExit: a worker failed or timed out, or the step-0 losses differ.
     """
-    import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mctx = mp.get_context("spawn")
-    queue = mctx.SimpleQueue()
     load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    procs = [mctx.Process(target=_worker, args=(r, args.nproc, port, args, queue)) for r in range(args.nproc)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + args.timeout
-    while queue.empty():
-        if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-            for p in procs:
-                p.kill()
-            codes = [p.exitcode for p in procs]
-            raise SystemExit(f"zero benchmark: a worker failed or timed out (exit codes {codes})")
-        time.sleep(0.2)
-    raw = queue.get()
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise SystemExit(f"zero benchmark worker failed with exit code {p.exitcode}")
+    try:
+        raw = run_workers(_worker, args.nproc, args, timeout=args.timeout, what="zero benchmark")
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from exc
     return build_report(raw, args, load_start)
 
 

@@ -1,0 +1,59 @@
+"""Start a benchmark's worker processes and collect rank 0's result (every ``shardkit bench`` and
+``perf/`` script that needs several ranks uses this).
+
+Example:
+    >>> result = run_workers(_worker, 2, args, timeout=600, what="tp benchmark")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+__all__ = ["run_workers"]
+
+
+def run_workers(target: Callable[..., None], nproc: int, *args: Any, timeout: float, what: str) -> Any:
+    """Run ``target(rank, nproc, port, *args, queue)`` in ``nproc`` spawned processes and return
+    the first object put on ``queue`` (rank 0's result, by the workers' convention).
+
+    ``port`` is a free TCP port on 127.0.0.1 for the workers' rendezvous. The wait polls, so a
+    worker that dies (or a run that exceeds ``timeout`` seconds) kills the others and raises
+    instead of blocking forever on the queue.
+
+    Args:
+        target: a module-level function (spawn pickles it by reference).
+        nproc: number of processes.
+        *args: passed after ``(rank, nproc, port)``.
+        timeout: seconds before the run is abandoned.
+        what: the benchmark's name, for the error message.
+
+    Raises:
+        RuntimeError: a worker exited with an error, or the timeout passed (the exit codes named).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(r, nproc, port, *args, queue)) for r in range(nproc)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    while queue.empty():
+        if time.monotonic() > deadline or any(proc.exitcode not in (None, 0) for proc in procs):
+            for proc in procs:
+                proc.kill()
+            late = " (timed out)" if time.monotonic() > deadline else ""
+            raise RuntimeError(f"{what}: a worker failed{late}; exit codes {[proc.exitcode for proc in procs]}")
+        time.sleep(0.2)
+    result = queue.get()
+    for proc in procs:
+        proc.join(timeout=120)
+    if any(proc.exitcode != 0 for proc in procs):
+        raise RuntimeError(f"{what}: a worker exited with an error; exit codes {[proc.exitcode for proc in procs]}")
+    return result
