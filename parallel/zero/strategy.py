@@ -118,6 +118,8 @@ class _ZeroStrategy(Strategy):
             "grads": mem["grads"],
             "optimizer_state": mem["optimizer_state"] + mem["master_params"],
             "peak_transient": mem["peak_transient"],
+            # offload: fp32 masters + optimizer state held off the device (CPU memory / NVMe files)
+            "offloaded": sum(v for k, v in mem.get("offloaded", {}).items() if k in ("cpu", "nvme")),
         }
         return StrategyReport(
             memory=memory,

@@ -340,6 +340,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         "optim_state_bytes": report.memory["optimizer_state"],
         # the ZeRO strategies' peak of transient buffers (buckets in flight, all-gather inputs)
         "transient_bytes": report.memory.get("peak_transient"),
+        "offloaded_bytes": report.memory.get("offloaded"),  # --offload: masters + optimizer state off the device
         "plan": plan,  # the planner's figures for the same config, or None
         "skipped_steps": report.skipped_steps,
         "loss_scale": report.loss_scale,
@@ -383,7 +384,9 @@ def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int)
             f"rank {s['rank']} | train loss {s['final_train_loss']:.4f} | eval loss {s['final_eval_loss']:.4f} | "
             f"{s['tokens_per_s'] / 1e3:.1f}k tok/s | wall {s['wall_time_s']:.1f} s | "
             f"params {fmt_bytes(s['param_bytes'])} | grads {fmt_bytes(s['grad_bytes'])} | "
-            f"optim state {fmt_bytes(s['optim_state_bytes'])} | comm {fmt_comm(s['comm'])}"
+            f"optim state {fmt_bytes(s['optim_state_bytes'])}"
+            + (f" (+ {fmt_bytes(s['offloaded_bytes'])} offloaded)" if s.get("offloaded_bytes") else "")
+            + f" | comm {fmt_comm(s['comm'])}"
         )
         if s.get("plan"):
             print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")
