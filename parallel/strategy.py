@@ -125,9 +125,7 @@ class Strategy(ABC):
     def wrap(self, model: nn.Module) -> nn.Module:
         """Wrap the built, identically seeded model (already on its device); returns the module to train."""
 
-    def make_optimizer(
-        self, optimizer_class: type[torch.optim.Optimizer], params: Any, **kwargs: Any
-    ) -> Any:
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], params: Any, **kwargs: Any) -> Any:
         """Build the optimizer for the wrapped model (call after :meth:`wrap`).
 
         Replicated strategies build ``optimizer_class(params, **kwargs)``; sharded ones wrap it so
