@@ -31,7 +31,7 @@ from torch import nn
 from shardkit.comm import ParallelContext
 from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DataParallel
-from shardkit.bench.spawn import run_workers
+from shardkit.bench.spawn import run_workers, worker_env
 
 
 def make_model(width: int, depth: int, seed: int = 0) -> nn.Module:
@@ -97,8 +97,7 @@ def phase_times(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    worker_env(rank, world, port)
     ctx = ParallelContext.from_env(backend=args.backend)
     # gloo on CUDA tensors is allowed: the context then says CPU, so place the model ourselves
     device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")

@@ -20,10 +20,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shardkit.bench.spawn import run_workers
+from shardkit.bench.spawn import machine_info, run_workers, worker_env
 
 CONFIG = Path(__file__).resolve().parent.parent / "tests" / "configs" / "zero2_config_accelerate.json"
 ENGINES = ("shardkit", "deepspeed")
@@ -99,11 +96,7 @@ def deepspeed_memory(engine: Any) -> dict[str, int]:
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu",
-    )  # fmt: skip
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
+    worker_env(rank, world, port, threads=args.threads)
     import torch.distributed as dist
 
     import shardkit
@@ -235,13 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory is model state (params, gradient buffers, fp32 masters, optimizer state), not process RSS: "
             "both engines run in the same processes",
         ],
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "torch": torch.__version__,
-        },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
         "command": " ".join(["perf/engine.py", *argv_used]),
     }
     args.out.mkdir(parents=True, exist_ok=True)

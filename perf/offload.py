@@ -14,10 +14,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -28,7 +26,7 @@ from typing import Any
 import torch
 
 from shardkit.bench.zero_peers import HYPER, Runner, build_model
-from shardkit.bench.spawn import run_workers
+from shardkit.bench.spawn import machine_info, run_workers, worker_env
 
 CONFIGS = ("shardkit", "shardkit+cpu", "shardkit+nvme", "deepspeed+cpu")
 
@@ -79,16 +77,7 @@ class _DeepSpeedOffload(Runner):
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, nvme_dir: str, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
+    worker_env(rank, world, port, threads=args.threads)
     import torch.distributed as dist
 
     from shardkit.comm import ParallelContext
@@ -246,13 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             "nvme_dir is a temp dir on this machine's disk (page cache included): a real NVMe drive and "
             "state larger than RAM are what the read-ahead is for",
         ],
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_count": os.cpu_count(),
-            "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "torch": torch.__version__,
-        },
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
         "command": " ".join(["perf/offload.py", *argv_used]),
     }
     args.out.mkdir(parents=True, exist_ok=True)

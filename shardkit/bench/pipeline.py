@@ -53,7 +53,7 @@ from torch import nn
 from shardkit.comm import ParallelContext
 from shardkit.parallel.pipeline import PipelineParallel, build_schedule, simulate, split_blocks
 
-from .spawn import run_workers
+from .spawn import run_workers, worker_env
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 TORCH_PEERS = {
@@ -322,8 +322,7 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(args.threads)
+    worker_env(rank, world, port, threads=args.threads)
     ctx = ParallelContext.from_env(pp=world, backend="gloo")
     g = torch.Generator().manual_seed(1234)  # the same global batch on every rank
     x = torch.randn(args.microbatches * args.mb_rows, args.width, generator=g)

@@ -7,14 +7,18 @@ Example:
 
 from __future__ import annotations
 
+import datetime
+import os
+import platform
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
-__all__ = ["run_workers"]
+__all__ = ["machine_info", "run_workers", "worker_env"]
 
 
 def run_workers(target: Callable[..., None], nproc: int, *args: Any, timeout: float, what: str) -> Any:
@@ -57,3 +61,38 @@ def run_workers(target: Callable[..., None], nproc: int, *args: Any, timeout: fl
     if any(proc.exitcode != 0 for proc in procs):
         raise RuntimeError(f"{what}: a worker exited with an error; exit codes {[proc.exitcode for proc in procs]}")
     return result
+
+
+def worker_env(rank: int, world: int, port: int, *, threads: int | None = None) -> None:
+    """Inside a worker: torchrun's variables for ``rank`` of ``world`` (rendezvous on ``port``),
+    DeepSpeed's CPU accelerator, and ``threads`` intra-op threads (default: the cores shared out).
+
+    Example:
+        >>> worker_env(rank, world, port)   # first thing in a run_workers target  # doctest: +SKIP
+    """
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 2) // world))
+
+
+def machine_info() -> dict[str, Any]:
+    """What a results file records about the machine and the time of the run.
+
+    Example:
+        >>> sorted(machine_info())
+        ['cpu_count', 'date', 'loadavg', 'platform', 'torch']
+    """
+    return {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -56,7 +56,7 @@ from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.tensor import gpt_plan, tensor_parallelize, vocab_parallel_cross_entropy
 
 from .tp_models import Block, dtensor_blocks, dtensor_tinygpt, ours_blocks
-from .spawn import run_workers
+from .spawn import run_workers, worker_env
 
 MEMORY_METHOD = (
     "torch.profiler(profile_memory=True) records every allocation and free of torch's CPU allocator "
@@ -292,8 +292,7 @@ def ce_bench(ctx: ParallelContext, args: argparse.Namespace) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    worker_env(rank, world, port)
     ctx = ParallelContext.from_env(tp=world, backend="gloo")
     try:
         results = {

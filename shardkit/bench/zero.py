@@ -56,7 +56,7 @@ import torch
 
 from .zero_peers import OFFLOAD_PEERS, PEERS, SHARDKIT, Runner, build_model, build_runner
 from .zero_report import bench_rows, build_report, format_table, row_configs, write_plot
-from .spawn import run_workers
+from .spawn import run_workers, worker_env
 
 __all__ = ["format_table", "main", "run_benchmark", "write_plot"]
 
@@ -65,16 +65,7 @@ LOSS_STEPS = 2
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) // world))
+    worker_env(rank, world, port, threads=args.threads)
     import torch.distributed as dist
 
     from shardkit.comm import ParallelContext
