@@ -57,6 +57,7 @@ out["params_per_rank"] = sum(p.numel() for p in par.parameters())
 if rank == 0:
     json.dump(out, open(sys.argv[1], "w"))
 ctx.destroy()
+torch.distributed.destroy_process_group()  # join gloo's threads before the interpreter exits
 """
 
 CELLS = [

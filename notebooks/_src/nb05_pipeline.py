@@ -30,6 +30,7 @@ if ctx.rank("pp") == 0:
     json.dump({"losses": losses, "stage_blocks": [list(r) for r in par.pipeline.stage_blocks]},
               open(sys.argv[1], "w"))
 ctx.destroy()
+torch.distributed.destroy_process_group()  # join gloo's threads before the interpreter exits
 """
 
 CELLS = [

@@ -335,6 +335,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp
         if rank == 0:
             queue.put(out)
         ctx.destroy()
+        dist.destroy_process_group()  # join gloo's P2P threads before the interpreter exits
 
 
 # ---- driver ------------------------------------------------------------------------------------
