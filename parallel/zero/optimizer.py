@@ -24,11 +24,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 from torch.profiler import record_function
 
 from .nvme import NvmeOffload, validate_nvme_dir
 from .offload import CpuOffload
+from ..param_groups import resolve_param_groups
 from .sharded import ShardedDataParallel
 
 __all__ = ["ZeroOptimizer"]
@@ -91,7 +91,7 @@ class ZeroOptimizer:
             )
         if sdp.offload == "nvme":
             validate_nvme_dir(sdp.nvme_dir)
-        groups = self._resolve_groups(sdp, params)
+        groups = resolve_param_groups(sdp.module, params)
         self.sdp = sdp
         self._offload: Any = None
         if sdp.offload is not None:
@@ -104,41 +104,6 @@ class ZeroOptimizer:
         self.skipped_steps = 0
         self.last_step_skipped = False
         sdp._attach(self)
-
-    @staticmethod
-    def _resolve_groups(sdp: ShardedDataParallel, params: Iterable[Any] | None) -> list[dict[str, Any]]:
-        by_name = dict(sdp.module.named_parameters(remove_duplicate=False))
-        names = {p: n for n, p in reversed(list(by_name.items()))}
-        if params is None:
-            params = [p for p in sdp.module.parameters() if p.requires_grad]
-        items = list(params)
-        if not items:
-            raise ValueError("params: empty parameter list")
-        groups = [dict(g) for g in items] if isinstance(items[0], Mapping) else [{"params": items}]
-        seen: set[nn.Parameter] = set()
-        for i, g in enumerate(groups):
-            if "params" not in g:
-                raise ValueError(f"params: group {i} has no 'params' key")
-            ps = [g["params"]] if isinstance(g["params"], (torch.Tensor, str)) else list(g["params"])
-            resolved = []
-            for p in ps:
-                if isinstance(p, str):
-                    if p not in by_name:
-                        raise ValueError(f"params: group {i} names {p!r}, which is not a parameter of sdp.module")
-                    p = by_name[p]
-                if not isinstance(p, torch.Tensor) or p not in names:
-                    what = f"shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
-                    raise ValueError(f"params: group {i} holds a tensor ({what}) that is not a parameter of sdp.module")
-                if not p.requires_grad:
-                    raise ValueError(
-                        f"params: {names[p]!r} is frozen (requires_grad=False); frozen params get no optimizer state"
-                    )
-                if p in seen:
-                    raise ValueError(f"params: {names[p]!r} appears in more than one group (or twice)")
-                seen.add(p)
-                resolved.append(p)
-            g["params"] = resolved
-        return groups
 
     # ---- torch.optim-like surface ----------------------------------------------------------
     @property

@@ -32,6 +32,7 @@ from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.parallel import DataParallel, ShardedDataParallel, ZeroOptimizer
+from shardkit.parallel.param_groups import resolve_param_groups
 
 from .config import load_config
 from .engine import Engine
@@ -126,7 +127,7 @@ def initialize(
         auto_values["hidden_size"] = hidden
     cfg = load_config(config, world_size=world, strict=strict, **auto_values)
     _check_supported(cfg)
-    groups = _resolve_groups(model, model_parameters)
+    groups = resolve_param_groups(model, model_parameters, arg="model_parameters")
     make_optimizer = _optimizer_factory(cfg, optimizer, model)
     _check_scheduler(lr_scheduler, optimizer)
     if ctx is None:
@@ -184,42 +185,6 @@ def _check_supported(cfg: EngineConfig) -> None:
             UserWarning,
             stacklevel=3,
         )
-
-
-def _resolve_groups(model: nn.Module, params: Iterable[Any] | None) -> list[dict[str, Any]]:
-    """``model_parameters`` as group dicts of the model's Parameter objects (names resolved)."""
-    by_name = dict(model.named_parameters(remove_duplicate=False))
-    names = {p: n for n, p in reversed(list(by_name.items()))}
-    if params is None:
-        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    if isinstance(params, (torch.Tensor, str)):
-        params = [params]
-    items = list(params)
-    if not items:
-        raise ValueError("model_parameters: empty (give parameters or param-group dicts, or None for all)")
-    groups = [dict(g) for g in items] if isinstance(items[0], Mapping) else [{"params": items}]
-    seen: set[nn.Parameter] = set()
-    for i, g in enumerate(groups):
-        if not isinstance(g, dict) or "params" not in g:
-            raise ValueError(f"model_parameters: group {i} is not a dict with a 'params' key")
-        ps = [g["params"]] if isinstance(g["params"], (torch.Tensor, str)) else list(g["params"])
-        out = []
-        for p in ps:
-            if isinstance(p, str):
-                if p not in by_name:
-                    raise ValueError(f"model_parameters: group {i} names {p!r}, which is not a parameter of the model")
-                p = by_name[p]
-            if not isinstance(p, torch.Tensor) or p not in names:
-                what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
-                raise ValueError(f"model_parameters: group {i} holds {what}, which is not a parameter of the model")
-            if not p.requires_grad:
-                raise ValueError(f"model_parameters: {names[p]!r} is frozen (requires_grad=False)")
-            if p in seen:
-                raise ValueError(f"model_parameters: {names[p]!r} is in more than one group (or twice)")
-            seen.add(p)
-            out.append(p)
-        g["params"] = out
-    return groups
 
 
 def _is_scheduler(obj: Any) -> bool:
