@@ -48,6 +48,7 @@ from shardkit.kernels.flatten import ALIGN_ELEMENTS, Segment, bucket_layout, fla
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
 from ..reducer import GradBucket
+from .sync_check import SyncCheck
 
 __all__ = ["FlatShards", "ShardedBucket", "paper_comm_bytes"]
 
@@ -155,6 +156,10 @@ class FlatShards:
             device masters and no device shard params are built; the optimizer reads
             ``sb.opt_grad`` after the epilogue and writes ``sb.local_param_shard()`` before
             :meth:`all_gather_params`.
+        check_sync: before each collective (bucket reduce-scatter, step epilogue, parameter
+            all-gather) agree over dp which one it is ([Note: diverged ranks] in
+            :mod:`~shardkit.parallel.zero.sync_check`); ``self.sync`` is then the
+            :class:`~shardkit.parallel.zero.sync_check.SyncCheck`, else None.
 
     Example:
         >>> shards = FlatShards([[w, b]], group=dp, rank=0, size=2, stage=2,
@@ -175,6 +180,7 @@ class FlatShards:
         stats: CommStats,
         backend: str = "auto",
         offload: bool = False,
+        check_sync: bool = False,
     ) -> None:
         self.group, self.rank, self.size, self.stage = group, rank, size, stage
         self.offload = offload
@@ -186,6 +192,11 @@ class FlatShards:
         self._transient = 0
         self.peak_transient_bytes = 0
         self.finalized = False  # the epilogue ran since the last zero_grad
+        self.sync: SyncCheck | None = None
+        if check_sync:
+            device = self.buckets[0].flat_param.device if self.buckets else torch.device("cpu")
+            who = f"ShardedDataParallel(stage={stage}, check_sync=True)"
+            self.sync = SyncCheck(group, size, stats, device, who=who)
 
     # ---- construction ------------------------------------------------------------------------
     @torch.no_grad()
@@ -256,6 +267,8 @@ class FlatShards:
                 "ShardedDataParallel: backward after the optimizer step without zero_grad(); call "
                 "opt.zero_grad() after each step (the reduced shard was already averaged and consumed)"
             )
+        if self.sync is not None:
+            self.sync.check("gradient reduce-scatter", gb.index)
         while len(self._in_flight) >= MAX_IN_FLIGHT:  # bound transient memory; oldest first
             self._complete_oldest()
         if self.stage == 1:
@@ -376,6 +389,8 @@ class FlatShards:
         """
         if self.finalized:
             raise RuntimeError("the gradient epilogue already ran for this step (call zero_grad() after step)")
+        if self.sync is not None:  # the norm/overflow all-reduce (if any) follows on every rank alike
+            self.sync.check("gradient epilogue (norm/overflow)")
         device = self.buckets[0].flat_param.device if self.buckets else torch.device("cpu")
         found_inf, sumsq = torch.zeros(1, device=device), torch.zeros(1, device=device)
         for sb in self.buckets:
@@ -427,6 +442,8 @@ class FlatShards:
             src = torch.empty(sb.shard, dtype=sb.flat_param.dtype, device=sb.flat_param.device)
             src.copy_(sb.master_shard())
             self._hold(src.numel() * src.element_size())
+            if self.sync is not None:
+                self.sync.check("parameter all-gather", sb.grad_bucket.index)
             works.append((all_gather(sb.flat_param, src, group=self.group, async_op=True, stats=self.stats), src))
         for work, src in works:
             self._finish_gather(work, src)

@@ -57,7 +57,6 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
-from shardkit.comm import all_gather
 
 from ..buckets import plan_buckets
 from ..reducer import GradBucket, GradReducer
@@ -117,7 +116,6 @@ class ShardUnits:
         specs = select_units(module, wrap)
         self.check_sync = check_sync
         self.forward_prefetch = forward_prefetch
-        self._gathers = 0  # unit gathers issued so far (check_sync compares it across ranks)
         self.reshard_after_forward = reshard_after_forward
         cap = int(bucket_mb * 2**20)
         # launch order: the reverse of module order (backward's), the root last: it holds the
@@ -135,7 +133,7 @@ class ShardUnits:
                 )
                 out.extend([ps[i] for i in idx] for idx in plan)
                 owner.extend([spec] * len(plan))
-        self.shards = Stage3Shards(trainable, frozen, **shard_kwargs)
+        self.shards = Stage3Shards(trainable, frozen, check_sync=check_sync, **shard_kwargs)
         self.units = [
             _Unit(
                 spec,
@@ -153,6 +151,10 @@ class ShardUnits:
             finish=self.shards.finish,
             on_finalize=self._finalize_backward,
         )
+        if self.shards.sync is not None:  # name units in the error; frozen-only models: their device
+            self.shards.sync.name_of = self._sync_name
+            any_sb = (self.shards.buckets or self.shards.frozen)[:1]
+            self.shards.sync.device = any_sb[0].flat_param.device if any_sb else self.shards.sync.device
         self._handles = []
         for u in self.units[1:]:
             self._handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
@@ -168,44 +170,18 @@ class ShardUnits:
     def _unshard(self, unit: _Unit, why: str) -> None:
         if unit.gathered or not unit.buckets:
             return
-        if self.check_sync:
-            self._check_in_step(unit, why)
+        if self.shards.sync is not None:  # [Note: diverged ranks] (sync_check.py)
+            self.shards.sync.check("unit all-gather", self.units.index(unit), why)
         with record_function("shardkit::all_gather"):
             unit.works = [self.shards.gather(sb) for sb in unit.buckets]
         unit.gathered = True
         self.gather_log.append((unit.name, why))
 
-    _WHY = ("forward", "prefetch", "backward", "state_dict")
-
-    def _check_in_step(self, unit: _Unit, why: str) -> None:
-        """[Note: diverged ranks] Before each unit gather, agree ``(gathers so far, unit, phase)``
-        over dp with one 24-byte all-gather per rank; any difference raises the same error on
-        every rank, naming each rank's position, instead of pairing mismatched gathers (wrong
-        values) or waiting for one that never comes (a hang until the timeout).
-
-        Every rank issues this all-gather before every unit gather, so as long as each rank
-        gathers at all, the check all-gathers pair up with each other even when the ranks are
-        at different points (one more forward on one rank, another unit order): the first check
-        after the divergence sees different rows. It costs one small collective per unit gather,
-        which is why it is a debug switch (``ShardedDataParallel(check_sync=True)``).
-        """
-        index = self.units.index(unit)
-        mine = torch.tensor([self._gathers, index, self._WHY.index(why)], dtype=torch.int64)
-        device = unit.buckets[0].param_shard.device
-        rows = torch.empty(self.shards.size * 3, dtype=torch.int64, device=device)
-        all_gather(rows, mine.to(device), group=self.shards.group, stats=self.shards.stats)
-        rows = rows.view(self.shards.size, 3).cpu()
-        self._gathers += 1
-        if bool((rows == rows[0]).all()):
-            return
-        where = "; ".join(
-            f"rank {r}: gather #{int(n)} of unit {self.units[int(u)].name!r} for {self._WHY[int(w)]}"
-            for r, (n, u, w) in enumerate(rows.tolist())
-        )
-        raise RuntimeError(
-            f"ShardedDataParallel(stage=3, check_sync=True): the dp ranks diverged before an all-gather ({where}). "
-            "Every rank must run the same forwards and backwards, calling the units in the same order"
-        )
+    def _sync_name(self, kind: str, index: int) -> str:
+        if kind == "unit all-gather":
+            return f"unit {self.units[index].name!r}"
+        unit = self._unit_of.get(index)
+        return f"bucket {index}" + (f" (unit {unit.name!r})" if unit is not None else "")
 
     @staticmethod
     def _wait(unit: _Unit) -> None:
