@@ -104,10 +104,12 @@ class ShardedDataParallel(nn.Module):
             overflow is agreed over dp, and ``ZeroOptimizer.step`` updates the scale.
         stats: CommStats to record into (default a new one, ``.comm_stats``).
         backend: kernel backend (``"triton"`` runs the interpreter on CPU).
-        check_sync: stage 3 debug switch: before every unit all-gather, agree over dp which
-            gather it is (one 24-byte all-gather); ranks that diverged (one more forward, another
-            unit order) then raise the same ``RuntimeError`` naming each rank's position instead
-            of mis-pairing gathers or hanging until the timeout ([Note: diverged ranks]).
+        check_sync: debug switch, any stage: before each ZeRO collective (bucket
+            reduce-scatter, step epilogue, parameter all-gather, stage-3 unit all-gather) agree
+            over dp which one it is (one 32-byte all-gather); ranks that diverged (one more
+            forward/backward, a missed ``no_sync``, another unit order) then raise the same
+            ``RuntimeError`` naming each rank's position instead of mis-pairing collectives or
+            hanging until the timeout ([Note: diverged ranks] in ``zero/sync_check.py``).
         forward_prefetch: stage 3: gather the next unit (in the previous forward's order) while
             the current one runs — faster, one more gathered unit at the peak. False: gather
             each unit just before it runs (FSDP2's default). Backward always prefetches.
@@ -146,10 +148,8 @@ class ShardedDataParallel(nn.Module):
             raise ValueError(
                 f"forward_prefetch must be a bool and applies to stage 3; got {forward_prefetch!r} with stage={stage}"
             )
-        if not isinstance(check_sync, bool) or (check_sync and stage != 3):
-            raise ValueError(
-                f"check_sync must be a bool and applies to stage 3 (per-unit gathers); got {check_sync!r} with stage={stage}"
-            )
+        if not isinstance(check_sync, bool):
+            raise ValueError(f"check_sync must be a bool, got {check_sync!r}")
         self.module = module
         self.ctx = ctx
         self.stage = stage
@@ -180,6 +180,8 @@ class ShardedDataParallel(nn.Module):
             offload=offload is not None,
         )
         self._units: ShardUnits | None = None
+        if stage != 3:
+            shard_kwargs["check_sync"] = check_sync
         if stage == 3:
             self._units = ShardUnits(
                 module,
