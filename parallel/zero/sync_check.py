@@ -84,7 +84,9 @@ class SyncCheck:
         if bool((rows == rows[0]).all()):
             return
         where = "; ".join(
-            f"rank {r}: collective #{n}, {KINDS[k]} of {self.name_of(KINDS[k], i)}" + (f" for {PHASES[p]}" if p else "")
+            f"rank {r}: collective #{n}, {KINDS[k]}"
+            + ("" if KINDS[k].startswith("gradient epilogue") else f" of {self.name_of(KINDS[k], i)}")
+            + (f" for {PHASES[p]}" if p else "")
             for r, (n, k, i, p) in enumerate(rows.tolist())
         )
         raise RuntimeError(
