@@ -63,6 +63,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "parallel/reducer.py": ["tests/test_reducer.py", "tests/test_data_parallel.py", "tests/test_zero.py"],
     "parallel/compose.py": ["tests/test_parallelize.py"],
     "parallel/zero/stage3.py": ["tests/test_zero3.py", "tests/test_zero3_cases.py"],
+    "parallel/zero/sync_check.py": ["tests/test_zero_sync_check.py", "tests/test_zero3_cases.py"],
     "parallel/zero/offload.py": ["tests/test_zero_offload.py"],
     "parallel/zero/nvme.py": ["tests/test_zero_offload.py"],
     "parallel/checkpoint/content.py": ["tests/test_checkpoint.py"],
