@@ -27,13 +27,19 @@ what the previous one produced:
    holding (TP shards of its stages). Without a pipeline the gradients are reduced by autograd
    hooks during backward (DataParallel / ZeRO, via :mod:`~shardkit.parallel.strategy`). With a
    pipeline, gradients reach ``p.grad`` in the pipeline's finalize rather than through autograd
-   hooks, so the dp reduction is one coalesced all-reduce per dtype after the pipeline step.
+   hooks, so the dp reduction runs after the pipeline step: ``"ddp"`` one coalesced all-reduce
+   per dtype; ``"zero1"``/``"zero2"`` shard this rank's stages (every chunk, tied copies
+   included) over dp and reduce-scatter each bucket's ``p.grad`` into this rank's shard, the
+   optimizer then steps the shard and all-gathers the params (see [Note: ZeRO under a
+   pipeline] in :mod:`~shardkit.parallel.zero.pipeline_grads`). ``"zero3"`` is refused with
+   pp: its per-unit gathers would have to run per micro-batch inside the schedule.
 
 [Note: the global gradient norm]
 Every element of the model's gradient must be counted exactly once: a tp-sharded parameter's
 squares add over tp, a tp-replicated one is identical on every tp rank (counted ``1/tp`` per
-rank, as :func:`~shardkit.parallel.tensor.clip_grad_norm_tp_`), stages add over pp, and after the
-dp reduction the replicas are equal (no dp sum). One fp32 all-reduce over tp and one over pp.
+rank, as :func:`~shardkit.parallel.tensor.clip_grad_norm_tp_`), stages add over pp (a parameter tied across stages counted on one of its copies only), and after
+the dp reduction the replicas are equal (no dp sum). One fp32 all-reduce over tp and one over pp.
+With ZeRO the gradients are sharded over dp, so the sum also runs over dp (ZeRO's finalize).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.profiler import record_function
@@ -93,9 +100,11 @@ class ParallelModel:
 
     Attributes:
         module: the module this rank trains (the DataParallel/ZeRO wrapper, or without dp the
-            TP-converted model; with a pipeline the :class:`PipelineParallel`'s stages).
+            TP-converted model; with a pipeline the :class:`PipelineParallel`'s stages, wrapped
+            by ZeRO when ``dp`` is ``"zero1"``/``"zero2"``).
         pipeline: the :class:`PipelineParallel`, or None.
-        strategy: the dp :class:`~shardkit.parallel.strategy.Strategy` (no pipeline), or None.
+        strategy: the dp :class:`~shardkit.parallel.strategy.Strategy` (no pipeline, or ZeRO
+            under a pipeline), or None.
         loss_fn: the loss of logits and targets (vocab-parallel when the head is).
         stats: CommStats of the dp reduction and the norm all-reduces (pipeline and TP layers
             record into their own).
@@ -147,7 +156,9 @@ class ParallelModel:
         if self.pipeline is not None:
             with record_function("shardkit::pipeline_step"):
                 loss = torch.tensor(self.pipeline.step(inputs, targets))
-            if _size(self.ctx, "dp") > 1:
+            if self.strategy is not None:  # ZeRO: reduce-scatter each bucket into this rank's shard
+                self.module.reduce_gradients()
+            elif _size(self.ctx, "dp") > 1:
                 self._reduce_over_dp()
             return loss
         with self._autocast() if self._autocast is not None else _nullcontext():
@@ -227,17 +238,16 @@ class ParallelModel:
         return StrategyReport(memory=memory, comm=self.stats.summary(), loss_scale=None, skipped_steps=0)
 
     def _tie_copies(self) -> set[int]:
-        """ids of this rank's copies of a parameter tied across pipeline stages whose squares are
-        counted by another copy: a tie's gradient is the same on every copy (the pipeline sums it
-        over them), so only the copy on the tie's source rank counts."""
-        if self.pipeline is None:
-            return set()
-        me = self.ctx.rank("pp")
-        out: set[int] = set()
-        for tie in self.pipeline.tied.ties:
-            counted = tie.local[:1] if me == tie.src else []
-            out |= {id(q) for q in tie.local if not any(q is c for c in counted)}
-        return out
+        """ids of :func:`_uncounted_tie_copies`."""
+        return set() if self.pipeline is None else {id(q) for q in _uncounted_tie_copies(self.pipeline, self.ctx)}
+
+    def close(self) -> None:
+        """Release the process groups made for this model (the pipeline's tie groups, ZeRO's
+        stage context under a pipeline); it must not train afterwards. Idempotent; local."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            if self.strategy is not None:  # ZeRO's stage context: its size-1 pp groups
+                self.module.ctx.destroy()
 
     @torch.no_grad()
     def _reduce_over_dp(self) -> None:
@@ -277,14 +287,14 @@ def parallelize(
             the head into a :class:`~shardkit.parallel.tensor.plan.VocabParallelLMHead`.
         tp_plan: a TP plan (:func:`~shardkit.parallel.tensor_parallelize`); required when tp > 1.
         pp: :class:`PipelineOptions` or a dict of its fields; required when pp > 1.
-        dp: ``"none"``, ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (ZeRO composes with tp,
-            not yet with pp).
+        dp: ``"none"``, ``"ddp"``, ``"zero1"``, ``"zero2"`` or ``"zero3"`` (ZeRO composes with tp;
+            with pp, stages 1 and 2).
         blocks: ``blocks(model) -> [embedding, *blocks, head]`` (a sequence whose composition is
             the model); needed for pp > 1 unless ``model`` is an ``nn.Sequential``, and used by
             ``checkpointing`` without a pipeline.
         checkpointing: False, True (recompute each block in backward) or ``"cpu"`` (also keep
             the saved block inputs on the CPU).
-        loss_scaler: fp16 loss scaler (dp-only runs for now).
+        loss_scaler: fp16 loss scaler (no pipeline; with tp, a ZeRO dp strategy).
         autocast: a context-manager factory for forward + loss (e.g. bf16 autocast); dp-only.
         dp_options: the dp strategy's options (``bucket_mb``, ``grad_buckets``...).
 
@@ -322,9 +332,14 @@ def parallelize(
             checkpointing=checkpointing,
             stats=stats,
         )
-        # 4. data parallel: a coalesced all-reduce after each pipeline step (ParallelModel)
+        # 4. data parallel after each pipeline step: ddp a coalesced all-reduce (ParallelModel),
+        # zero1/zero2 a reduce-scatter per bucket of this rank's stages (the ZeRO wrapper)
         stages = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
-        par = ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=None, pipeline=pipe, dp=dp, autocast=None)
+        strategy = None
+        if dp.startswith("zero"):
+            strategy = make_strategy(dp, ctx=ctx, **dict(dp_options or {}))
+            stages = strategy.wrap_stages(stages, uncounted=_uncounted_tie_copies(pipe, ctx))
+        par = ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=strategy, pipeline=pipe, dp=dp, autocast=None)
         par.stats = stats
         return par
     # 3. activation checkpointing on the blocks (no pipeline)
@@ -397,11 +412,15 @@ def _validate(
     if checkpointing and pp_size == 1 and blocks is None:
         raise ValueError("checkpointing without a pipeline needs blocks= (which modules to recompute)")
     composite = tp > 1 or pp_size > 1
-    if pp_size > 1 and dp.startswith("zero"):
+    if pp_size > 1 and dp == "zero3":
         raise ValueError(
-            f"dp={dp!r} with pp={pp_size}: ZeRO does not compose with the pipeline yet (its gradients reach "
-            "p.grad outside autograd's hooks); use dp='ddp' with pipeline parallelism"
+            f"dp='zero3' with pp={pp_size}: ZeRO-3's per-unit parameter gathers would have to be issued per "
+            "micro-batch inside the pipeline schedule; use dp='zero1' or 'zero2' (or 'ddp') with pipeline parallelism"
         )
+    if pp_size > 1 and dp.startswith("zero") and ctx.world_size != dist.get_world_size():
+        raise ValueError(f"ctx: dp={dp!r} with pp needs the context to span the world, got {ctx.world_size} ranks")
+    if pp_size > 1 and loss_scaler is not None:
+        raise ValueError("loss_scaler (fp16) with pp: the pipeline does not scale its loss; pipeline in fp32")
     if composite and loss_scaler is not None and not dp.startswith("zero"):
         raise ValueError(
             "loss_scaler (fp16) with tp/pp needs a ZeRO dp strategy (its finalize agrees the overflow over "
@@ -422,6 +441,18 @@ def _merge(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:
         for label, g in v.get("groups", {}).items():
             old = cur["groups"].get(label, {"calls": 0, "bytes": 0})
             cur["groups"][label] = {"calls": old["calls"] + g["calls"], "bytes": old["bytes"] + g["bytes"]}
+    return out
+
+
+def _uncounted_tie_copies(pipe: PipelineParallel, ctx: ParallelContext) -> list[nn.Parameter]:
+    """This rank's copies of parameters tied across pipeline stages whose squares another copy
+    counts in the global norm: a tie's gradient is the same on every copy (the pipeline sums it
+    over them), so only the first local copy on the tie's source rank counts."""
+    me = ctx.rank("pp")
+    out: list[nn.Parameter] = []
+    for tie in pipe.tied.ties:
+        counted = tie.local[:1] if me == tie.src else []
+        out += [q for q in tie.local if not any(q is c for c in counted)]
     return out
 
 

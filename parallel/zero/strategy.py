@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -22,6 +23,7 @@ from shardkit.comm import ParallelContext
 from ..loss_scaler import DynamicLossScaler
 from ..strategy import Strategy, StrategyReport, register_strategy
 from .optimizer import ZeroOptimizer
+from .pipeline_grads import PipelineShardedDataParallel
 from .sharded import ShardedDataParallel
 
 __all__ = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy"]
@@ -74,6 +76,32 @@ class _ZeroStrategy(Strategy):
             self.stage,
             bucket_mb=self.bucket_mb,
             loss_scaler=self.loss_scaler,
+            offload=self.offload,
+            nvme_dir=self.nvme_dir,
+        )
+        return self.model
+
+    def wrap_stages(self, stages: nn.Module, *, uncounted: Iterable[nn.Parameter] = ()) -> nn.Module:
+        """Wrap one pipeline rank's stages (stages 1-2; see [Note: ZeRO under a pipeline] in
+        :mod:`~shardkit.parallel.zero.pipeline_grads`); the loop then calls the wrapper's
+        ``reduce_gradients()`` after each pipeline step.
+
+        Example:
+            >>> model = s.wrap_stages(nn.ModuleList(pipe.stages[k] for k in sorted(pipe.stages)))
+        """
+        if self.stage == 3:
+            raise ValueError(
+                "dp='zero3' does not compose with the pipeline: its per-unit parameter gathers would have to be "
+                "issued per micro-batch inside the schedule; use dp='zero1' or 'zero2' (or 'ddp') with pp"
+            )
+        if self.loss_scaler is not None:
+            raise ValueError("loss_scaler: the pipeline does not scale its loss (fp16); pipeline in fp32")
+        self.model = PipelineShardedDataParallel(
+            stages,
+            self.ctx,
+            self.stage,
+            uncounted=uncounted,
+            bucket_mb=self.bucket_mb,
             offload=self.offload,
             nvme_dir=self.nvme_dir,
         )

@@ -1,0 +1,193 @@
+"""ZeRO-1/2 on the dp axis of a pipeline: one pp rank's stages sharded over its dp peers.
+
+[Note: ZeRO under a pipeline]
+A pipeline rank holds a few stages (every chunk of the interleaved schedule, and its copies of
+parameters tied to other stages); the ranks of its dp group hold the *same* stages and train
+other rows of the batch. :class:`PipelineShardedDataParallel` is a
+:class:`~shardkit.parallel.ShardedDataParallel` (stage 1 or 2) over those stages and this dp
+group, with two differences, both because :class:`~shardkit.parallel.PipelineParallel`
+produces the gradients outside autograd's accumulation (``torch.autograd.grad`` per
+micro-batch, summed in fp32, written into ``p.grad`` once, in its finalize):
+
+* **who launches the reduction.** Autograd's post-accumulate hooks never fire, so
+  :meth:`PipelineShardedDataParallel.reduce_gradients`, called after the pipeline step, runs
+  the reducer's ``finalize_backward``: every bucket is packed from ``p.grad`` and
+  reduce-scattered into this rank's shard, in bucket order (one collective per bucket; stage 2
+  then frees ``p.grad``). The optimizer steps the shard and all-gathers the params, as without
+  a pipeline. DeepSpeed's PipelineEngine allows ZeRO-1 only; stage 2 costs nothing more here
+  because the pipeline's own fp32 accumulators already hold the step's gradient until then.
+  Stage 3 is refused: its per-unit parameter gathers would have to be issued per micro-batch
+  inside the schedule.
+* **the global norm** spans the pipeline: the epilogue's Σg² of this rank's shards (tp-replicated
+  params weighted 1/tp, as without a pipeline) minus the squares of the copies of
+  cross-stage-tied parameters that another rank counts (a tie's gradient is the same on every
+  copy), then one 8-byte all-reduce each over dp, tp and pp.
+
+The wrapped :class:`ShardedDataParallel` sees a context with ``pp = 1``: this pp rank's dp × tp
+slice of the mesh (:func:`stage_context`), the same dp and tp process groups, plus a size-1 pp
+group. The full context stays in :attr:`PipelineShardedDataParallel.pipeline_ctx`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.profiler import record_function
+
+from shardkit.comm import AXES, CommStats, ParallelContext, all_reduce
+
+from .sharded import ShardedDataParallel
+
+__all__ = ["PipelineShardedDataParallel", "stage_context"]
+
+
+def stage_context(ctx: ParallelContext) -> ParallelContext:
+    """This pp rank's dp × tp slice of ``ctx``, as a context whose pp axis has size 1.
+
+    Its dp and tp groups are ``ctx``'s own; the size-1 pp group is new (release it with the
+    returned context's ``destroy()``). Collective on the world: every rank creates every rank's
+    size-1 group, in the same order (``new_group``'s contract).
+
+    Args:
+        ctx: a context spanning the whole default group.
+
+    Returns:
+        A :class:`~shardkit.comm.ParallelContext` with ``size("pp") == 1`` and ``ctx``'s
+        ``dp``/``tp`` sizes, ranks and groups.
+
+    Raises:
+        ValueError: ``ctx`` does not span the world.
+
+    Example:
+        >>> sub = stage_context(ctx)                     # ctx: pp=2, dp=2 on 4 ranks
+        >>> sub.sizes, sub.group("dp") is ctx.group("dp")
+        ({'pp': 1, 'dp': 2, 'tp': 1}, True)
+    """
+    if ctx.world_size != dist.get_world_size():
+        raise ValueError(
+            f"ctx: ZeRO under a pipeline needs the context to span the world ({dist.get_world_size()} ranks), "
+            f"got {ctx.world_size}"
+        )
+    me = dist.get_rank()
+    singletons = [dist.new_group([r], group_desc="shardkit_stage_pp") for r in range(dist.get_world_size())]
+    layout = ctx.mesh.mesh[ctx.rank("pp")].unsqueeze(0).to(torch.int)  # [1, dp, tp] global ranks
+    groups = [singletons[me], ctx.group("dp"), ctx.group("tp")]
+    mesh = DeviceMesh.from_group(groups, ctx.mesh.device_type, mesh=layout, mesh_dim_names=AXES)
+    return ParallelContext(mesh, [singletons[me]])
+
+
+class PipelineShardedDataParallel(ShardedDataParallel):
+    """ZeRO stage 1 or 2 of one pipeline rank's stages over ``ctx``'s dp axis.
+
+    See [Note: ZeRO under a pipeline]. Used by :func:`~shardkit.parallel.parallelize`
+    (``dp="zero1"``/``"zero2"`` with ``pp``); :class:`~shardkit.parallel.zero.ZeroOptimizer`,
+    ``memory_report``, ``full_state_dict`` (this rank's stages) work as on the base class.
+
+    Args:
+        stages: this pp rank's stages (e.g. an ``nn.ModuleList`` of them), the same module on
+            every rank of its dp group.
+        ctx: the full context (pp > 1 allowed; it must span the world).
+        stage: 1 or 2.
+        uncounted: parameters whose squares another rank counts in the global norm (this
+            rank's copies of cross-stage-tied parameters, except on the tie's first owner).
+        bucket_mb, offload, nvme_dir, grad_dtype, stats, backend: as
+            :class:`~shardkit.parallel.ShardedDataParallel`.
+
+    Raises:
+        ValueError: ``stage`` not 1 or 2 (named), before any collective.
+
+    Example:
+        >>> sdp = PipelineShardedDataParallel(nn.ModuleList(pipe.stages.values()), ctx, stage=2)
+        >>> opt = ZeroOptimizer(sdp, FusedAdamW, lr=3e-4)
+        >>> pipe.step(x, y); sdp.reduce_gradients(); sdp.clip_grad_norm_(1.0)
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        stages: nn.Module,
+        ctx: ParallelContext,
+        stage: int = 1,
+        *,
+        uncounted: Iterable[nn.Parameter] = (),
+        bucket_mb: float = 25.0,
+        offload: str | None = None,
+        nvme_dir: str | None = None,
+        grad_dtype: torch.dtype | None = None,
+        stats: CommStats | None = None,
+        backend: str = "auto",
+    ) -> None:
+        if isinstance(stage, bool) or stage not in (1, 2):
+            raise ValueError(
+                f"stage must be 1 or 2 under a pipeline, got {stage!r} (stage 3's per-unit gathers would have to "
+                "be issued per micro-batch inside the schedule)"
+            )
+        if not isinstance(ctx, ParallelContext):
+            raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
+        uncounted = list(uncounted)
+        sub = stage_context(ctx)
+        super().__init__(
+            stages,
+            sub,
+            stage,
+            bucket_mb=bucket_mb,
+            offload=offload,
+            nvme_dir=nvme_dir,
+            grad_dtype=grad_dtype,
+            stats=stats,
+            backend=backend,
+        )
+        self.pipeline_ctx = ctx
+        self._uncounted = {p for p in uncounted if p.requires_grad}
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the full ``p.grad`` of every bucket into this rank's shard, in bucket
+        order (after the pipeline step wrote ``p.grad``; stage 2 frees ``p.grad``). Collective
+        on dp; call once per optimizer step."""
+        with record_function("shardkit::reduce_scatter"):
+            self._reducer.finalize_backward()
+
+    def finalize_gradients(self, max_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
+        """Average this rank's gradient shards over dp, agree the GLOBAL norm over dp, tp and pp
+        (each element counted once), clip. Runs once per step (later calls return the first's result).
+
+        Returns:
+            ``(False, norm)``: no overflow (the pipeline runs without a loss scaler), and the
+            global L2 norm before clipping (0-d fp32), or None without ``max_norm``.
+        """
+        if self._step_state is not None:
+            return self._step_state
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
+        found_inf, sumsq = self._shards.epilogue(1.0 / self._dp, replicated=self._replicated, replicated_weight=1.0 / self._tp)
+        norm = None
+        if max_norm is not None:
+            if self._uncounted:
+                sumsq = sumsq - self._uncounted_sumsq(sumsq.device)
+            both = torch.cat([found_inf, sumsq])
+            ctx = self.pipeline_ctx
+            for axis in ("dp", "tp", "pp"):
+                if ctx.size(axis) > 1:
+                    all_reduce(both, group=ctx.group(axis), op="sum", stats=self.comm_stats)
+            sumsq = both[1:2]
+            norm = sumsq.sqrt().reshape(())
+            self._shards.clip_(sumsq, max_norm)
+        self._step_state = (False, norm)
+        return self._step_state
+
+    def _uncounted_sumsq(self, device: torch.device) -> torch.Tensor:
+        """Σg² (already averaged) of this rank's pieces of :attr:`_uncounted`, with the weight the
+        epilogue gave them (1/tp for tp-replicated params)."""
+        out = torch.zeros(1, device=device)
+        for sb in self._shards.buckets:
+            g = sb.opt_grad if sb.opt_grad is not None else sb.reduced_shard
+            for seg in sb.segments:
+                p = sb.grad_bucket.params[seg.index]
+                if p in self._uncounted:
+                    w = 1.0 / self._tp if p in self._replicated else 1.0
+                    out += w * g.narrow(0, seg.flat_offset - sb.start, seg.numel).float().square().sum()
+        return out
