@@ -395,6 +395,8 @@ def apply_load(layout: Layout, optimizer: Any, meta: dict[str, Any], plan: LoadP
     for k, flat in plan.model.items():
         target[k].copy_(flat.view(shapes[k][0]))
     if plan.shards:
+        # offload_params: the shards are host memory a staging copy may still read (CUDA)
+        layout.sdp._shards.host_writable()
         for sb, tmp in zip(_param_buckets(layout.sdp), plan.shards):
             sb.local_param_shard().copy_(tmp)
     groups = meta["optim"]["groups"]

@@ -52,7 +52,7 @@ import torch
 
 from shardkit.comm import all_reduce
 
-from .offload import CpuOffload, _piece, placeholder
+from .offload import CpuOffload, _piece, host_param_shards, placeholder
 
 __all__ = ["NvmeOffload", "read_tensors", "validate_nvme_dir", "write_tensors"]
 
@@ -367,7 +367,8 @@ class NvmeOffload(CpuOffload):
         self._last_stepped = self.optimizer.state
 
     def offloaded_bytes(self) -> dict[str, int]:
-        """``{"cpu": 0, "nvme": committed masters + state bytes, "cpu_buffers": gradient buffers}``."""
+        """``{"cpu": host param shards (``offload_params``, else 0), "nvme": committed masters +
+        state bytes, "cpu_buffers": gradient buffers}``."""
         nvme = 0
         for layout in self.layouts:
             if layout is not None:
@@ -375,4 +376,5 @@ class NvmeOffload(CpuOffload):
                 nvme += 4 * numel
                 for entries, _ in per_param:
                     nvme += sum(dt.itemsize * math.prod(shape) for _, dt, shape in entries)
-        return {"cpu": 0, "nvme": nvme, "cpu_buffers": sum(g.numel() * 4 for g in self.grads)}
+        host = sum(t.numel() * t.element_size() for t in host_param_shards(self.sdp))  # offload_params
+        return {"cpu": host, "nvme": nvme, "cpu_buffers": sum(g.numel() * 4 for g in self.grads)}

@@ -42,6 +42,11 @@ Results are bitwise those of ``offload=None``: the wrapped optimizer sees the sa
 gradients, and the write-back rounds each master to the param dtype once, as the all-gather of
 the device master does.
 
+With ``offload_params=True`` (stage 3) the parameter shards live in host memory too
+([Note: offloaded parameter shards] in ``stage3_shards.py``): an fp32 shard is adopted as the
+master itself (no second copy, no write-back), a low-precision one gets the master's cast on the
+host.
+
 A param the user writes (``sdp.load_full_state_dict``, ``module.load_state_dict``, ``p.copy_``
 under ``no_grad``) moves its version counter; the next step copies the written values into the
 CPU master first, so the step continues from them, as it does without offload.
@@ -137,8 +142,12 @@ class CpuOffload:
     def _init_masters(self) -> list[torch.Tensor] | None:
         masters = []
         for sb, sps in zip(self.buckets, self.shard_params):
-            m = self._host(sb.shard)
-            m.copy_(sb.local_param_shard())  # exact: every param dtype widens to fp32 exactly
+            local = sb.local_param_shard()
+            if _host_fp32(self.sdp, local):  # offload_params: the host shard is the master
+                m = local
+            else:
+                m = self._host(sb.shard)
+                m.copy_(local)  # exact: every param dtype widens to fp32 exactly
             for seg, sp in zip(sb.segments, sps):
                 sp.data = _piece(m, sb, seg)  # the optimizer's in-place updates write the master
             masters.append(m)
@@ -213,7 +222,9 @@ class CpuOffload:
     def write_back(self, sources: list[torch.Tensor]) -> None:
         """``sources[b]`` (``[shard]``, host) into each bucket's ``local_param_shard()``, cast."""
         for sb, src in zip(self.buckets, sources):
-            sb.local_param_shard().copy_(src, non_blocking=self.pin)
+            dst = sb.local_param_shard()
+            if dst.data_ptr() != src.data_ptr():  # offload_params, fp32: the master is the shard
+                dst.copy_(src, non_blocking=self.pin and dst.is_cuda)
 
     def step(self) -> None:
         """Copy the gradients in, step on the CPU, write the params' shards (no all-gather)."""
@@ -235,6 +246,8 @@ class CpuOffload:
     @torch.no_grad()
     def load(self, optimizer_state: Mapping[str, Any], masters: list[torch.Tensor | None]) -> None:
         """Load the wrapped optimizer's state and the masters (None: take the params as they are)."""
+        if getattr(self.sdp, "offload_params", False):  # a master may be the host param shard
+            self.sdp._shards.host_writable()
         self.optimizer.load_state_dict(optimizer_state)
         for b, (m, saved) in enumerate(zip(self.masters, masters)):
             if saved is None:
@@ -244,11 +257,26 @@ class CpuOffload:
         self.record_versions()  # the loaded masters win over params loaded before them
 
     def offloaded_bytes(self) -> dict[str, int]:
-        """``{"cpu": masters + optimizer state, "nvme": 0, "cpu_buffers": gradient buffers}``."""
+        """``{"cpu": masters + optimizer state (+ host param shards), "nvme": 0, "cpu_buffers":
+        gradient buffers}``; each storage counted once (an fp32 host param shard is the master)."""
         seen: dict[int, int] = {}
+        for t in [*self.masters, *host_param_shards(self.sdp)]:
+            seen[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
         for s in self.optimizer.state.values():
             for v in s.values():
                 if isinstance(v, torch.Tensor):
                     seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-        masters = sum(m.numel() * 4 for m in self.masters)
-        return {"cpu": masters + sum(seen.values()), "nvme": 0, "cpu_buffers": sum(g.numel() * 4 for g in self.grads)}
+        return {"cpu": sum(seen.values()), "nvme": 0, "cpu_buffers": sum(g.numel() * 4 for g in self.grads)}
+
+
+def host_param_shards(sdp: Any) -> list[torch.Tensor]:
+    """The host parameter shards of every stage-3 bucket (``offload_params``), else ``[]``."""
+    if not getattr(sdp, "offload_params", False):
+        return []
+    return [sb.param_shard for sb in sdp.param_buckets]
+
+
+def _host_fp32(sdp: Any, local: torch.Tensor) -> bool:
+    """Whether ``local`` (a bucket's param shard) can be the CPU master itself: an fp32 shard in
+    host memory (``offload_params``), pinned whenever the params are on CUDA."""
+    return getattr(sdp, "offload_params", False) and local.dtype == torch.float32 and local.device.type == "cpu"

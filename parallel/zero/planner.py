@@ -319,6 +319,46 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def _stage3_transient_staged(layout: Any, *, pb: int, gb: int, reshard_after_forward: bool, in_flight: int) -> int:
+    """:func:`stage3_transient` with ``offload_params``' device staging buffers.
+
+    A gather holds a ``[shard]`` staging buffer (1/N of the unit, [Note: offloaded parameter
+    shards]) from its issue until it is waited: in forward the unit being waited and the
+    prefetched next one both hold theirs for a moment (the root's and the first unit's at the
+    start); in backward (with ``reshard_after_forward``) the prefetched unit k-1 holds its own
+    while unit k's gradient buckets launch. Otherwise the same replay as stage3_transient.
+    """
+    n = layout.dp
+    root, units = layout.units[0], list(layout.units[1:])
+    r = pb * root.gathered
+    size = [pb * u.gathered for u in units]
+    stage = [s // n for s in size]
+    peak = r + r // n + (size[0] + stage[0] if size else 0)  # the root's gather + the first prefetch
+    for k in range(len(size)):
+        held = sum(size[: k + 2]) if not reshard_after_forward else sum(size[k : k + 2])
+        peak = max(peak, r + held + sum(stage[k : k + 2]))
+    alive = set(range(len(units))) if not reshard_after_forward else set()
+    flight: list[int] = []
+
+    def launch(totals: tuple[int, ...], staged: int) -> int:
+        most = 0
+        for t in totals:
+            del flight[: max(0, len(flight) - in_flight + 1)]
+            flight.append(gb * t)
+            most = max(most, r + sum(size[j] for j in alive) + staged + sum(flight))
+        return most
+
+    for k in reversed(range(len(units))):
+        alive |= {k} | ({k - 1} if k else set())
+        staged = stage[k - 1] if (k and reshard_after_forward) else 0  # the prefetch of k-1, not yet waited
+        peak = max(peak, launch(units[k].totals, staged))
+        if units[k].totals and not units[k].frozen_totals:
+            alive.discard(k)
+    peak = max(peak, launch(root.totals, 0))
+    epilogue = 4 * layout.shards if gb != 4 else 0
+    return max(peak, epilogue)
+
+
 def plan_memory(
     num_params: int | nn.Module,
     *,
@@ -351,7 +391,9 @@ def plan_memory(
         optimizer: name in :data:`OPTIMIZER_STATE_SLOTS` or K (bytes per parameter, master incl.).
         offload: None, ``"cpu"`` (optimizer state + its step on the host) or ``"nvme"`` (optimizer
             state in files, streamed through host buffers). Stages 1-3 only.
-        offload_params: stage 3 with offload: keep the parameter shard off the device too.
+        offload_params: stage 3 with offload: keep the parameter shard in host memory (for
+            ``"nvme"`` too: only the optimizer state goes to files), plus a device staging buffer
+            (1/N of the unit) per gather in flight.
         bucket_mb: gradient bucket capacity in MiB (as ``DataParallel(bucket_mb=)``).
         buckets_in_flight: buckets alive at once in stages 1-2 (one filling, one reducing).
         gradient_as_bucket_view: stage 0: grads are views of the buckets (no second copy).
@@ -448,11 +490,8 @@ def plan_memory(
             nvme += opt
             cpu += 2 * k * min(nvme_subgroup_params, shard_t)
         opt = master = 0
-        if offload_params:
-            if offload == "cpu":
-                cpu += params
-            else:
-                nvme += params
+        if offload_params:  # host memory for both targets ([Note: offloaded parameter shards])
+            cpu += params
             params = 0
 
     # Transient buffers (§3.2 "temporary buffers"): nothing to communicate at dp = 1.
@@ -467,13 +506,15 @@ def plan_memory(
                 layout, psi_t, dp=dp, stage=stage, pb=pb, gb=gb, bucket=bucket, in_flight=buckets_in_flight
             )
         elif lay3 is not None:
-            transient = stage3_transient(
+            transient = (_stage3_transient_staged if offload_params else stage3_transient)(
                 lay3, pb=pb, gb=gb, reshard_after_forward=reshard_after_forward, in_flight=buckets_in_flight
             )
         else:
             unit = psi if largest_unit_params is None else largest_unit_params
             gathered = psi if not reshard_after_forward else min(psi, (1 + prefetch) * unit)
             transient = pb * gathered + gb * min(unit, psi_t)  # + one unit's unsharded grads
+            if offload_params:  # each gather in flight also holds its 1/N device staging buffer
+                transient += pb * _shard(min(psi, (1 + prefetch) * unit), dp)
 
     # Communication per step (§7): payload elements per collective.
     comm: list[tuple[str, int, int]] = []

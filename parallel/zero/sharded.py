@@ -97,6 +97,12 @@ class ShardedDataParallel(nn.Module):
             CPU) or ``"nvme"`` (the same in per-rank files under ``nvme_dir``, streamed one
             bucket at a time); results are bitwise those without offload (docs/offload.md).
         nvme_dir: an existing, writable directory for ``offload="nvme"``.
+        offload_params: stage 3 with ``offload``: keep every bucket's parameter shard in host
+            memory too (pinned on CUDA; DeepSpeed's ``zero_optimization.offload_param``), so
+            the device holds parameter bytes only for the units gathered at the moment; each
+            gather first copies the shard into a device staging buffer. Bitwise the same
+            results ([Note: offloaded parameter shards] in ``stage3_shards.py``;
+            docs/offload.md).
         grad_dtype: dtype of gradient reduction and storage; None: fp32 (also for bf16/fp16
             params: peers that reduce in bf16 lose convergence), ``torch.bfloat16`` halves the
             gradient bytes and traffic.
@@ -141,9 +147,15 @@ class ShardedDataParallel(nn.Module):
         backend: str = "auto",
         check_sync: bool = False,
         forward_prefetch: bool = True,
+        offload_params: bool = False,
     ) -> None:
         super().__init__()
         params = _validate(module, ctx, stage, bucket_mb, wrap, reshard_after_forward, offload, nvme_dir, grad_dtype, loss_scaler)
+        if not isinstance(offload_params, bool) or (offload_params and (stage != 3 or offload is None)):
+            raise ValueError(
+                "offload_params keeps the stage-3 parameter shards on the host and needs stage=3 with "
+                f"offload='cpu' or 'nvme'; got offload_params={offload_params!r}, stage={stage}, offload={offload!r}"
+            )
         if not isinstance(forward_prefetch, bool) or (not forward_prefetch and stage != 3):
             raise ValueError(
                 f"forward_prefetch must be a bool and applies to stage 3; got {forward_prefetch!r} with stage={stage}"
@@ -158,6 +170,7 @@ class ShardedDataParallel(nn.Module):
         self.comm_stats = stats if stats is not None else CommStats()
         self.grad_dtype = grad_dtype or torch.float32
         self.offload = offload
+        self.offload_params = offload_params
         self.nvme_dir = nvme_dir
         self._group = ctx.group("dp")
         self._dp = ctx.size("dp")
@@ -190,6 +203,7 @@ class ShardedDataParallel(nn.Module):
                 bucket_mb=bucket_mb,
                 check_sync=check_sync,
                 forward_prefetch=forward_prefetch,
+                offload_params=offload_params,
                 **shard_kwargs,
             )
             self._shards: FlatShards = self._units.shards
@@ -310,6 +324,7 @@ class ShardedDataParallel(nn.Module):
         """Load full tensors into the module (params are written in place in their buckets) and
         re-read the fp32 master shards from them (stage 3: into this rank's param shards)."""
         if self._units is not None:
+            self._shards.host_writable()  # offload_params: no staging copy still reads the host shards
             self._units.load_full_state_dict(self.module, state)
         else:
             self.module.load_state_dict(state)
@@ -338,6 +353,10 @@ class ShardedDataParallel(nn.Module):
         mem["peak_transient"] = self._shards.peak_transient_bytes
         # bytes held off the device by offload (``{"cpu": n, "nvme": n}``; {} without offload)
         offloaded = opt.offloaded_bytes() if opt is not None else {}
+        if self.offload_params:
+            host = self._shards.host_param_bytes()
+            offloaded = offloaded or {"cpu": host, "nvme": 0, "cpu_buffers": 0}  # no optimizer yet
+            offloaded["params"] = host
         return {"unit": "bytes", **mem, "offloaded": offloaded}
 
     @property

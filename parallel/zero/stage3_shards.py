@@ -9,7 +9,8 @@ gradient; the step epilogue and clip are unchanged). What differs is the paramet
 =====================  ===============================================================
 tensor                 stage 3 (Ψ elements per bucket, b param bytes, g grad bytes)
 =====================  ===============================================================
-``param_shard``        bΨ/N, persistent: ``sb.local_param_shard()``
+``param_shard``        bΨ/N, persistent: ``sb.local_param_shard()`` (in host memory with
+                       ``offload_params``: [Note: offloaded parameter shards])
 ``flat_param``         bΨ only while its unit is gathered (storage resized to 0 otherwise);
                        the module's params are views of it
 ``grad_shard``         gΨ/N, persistent
@@ -31,6 +32,34 @@ values in backward (FSDP2's scheme). The all-gather writes a tensor autograd sav
 issued under ``torch.autograd._unsafe_preserve_version_counter`` so that writing the same
 values back is not mistaken for an in-place modification (the values are the ones forward used:
 the optimizer only changes ``param_shard`` between steps).
+
+[Note: offloaded parameter shards]
+``ShardedDataParallel(stage=3, offload="cpu"|"nvme", offload_params=True)`` (ZeRO-Infinity's
+``offload_param``) keeps ``param_shard`` of every bucket, trainable and frozen, in host memory
+(pinned when the params are on CUDA, so that copies from it are asynchronous); the device holds
+parameter bytes only for the units gathered at the moment. Copies per step and bucket, the
+fewest this layout allows:
+
+* gather (forward, backward, prefetch, ``full_state_dict``): ``param_shard`` → a device staging
+  buffer ``[shard]``, then the all-gather reads the staging buffer (NCCL takes device inputs
+  only). The host-to-device copy is issued inside :meth:`Stage3Shards.gather`, i.e. together with
+  the all-gather it feeds: a prefetch copies and gathers while the current unit computes
+  (``non_blocking`` from pinned memory on CUDA, queued before the all-gather on the same stream).
+  The staging buffer is transient: released when the gather is waited, not held for the
+  unit's lifetime. Only ``bΨ/N`` crosses the bus per gather, not the unit's ``bΨ``.
+* after the step: none for fp32 params with ``offload="cpu"``, where the host ``param_shard`` IS
+  the CPU master (:class:`~shardkit.parallel.zero.offload.CpuOffload` adopts it as its master,
+  so the optimizer's in-place update is the write-back); low-precision params: one cast of the
+  CPU master into the host ``param_shard``, on the host (half the bytes of an fp32 copy, no
+  device round trip). ``offload="nvme"`` stages the new params in the dead host gradient buffer
+  as before and copies them host-to-host into ``param_shard`` at commit.
+
+The alternatives cost more: keeping a device copy of the shard (no saving), or copying the fp32
+master to the device and casting there (twice the bus bytes for bf16). On a CPU-only run the
+"host" and the "device" are the same memory, yet the staging copy is still made: one code path
+for both, tested here, and the memory report and the planner count the same buffers. A write of
+the host shards (loading params or a checkpoint) first waits for the staging copies still in
+flight (:meth:`Stage3Shards.host_writable`).
 """
 
 from __future__ import annotations
@@ -55,6 +84,8 @@ class Stage3Shards(FlatShards):
     Args:
         buckets: trainable parameters per bucket, in the reducer's launch order.
         frozen: frozen parameters per bucket (gathered with their unit, never reduced).
+        offload_params: keep every ``param_shard`` in host memory and stage it to the device
+            before each gather ([Note: offloaded parameter shards]); needs ``offload``.
         **kwargs: as :class:`FlatShards` (``stage`` is 3).
 
     Example:
@@ -64,7 +95,16 @@ class Stage3Shards(FlatShards):
         >>> shards.free(shards.buckets[0])                          # only the shard stays
     """
 
-    def __init__(self, buckets: list[list[nn.Parameter]], frozen: list[list[nn.Parameter]], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        buckets: list[list[nn.Parameter]],
+        frozen: list[list[nn.Parameter]],
+        *,
+        offload_params: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self.offload_params = offload_params
+        self._staged: torch.cuda.Event | None = None  # the last host-to-device staging copy (CUDA)
         super().__init__(buckets, **kwargs)
         self.frozen = [self._build(-1, params, trainable=False) for params in frozen]
 
@@ -80,7 +120,11 @@ class Stage3Shards(FlatShards):
         views = [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets)]
         for p, v in zip(params, views):
             p.data = v
-        param_shard = flat.narrow(0, start, shard).clone()
+        if self.offload_params:  # [Note: offloaded parameter shards]
+            param_shard = torch.empty(shard, dtype=dtype, pin_memory=device.type == "cuda")
+            param_shard.copy_(flat.narrow(0, start, shard))
+        else:
+            param_shard = flat.narrow(0, start, shard).clone()
         low = dtype != torch.float32
         master = param_shard.float() if (trainable and low and not self.offload) else None
         gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
@@ -115,8 +159,26 @@ class Stage3Shards(FlatShards):
         self._hold(nbytes)
         for p, v in zip(sb.grad_bucket.params, sb.param_views):
             p.data = v
+        src = sb.param_shard
+        if self.offload_params:  # the host shard into a device staging buffer: the all-gather's input
+            src = torch.empty(sb.shard, dtype=src.dtype, device=sb.flat_param.device)
+            src.copy_(sb.param_shard, non_blocking=src.is_cuda)
+            if src.is_cuda:
+                self._staged = torch.cuda.Event()
+                self._staged.record()
+            self._hold(src.numel() * src.element_size())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(sb.flat_param):
-            return all_gather(sb.flat_param, sb.param_shard, group=self.group, async_op=True, stats=self.stats)
+            work = all_gather(sb.flat_param, src, group=self.group, async_op=True, stats=self.stats)
+        if src is sb.param_shard:
+            return work
+        return _StagedGather(work, src.numel() * src.element_size(), self._release)
+
+    def host_writable(self) -> None:
+        """Wait for the staging copies that may still read the host ``param_shard`` (CUDA,
+        ``offload_params``): call before writing the host shards outside the step."""
+        if self._staged is not None:
+            self._staged.synchronize()
+            self._staged = None
 
     def free(self, sb: ShardedBucket) -> None:
         """Release the full buffer (its gather must have been waited)."""
@@ -143,16 +205,47 @@ class Stage3Shards(FlatShards):
                 sb.master.copy_(sb.param_shard)
 
     def persistent_bytes(self) -> dict[str, int]:
-        """Persistent bytes: parameter shards (trainable and frozen), gradient shards, masters."""
+        """Persistent device bytes: parameter shards (trainable and frozen; 0 with
+        ``offload_params``: see :meth:`host_param_bytes`), gradient shards, masters."""
 
         def nb(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
         return {
-            "params": sum(nb(sb.param_shard) for sb in self.buckets + self.frozen),
+            "params": 0 if self.offload_params else sum(nb(sb.param_shard) for sb in self.buckets + self.frozen),
             "grads": sum(nb(sb.grad_shard) for sb in self.buckets),
             "master_params": sum(nb(sb.master) for sb in self.buckets),
         }
+
+    def host_param_bytes(self) -> int:
+        """Bytes of the parameter shards held in host memory (``offload_params``; else 0)."""
+        if not self.offload_params:
+            return 0
+        return sum(sb.param_shard.numel() * sb.param_shard.element_size() for sb in self.buckets + self.frozen)
+
+
+class _StagedGather:
+    """An all-gather handle that also owns its device staging buffer's accounting: the buffer
+    (kept alive by the inner handle) is released from the transient count when it is waited."""
+
+    __slots__ = ("_work", "_nbytes", "_release")
+
+    def __init__(self, work: CommHandle, nbytes: int, release: Any) -> None:
+        self._work, self._nbytes, self._release = work, nbytes, release
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self._work.output
+
+    def wait(self) -> torch.Tensor:
+        out = self._work.wait()
+        if self._nbytes:
+            self._release(self._nbytes)
+            self._nbytes = 0
+        return out
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
 def _point_at_placeholders(params: list[nn.Parameter]) -> None:
