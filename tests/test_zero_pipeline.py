@@ -49,17 +49,18 @@ def _body(strategy: str, schedule: str, tie: bool, tp: int) -> dict:
 
         # communication over dp: per step and bucket one reduce-scatter of the full gradient and
         # one all-gather of the params; the only dp all-reduce is the 8-byte norm/overflow pair
+        # (dp 1: every collective over dp takes the local path and records nothing)
         buckets = sdp.sharded_buckets
         full_bytes = sum(sb.total * 4 for sb in buckets)
-        st = sdp.comm_stats
-        assert st.calls("reduce_scatter", group=dp_group) == steps * len(buckets)
-        assert st.bytes("reduce_scatter", group=dp_group) == steps * full_bytes
-        assert st.calls("all_gather", group=dp_group) == steps * len(buckets)
-        assert st.bytes("all_gather", group=dp_group) == steps * full_bytes
-        assert st.bytes("all_reduce", group=dp_group) == steps * 8
+        st, n = sdp.comm_stats, steps if dp > 1 else 0
+        assert st.calls("reduce_scatter", group=dp_group) == n * len(buckets)
+        assert st.bytes("reduce_scatter", group=dp_group) == n * full_bytes
+        assert st.calls("all_gather", group=dp_group) == n * len(buckets)
+        assert st.bytes("all_gather", group=dp_group) == n * full_bytes
+        assert st.bytes("all_reduce", group=dp_group) == n * 8
         assert par.stats.calls("all_reduce", group=dp_group) == 0  # not the ddp path's coalesced all-reduce
         report = par.report(opt)
-        assert {"reduce_scatter", "all_gather"} <= set(report.comm)
+        assert dp == 1 or {"reduce_scatter", "all_gather"} <= set(report.comm)
 
         # optimizer state: SGD's momentum on this rank's shard only; over dp the shards add up to
         # exactly the ddp state (4 bytes per element of this rank's stage parameters)
@@ -89,11 +90,13 @@ def _body(strategy: str, schedule: str, tie: bool, tp: int) -> dict:
         ("zero2", "1f1b", False, 1, 4),
         ("zero2", "interleaved", True, 1, 4),  # two chunks per rank in one ZeRO wrapper
         ("zero1", "zb-h1", False, 1, 4),
+        ("zero2", "1f1b", True, 2, 4),  # tp 2 x pp 2 (dp 1): tp-replicated params counted 1/tp, tie once
     ],
 )
 def test_zero_under_a_pipeline_trains_like_the_dense_model(dist_pool, strategy, schedule, tie, tp, world_size):
     out = dist_pool.run(_body, strategy, schedule, tie, tp, world_size=world_size, timeout=120)
-    assert all(o["state"] < o["ddp_state"] for o in out)
+    if world_size // (tp * 2) > 1:  # sharded over dp: less than the replicated state on every rank
+        assert all(o["state"] < o["ddp_state"] for o in out)
 
 
 def _zero3_refused() -> None:
