@@ -313,7 +313,7 @@ def _bad_inputs_body(nvme_root: str) -> None:
             (dict(config=good, model_parameters=[other]), ValueError, "model_parameters"),
             (dict(config=good, model_parameters=[{"params": ["nope.weight"]}]), ValueError, "model_parameters"),
             (dict(config=good, optimizer=torch.optim.AdamW(model.parameters())), TypeError, "optimizer"),
-            (dict(config=cfg(tensor_parallel={"size": 2})), NotImplementedError, "tensor_parallel.size"),
+            (dict(config=cfg(tensor_parallel={"size": 2})), ValueError, "tensor_parallel.size"),
             (dict(config=None), ValueError, "config"),
         ]
         for case, exc, key in cases:

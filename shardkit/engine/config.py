@@ -27,6 +27,7 @@ from .resolved import (
     OptimizerConfig,
     PipelineConfig,
     PrecisionConfig,
+    TP_PLANS,
     SchedulerConfig,
     TensorParallelConfig,
     ZeroConfig,
@@ -433,9 +434,25 @@ def load_config(
 
     tp = r.section("tensor_parallel")
     tp_size = tp.get("size", to_int, 1, check=_positive, must="be >= 1")
+    plan = tp.get(
+        "plan",
+        lambda k, v: _string(k, v).lower(),
+        "auto",
+        auto=("tensor_parallel_plan",),
+        auto_fallback="auto",  # "auto" is a plan here: picked from the model by initialize
+        check=lambda v: v in TP_PLANS,
+        must=f"be one of {list(TP_PLANS)}",
+    )
+    tp_cfg = TensorParallelConfig(tp_size, plan, tp.get("gather_logits", to_bool, True))
     pp = r.section("pipeline")
     stages = pp.get("stages", to_int, 1, check=_positive, must="be >= 1")
     schedule = pp.choice("schedule", PIPELINE_SCHEDULES, "1f1b")
+    virtual = pp.get("virtual_stages", to_int, 1, check=_positive, must="be >= 1")
+    if virtual > 1 and schedule != "interleaved":
+        raise ValueError(
+            f"pipeline.virtual_stages={virtual}: stages per rank need pipeline.schedule 'interleaved', got {schedule!r}"
+        )
+    partition = pp.choice("partition", ("layers", "params"), "layers")
     if world_size % (tp_size * stages):
         raise ValueError(
             f"world_size {world_size} is not divisible by tensor_parallel.size ({tp_size}) × pipeline.stages ({stages})"
@@ -443,6 +460,11 @@ def load_config(
     dp = world_size // (tp_size * stages)
     train, micro, gas = _batch(r, dp)
     microbatches = pp.get("microbatches", to_int, gas, check=_positive, must="be >= 1")
+    if stages > 1 and (micro * gas) % microbatches:
+        raise ValueError(
+            f"pipeline.microbatches={microbatches} must divide the rows of one train_batch, "
+            f"train_micro_batch_size_per_gpu × gradient_accumulation_steps = {micro} × {gas}"
+        )
 
     cfg = EngineConfig(
         world_size=world_size,
@@ -455,8 +477,8 @@ def load_config(
         optimizer=_optimizer(r),
         scheduler=_scheduler(r),
         zero=_zero(r),
-        tensor_parallel=TensorParallelConfig(tp_size),
-        pipeline=PipelineConfig(stages, schedule, microbatches),
+        tensor_parallel=tp_cfg,
+        pipeline=PipelineConfig(stages, schedule, microbatches, virtual, partition),
         ignored=(),
         source=_frozen(data),
     )

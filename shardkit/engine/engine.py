@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from shardkit.comm import ParallelContext
 from shardkit.parallel import DynamicLossScaler, ZeroOptimizer, clip_grad_norm_, load_checkpoint, save_checkpoint
+from shardkit.parallel.tensor import clip_grad_norm_tp_, gather_state_dict
 
 from .resolved import EngineConfig
 
@@ -88,6 +89,7 @@ class Engine(nn.Module):
         config: EngineConfig,
         ctx: ParallelContext,
         loss_scaler: DynamicLossScaler | None,
+        tp_state: tuple[dict[str, Any], dict[str, int]] | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -105,6 +107,9 @@ class Engine(nn.Module):
         self.global_samples = 0
         self._step_applied = False
         self._global_grad_norm: float | None = None
+        # tensor_parallel: the plan the module was converted with and the real vocabulary size of
+        # its vocabulary-split weights (to gather dense state dicts)
+        self._tp_state = tp_state
 
     # ---- DeepSpeed's config accessors ----------------------------------------------------------
     def zero_optimization_stage(self) -> int:
@@ -203,6 +208,9 @@ class Engine(nn.Module):
                 group = self.ctx.group("dp") if self.ctx.size("dp") > 1 else None
                 report = self.loss_scaler.unscale_(list(self.module.named_parameters()), group=group, max_norm=clip)
                 overflow, norm = report.overflow, report.grad_norm
+            elif clip is not None and self.ctx.size("tp") > 1:
+                # TP shards: sharded squares add over tp, replicated ones count once
+                norm = clip_grad_norm_tp_(self.module.parameters(), clip, ctx=self.ctx)
             elif clip is not None:
                 # DataParallel replicas hold the same averaged grads: no norm all-reduce needed
                 norm = clip_grad_norm_([p for p in self.module.parameters() if p.grad is not None], clip)
@@ -250,7 +258,13 @@ class Engine(nn.Module):
 
     # ---- state and memory ----------------------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The module's ``state_dict`` with full tensors (stage 3 gathers: call on every rank)."""
+        """The module's ``state_dict`` with full tensors (stage 3 gathers over dp, tensor_parallel
+        over tp, in the dense model's layout: call on every rank)."""
+        if self._tp_state is not None:
+            plan, vocab = self._tp_state
+            local = self._wrapped.full_state_dict() if hasattr(self._wrapped, "full_state_dict") else self.module.state_dict()
+            full = gather_state_dict(local, plan, self.ctx, vocab_sizes=vocab)
+            return {} if rank0_only and self.ctx.global_rank != 0 else {k: v.detach().clone() for k, v in full.items()}
         if hasattr(self._wrapped, "full_state_dict"):
             return self._wrapped.full_state_dict(rank0_only=rank0_only)
         if rank0_only and self.ctx.rank("dp") != 0:
@@ -295,6 +309,7 @@ class Engine(nn.Module):
         Example:
             >>> engine.save_checkpoint("ckpt", client_state={"epoch": 3})
         """
+        self._check_checkpointable()
         tag = f"global_step{self.global_steps}" if tag is None else tag
         _check_tag(tag)
         extra = {
@@ -332,6 +347,7 @@ class Engine(nn.Module):
         Example:
             >>> path, client_state = engine.load_checkpoint("ckpt")
         """
+        self._check_checkpointable()
         if not load_optimizer_states:
             raise NotImplementedError("load_optimizer_states=False: shardkit checkpoints always restore the optimizer")
         root = Path(load_dir)
@@ -353,6 +369,13 @@ class Engine(nn.Module):
                 raise ValueError(f"checkpoint {path}: holds no lr_scheduler state (load_lr_scheduler_states=False skips it)")
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         return str(path), extra["client_state"]
+
+    def _check_checkpointable(self) -> None:
+        if self.ctx.size("tp") > 1:
+            raise NotImplementedError(
+                "checkpoints with tensor_parallel.size > 1 are not built (the ZeRO checkpoint format holds dp shards "
+                "of one tp rank); engine.full_state_dict() gives the dense state on every rank"
+            )
 
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:

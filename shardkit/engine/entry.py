@@ -11,6 +11,11 @@ What it builds from the resolved config (:func:`shardkit.engine.load_config`):
   stage 0 through the fused optimizers' ``master_weights=True``.
 * the optimizer from ``optimizer`` (shardkit's fused classes) unless ``optimizer=`` is given;
   the LR scheduler from ``scheduler`` unless ``lr_scheduler=`` is given.
+* ``tensor_parallel.size`` > 1: the context gets a tp axis (dp = world / (tp × pp)), the plan the
+  section names converts the model in place (:mod:`shardkit.engine.layout`), and the wrapping
+  above runs on the dp axis (ZeRO × TP: the epilogue agrees the norm and overflow over tp).
+* ``pipeline.stages`` > 1: :func:`~shardkit.parallel.parallelize` (TP → stages → dp) behind a
+  :class:`~shardkit.engine.pipeline_engine.PipelineEngine` (``train_batch``/``eval_batch``).
 
 Every check runs before the first collective (the model check of the wrapper): a bad config,
 unknown parameter groups, an nvme path that does not exist, a built optimizer for ZeRO.
@@ -33,14 +38,20 @@ from torch import nn
 from shardkit.comm import ParallelContext
 from shardkit.parallel import DataParallel, ShardedDataParallel, ZeroOptimizer
 from shardkit.parallel.param_groups import resolve_param_groups
+from shardkit.parallel.tensor import plan_modules, tensor_parallelize
 
-from .config import load_config
+from ._reader import Reader, to_int
+from .config import load_config, load_raw
 from .engine import Engine
+from .layout import default_blocks, gather_head_logits, groups_by_name, regroup, tp_plan_for, vocab_sizes
 from .resolved import EngineConfig
 
 __all__ = ["initialize"]
 
 logger = logging.getLogger("shardkit.engine")
+
+#: parallelize(dp="zero1"/"zero2") with pp > 1 exists (ZeRO × pipeline)
+_ZERO_WITH_PIPELINE = False
 
 #: ``deepspeed.initialize`` arguments that have no meaning here: accepted at their defaults.
 _DEEPSPEED_DEFAULTS = {"distributed_port": None, "dist_init_required": None, "mpu": None, "mesh_param": None}
@@ -59,6 +70,9 @@ def initialize(
     args: Any = None,
     config_params: str | Path | Mapping[str, Any] | None = None,
     strict: bool = True,
+    tp_plan: Mapping[str, Any] | None = None,
+    blocks: Callable[[nn.Module], Any] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     **auto_values: Any,
 ) -> tuple[Engine, Any, Any, Any]:
     """Build a training engine from a DeepSpeed-style config, as ``deepspeed.initialize`` does.
@@ -84,6 +98,15 @@ def initialize(
         args: DeepSpeed's ``args`` (its ``deepspeed_config`` is the config when ``config`` is None).
         config_params: DeepSpeed's old name of ``config``.
         strict: unknown config keys raise (True) or warn (False).
+        tp_plan: with ``tensor_parallel.size`` > 1, a TP plan ``{module pattern: style}`` of
+            :mod:`shardkit.parallel.tensor` instead of the one ``tensor_parallel.plan`` names.
+        blocks: with ``pipeline.stages`` > 1, ``blocks(model) -> [first, ..., last]``, modules
+            whose composition is the model's forward (the pipeline's cut points). Not needed for
+            an ``nn.Sequential``/``nn.ModuleList`` (its children) or shardkit's TinyGPT.
+        loss_fn: with ``pipeline.stages`` > 1, ``loss_fn(outputs, labels) -> 0-d mean loss``
+            run on the last stage (DeepSpeed's ``PipelineModule(loss_fn=...)``); default token
+            cross-entropy (outputs ``[..., C]``, integer labels ``[...]``), vocab-parallel when
+            the TP plan splits the head.
         **auto_values: what ``"auto"`` config values stand for (``lr``, ``weight_decay``,
             ``warmup_num_steps``, ``total_num_steps``, ``train_micro_batch_size_per_gpu``,
             ``gradient_clipping``, ...; see :func:`shardkit.engine.load_config`).
@@ -96,7 +119,7 @@ def initialize(
 
     Raises:
         ValueError / TypeError: naming the key or argument, before any collective.
-        NotImplementedError: ``tensor_parallel.size`` or ``pipeline.stages`` > 1.
+        NotImplementedError: DeepSpeed's ``mpu=``/``mesh_param=`` (shardkit takes ``ctx=``).
 
     Example:
         >>> engine, optimizer, _, scheduler = shardkit.initialize(
@@ -119,25 +142,47 @@ def initialize(
     if ctx is None and not dist.is_initialized():
         # torchrun's environment, or a one-process world: the rendezvous, no collective yet. NCCL
         # when CUDA is available (the model then moves to the rank's GPU, as DeepSpeed moves it),
-        # else gloo.
-        ctx = ParallelContext.from_env()
+        # else gloo. The axis sizes are checked against WORLD_SIZE before any group exists.
+        ctx = _context_from_env(*_axis_sizes(config, auto_values))
     world = ctx.world_size if ctx is not None else dist.get_world_size()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden is not None and "hidden_size" not in auto_values:
         auto_values["hidden_size"] = hidden
     cfg = load_config(config, world_size=world, strict=strict, **auto_values)
     _check_supported(cfg)
+    tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
+    plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
+    blocks = default_blocks(model, blocks) if pp > 1 else None
     groups = resolve_param_groups(model, model_parameters, arg="model_parameters")
     make_optimizer = _optimizer_factory(cfg, optimizer, model)
     _check_scheduler(lr_scheduler, optimizer)
     if ctx is None:
-        ctx = ParallelContext.from_env()  # the default group exists: its dp axis over the world
-    if ctx.size("dp") != ctx.world_size:
-        raise ValueError(f"ctx: the dp axis has {ctx.size('dp')} of {ctx.world_size} ranks; initialize needs dp = world")
+        ctx = ParallelContext.from_world(tp=tp, pp=pp)  # the default group exists
+    want = {"pp": pp, "dp": cfg.dp_size, "tp": tp}
+    if ctx.sizes != want:
+        raise ValueError(
+            f"ctx: axes {ctx.sizes} but the config asks for {want} (tensor_parallel.size, pipeline.stages, "
+            "dp = world / (tp × pp)); build the context with those sizes or pass ctx=None"
+        )
 
     model = _to_device_and_dtype(model, ctx, cfg)
     scaler = cfg.precision.loss_scaler.make() if cfg.precision.dtype == "fp16" else None
-    wrapped, opt = _wrap(model, ctx, cfg, scaler, groups, make_optimizer)
+    parallel = None
+    if pp > 1:
+        from .pipeline_engine import build_pipeline
+
+        parallel, opt = build_pipeline(
+            model, ctx, cfg, scaler=scaler, groups=groups, make=make_optimizer, tp_plan=plan, blocks=blocks, loss_fn=loss_fn
+        )
+        model = wrapped = parallel.module
+    else:
+        if plan is not None:  # TP replaces the dense Parameters: the groups follow by name
+            named = groups_by_name(model, groups)
+            tensor_parallelize(model, ctx, plan)
+            if cfg.tensor_parallel.gather_logits:
+                gather_head_logits(model, ctx)
+            groups = regroup(model, named)
+        wrapped, opt = _wrap(model, ctx, cfg, scaler, groups, make_optimizer)
     basic = opt.optimizer if isinstance(opt, ZeroOptimizer) else opt  # the torch optimizer that steps
     if lr_scheduler is None:
         sched = cfg.scheduler.build(basic) if cfg.scheduler is not None else None
@@ -147,8 +192,18 @@ def initialize(
         sched = lr_scheduler(basic)
         if cfg.scheduler is not None:
             logger.warning("initialize: lr_scheduler= given; the config's scheduler section (%s) is not used", cfg.scheduler.type)
-    engine = Engine(module=model, wrapped=wrapped, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
+    common = dict(module=model, wrapped=wrapped, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
+    if parallel is not None:
+        from .pipeline_engine import PipelineEngine
+
+        engine: Engine = PipelineEngine(parallel=parallel, **common)
+    else:
+        tp_state = (plan, vocab_sizes(model)) if plan is not None else None
+        engine = Engine(tp_state=tp_state, **common)
     loader = _dataloader(training_data, collate_fn, cfg, ctx) if training_data is not None else None
+    if loader is not None and parallel is not None:
+        engine.training_dataloader = loader
+        engine.set_dataiter(_repeat(loader))
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -165,13 +220,73 @@ def _the_config(config: Any, config_params: Any, args: Any) -> Any:
     return from_args
 
 
+def _axis_sizes(config: Any, auto_values: Mapping[str, Any]) -> tuple[int, int]:
+    """``tensor_parallel.size`` and ``pipeline.stages`` alone, read before the world exists (the
+    whole config is read once the world size is known)."""
+    r = Reader(load_raw(config), auto_values)
+    sizes = [r.section(s).get(k, to_int, 1, check=lambda v: v >= 1, must="be >= 1") for s, k in _AXIS_KEYS]
+    return sizes[0], sizes[1]
+
+
+_AXIS_KEYS = (("tensor_parallel", "size"), ("pipeline", "stages"))
+
+
+def _context_from_env(tp: int, pp: int) -> ParallelContext:
+    try:
+        return ParallelContext.from_env(tp=tp, pp=pp)
+    except ValueError as e:  # raised from WORLD_SIZE alone, before any process group
+        raise ValueError(f"tensor_parallel.size={tp} × pipeline.stages={pp}: {e}") from e
+
+
+def _repeat(loader: Any) -> Any:
+    while True:  # DeepSpeed's RepeatingLoader: train_batch never runs out
+        yield from loader
+
+
+def _check_layout(model: nn.Module, cfg: EngineConfig, tp_plan: Any, blocks: Any, loss_fn: Any) -> dict[str, Any] | None:
+    """The TP plan to apply (None without TP), and the tp/pp arguments checked against the config."""
+    tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
+    if tp == 1 and tp_plan is not None:
+        raise ValueError("tp_plan: given, but the config's tensor_parallel.size is 1 (set it to the tp group size)")
+    if pp == 1:
+        for name, value in (("blocks", blocks), ("loss_fn", loss_fn)):
+            if value is not None:
+                raise ValueError(f"{name}: applies with pipeline.stages > 1 only; the config has pipeline.stages=1")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable (outputs, labels) -> loss, got {type(loss_fn).__name__}")
+    if tp == 1:
+        return None
+    plan = tp_plan_for(model, cfg.tensor_parallel, tp_plan)
+    plan_modules(model, plan, tp)  # every pattern, style and divisibility, before any collective
+    return plan
+
+
 def _check_supported(cfg: EngineConfig) -> None:
-    if cfg.tensor_parallel.size > 1 or cfg.pipeline.stages > 1:
-        key = "tensor_parallel.size" if cfg.tensor_parallel.size > 1 else "pipeline.stages"
-        raise NotImplementedError(
-            f"{key} > 1: initialize builds data parallelism (ZeRO 0-3) only; compose tensor/pipeline "
-            "parallelism with shardkit.parallel.parallelize"
+    tp, pp, stage = cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.zero.stage
+    fp16 = cfg.precision.dtype == "fp16"
+    if tp > 1 and fp16 and stage == 0:
+        raise ValueError(
+            "fp16.enabled with tensor_parallel.size > 1 needs zero_optimization.stage >= 1 (ZeRO's epilogue agrees "
+            "the overflow over dp and tp); use stage 1-3, or bf16/fp32 at stage 0"
         )
+    if pp > 1:
+        if stage >= 1 and not _ZERO_WITH_PIPELINE:
+            raise ValueError(
+                f"zero_optimization.stage={stage} with pipeline.stages={pp}: ZeRO does not compose with the pipeline "
+                "yet; use zero_optimization.stage 0 (the dp axis then all-reduces after each pipeline step)"
+            )
+        if stage == 3:
+            raise ValueError(
+                f"zero_optimization.stage=3 with pipeline.stages={pp}: not supported (as in DeepSpeed, whose pipeline "
+                "engine takes ZeRO 0-2); use stage 0-2"
+            )
+        if fp16 and stage == 0:
+            raise ValueError(
+                "fp16.enabled with pipeline.stages > 1 needs zero_optimization.stage 1-2 (the loss scaler's overflow "
+                "is agreed by ZeRO's epilogue); use bf16 or fp32 at stage 0"
+            )
+        if cfg.zero.offload_optimizer.enabled and stage == 0:
+            raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
     off = cfg.zero.offload_optimizer
     if off.device == "nvme":
         path = Path(off.nvme_path)
@@ -209,6 +324,11 @@ def _optimizer_factory(cfg: EngineConfig, optimizer: Any, model: nn.Module) -> C
     """``make(groups, zero: bool) -> (class, kwargs)`` for ZeroOptimizer, or a built optimizer."""
     low = cfg.precision.dtype != "fp32"
     if isinstance(optimizer, torch.optim.Optimizer):
+        if cfg.tensor_parallel.size > 1 or cfg.pipeline.stages > 1:
+            raise TypeError(
+                f"optimizer: a built {type(optimizer).__name__} holds the dense model's parameters, which "
+                "tensor_parallel/pipeline replace or split; pass its class or a callable params -> optimizer"
+            )
         if cfg.zero.stage > 0:
             raise TypeError(
                 f"optimizer: a built {type(optimizer).__name__} cannot be sharded after the fact "

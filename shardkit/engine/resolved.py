@@ -143,21 +143,41 @@ class ZeroConfig:
         return None if self.offload_optimizer.device == "none" else self.offload_optimizer.device
 
 
+#: ``tensor_parallel.plan`` values: "auto" picks by the model's type (shardkit.engine.layout).
+TP_PLANS = ("auto", "gpt", "hf_gpt2", "llama")
+
+
 @dataclass(frozen=True)
 class TensorParallelConfig:
-    """shardkit's ``tensor_parallel`` section."""
+    """shardkit's ``tensor_parallel`` section.
+
+    Attributes:
+        size: ranks per tensor-parallel group (1: no tensor parallelism).
+        plan: the TP plan: ``"auto"`` (by the model's type: shardkit's TinyGPT → ``"gpt"``, a
+            ``transformers`` GPT-2 → ``"hf_gpt2"``, a Llama → ``"llama"``) or one of those names;
+            ``initialize(tp_plan={...})`` overrides it with a plan of its own.
+        gather_logits: all-gather the vocabulary-parallel LM head's logits to the full
+            vocabulary (True: the model's own loss, e.g. Hugging Face's ``labels=``, runs
+            unchanged); False leaves ``[..., V/tp]`` shards for ``vocab_parallel_cross_entropy``.
+    """
 
     size: int = 1
+    plan: str = "auto"
+    gather_logits: bool = True
 
 
 @dataclass(frozen=True)
 class PipelineConfig:
     """shardkit's ``pipeline`` section (microbatches default: ``gradient_accumulation_steps``,
-    as DeepSpeed's pipeline engine runs one micro-batch per accumulation step)."""
+    as DeepSpeed's pipeline engine runs one micro-batch per accumulation step; ``train_batch``
+    concatenates the accumulation steps' micro-batches and the schedule cuts that batch into
+    ``microbatches``)."""
 
     stages: int = 1
     schedule: str = "1f1b"
     microbatches: int = 1
+    virtual_stages: int = 1  # stages per rank ("interleaved")
+    partition: str = "layers"  # how blocks are cut into stages: "layers" or "params"
 
 
 @dataclass(frozen=True)

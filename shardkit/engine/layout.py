@@ -1,0 +1,189 @@
+"""How :func:`shardkit.initialize` lays a model out over the ``tp`` and ``pp`` axes.
+
+The config's ``tensor_parallel`` section names a plan (see
+:class:`~shardkit.engine.TensorParallelConfig`); this module turns it into a plan of
+:mod:`shardkit.parallel.tensor`, makes a vocabulary-parallel LM head return full logits when the
+config asks for it, keeps the user's parameter groups across the conversion (the TP layers
+replace the dense Parameters: groups are carried by name) and picks the pipeline blocks of a
+model. Nothing here communicates except the gathered logits' forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.comm import ParallelContext
+from shardkit.parallel.param_groups import resolve_param_groups
+from shardkit.parallel.tensor import (
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    gather_from_tp_region,
+    gpt_plan,
+    hf_gpt2_plan,
+    llama_plan,
+)
+
+from .resolved import TensorParallelConfig
+
+__all__ = ["default_blocks", "gather_head_logits", "groups_by_name", "regroup", "tp_plan_for", "vocab_sizes"]
+
+BlocksFn = Callable[[nn.Module], Sequence[nn.Module]]
+
+
+def _is_tinygpt(model: nn.Module) -> bool:
+    from shardkit.models import TinyGPT
+
+    return isinstance(model, TinyGPT)
+
+
+def tp_plan_for(model: nn.Module, cfg: TensorParallelConfig, tp_plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The TP plan ``initialize`` applies: ``tp_plan`` if given, else the one ``cfg.plan`` names.
+
+    Args:
+        model: the dense model (its type picks the plan for ``"auto"``; HF models' configs say
+            whether the embeddings are tied).
+        cfg: the config's ``tensor_parallel`` section.
+        tp_plan: a plan of the caller's (``{module pattern: style}``), or None.
+
+    Returns:
+        ``{pattern: style}`` for :func:`shardkit.parallel.tensor_parallelize`.
+
+    Raises:
+        ValueError: ``"auto"`` on a model no built-in plan covers (naming
+            ``tensor_parallel.plan`` and ``initialize(tp_plan=...)``).
+
+    Example:
+        >>> tp_plan_for(TinyGPT(59), TensorParallelConfig(size=2))["head"]
+        VocabParallelHead(tied_to='tok_emb', sequence_parallel=False)
+    """
+    if tp_plan is not None:
+        if not isinstance(tp_plan, Mapping):
+            raise TypeError(f"tp_plan must be a mapping of module patterns to styles, got {type(tp_plan).__name__}")
+        return dict(tp_plan)
+    name = cfg.plan
+    if name == "auto":
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if _is_tinygpt(model):
+            name = "gpt"
+        elif model_type in ("gpt2", "llama"):
+            name = "hf_gpt2" if model_type == "gpt2" else "llama"
+        else:
+            raise ValueError(
+                f"tensor_parallel.plan='auto': no built-in plan for a {type(model).__name__} (built in: shardkit's "
+                "TinyGPT, transformers GPT-2 and Llama); pass initialize(tp_plan={...}) (docs/tensor_parallel.md)"
+            )
+    if name == "gpt":
+        tied = getattr(getattr(model, "config", None), "tie_embeddings", True)
+        return gpt_plan(tie_embeddings=bool(tied))
+    return hf_gpt2_plan(model) if name == "hf_gpt2" else llama_plan(model)
+
+
+def gather_head_logits(model: nn.Module, ctx: ParallelContext) -> int:
+    """Make every :class:`~shardkit.parallel.tensor.VocabParallelLMHead` of ``model`` return the
+    full ``[..., V]`` logits: its ``[..., V/tp]`` shards all-gathered over tp, the padding past
+    ``V`` cut off. The backward keeps this rank's columns of the gradient, which is exact
+    because every tp rank computes the same loss from the same full logits.
+
+    A forward hook, so module names and ``state_dict`` keys stay the plan's.
+
+    Returns:
+        The number of heads changed.
+
+    Example:
+        >>> tensor_parallelize(model, ctx, gpt_plan()); gather_head_logits(model, ctx)
+        1
+    """
+    group = ctx.group("tp")
+
+    def hook(module: VocabParallelLMHead, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return gather_from_tp_region(out, group=group)[..., : module.vocab_size]
+
+    heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
+    for head in heads:
+        head.register_forward_hook(hook)
+    return len(heads)
+
+
+def vocab_sizes(model: nn.Module) -> dict[str, int]:
+    """``{state_dict key: V}`` of the vocabulary-split weights (their padding past ``V`` is
+    dropped when the TP shards are gathered back into the dense layout).
+
+    Example:
+        >>> vocab_sizes(tensor_parallelize(TinyGPT(59), ctx, gpt_plan()))
+        {'tok_emb.weight': 59, 'head.weight': 59}
+    """
+    out = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, VocabParallelEmbedding):
+            out[prefix + "weight"] = m.num_embeddings
+        elif isinstance(m, VocabParallelLMHead):
+            out[prefix + "weight"] = m.vocab_size
+    return out
+
+
+def groups_by_name(model: nn.Module, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Resolved param groups with parameter *names* instead of Parameters (a tied Parameter by its
+    first name, as ``named_parameters`` lists it), to re-resolve after a conversion.
+
+    Example:
+        >>> groups_by_name(model, resolve_param_groups(model, None))[0]["params"][:1]
+        ['tok_emb.weight']
+    """
+    names = {id(p): n for n, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    return [{**g, "params": [names[id(p)] for p in g["params"]]} for g in groups]
+
+
+def regroup(model: nn.Module, named: list[dict[str, Any]], keep: Sequence[nn.Parameter] | None = None) -> list[dict[str, Any]]:
+    """``named`` (from :func:`groups_by_name`) resolved on the converted ``model``; with ``keep``
+    (a pipeline rank's parameters), only those, dropping groups left empty.
+
+    Raises:
+        ValueError: ``keep`` leaves no parameter at all.
+
+    Example:
+        >>> regroup(model, named, keep=pipe.parameters())
+    """
+    current = dict(model.named_parameters(remove_duplicate=False))
+    named = [{**g, "params": [n for n in g["params"] if n in current]} for g in named]
+    groups = resolve_param_groups(model, [g for g in named if g["params"]], arg="model_parameters")
+    if keep is None:
+        return groups
+    mine = {id(p) for p in keep}
+    out = [{**g, "params": [p for p in g["params"] if id(p) in mine]} for g in groups]
+    out = [g for g in out if g["params"]]
+    if not out:
+        raise ValueError("model_parameters: none of the given parameters is on this rank's pipeline stages")
+    return out
+
+
+def default_blocks(model: nn.Module, blocks: BlocksFn | None) -> BlocksFn | None:
+    """The pipeline's cut points: ``blocks`` if given, shardkit's ``gpt_blocks`` for a TinyGPT,
+    None for an ``nn.Sequential`` / ``nn.ModuleList`` (its children are the blocks).
+
+    Raises:
+        ValueError: any other model without ``blocks`` (naming ``initialize(blocks=...)``).
+        TypeError: ``blocks`` not callable.
+
+    Example:
+        >>> default_blocks(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), None) is None
+        True
+    """
+    if blocks is not None:
+        if not callable(blocks):
+            raise TypeError(f"blocks must be callable (model -> sequence of blocks) or None, got {type(blocks).__name__}")
+        return blocks
+    if isinstance(model, (nn.Sequential, nn.ModuleList)):
+        return None
+    if _is_tinygpt(model):
+        from shardkit.models import gpt_blocks
+
+        return gpt_blocks
+    raise ValueError(
+        f"pipeline.stages > 1 needs a model cut into blocks: pass an nn.Sequential, or initialize(blocks=fn) with "
+        f"fn(model) -> [first block, ..., last block] whose composition is {type(model).__name__}.forward"
+    )

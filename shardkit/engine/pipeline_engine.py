@@ -1,0 +1,222 @@
+"""The engine of a config with ``pipeline.stages > 1``: DeepSpeed's ``PipelineEngine`` shape.
+
+A pipeline runs a whole batch at once (the schedule interleaves its micro-batches' forwards and
+backwards over the stages), so the engine's step is one call, as DeepSpeed's::
+
+    engine, *_ = shardkit.initialize(model=nn.Sequential(...), config=cfg)
+    for step in range(steps):
+        loss = engine.train_batch(data_iter)    # gradient_accumulation_steps micro-batches,
+                                                # pipelined, dp-reduced, clipped, stepped
+
+``engine(...)``, :meth:`PipelineEngine.backward` and :meth:`PipelineEngine.step` raise, naming
+``train_batch``. Built on :func:`shardkit.parallel.parallelize` (TP → pipeline split → dp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from shardkit.comm import ParallelContext
+from shardkit.parallel import ParallelModel, PipelineOptions, parallelize
+
+from .engine import Engine
+from .layout import BlocksFn, groups_by_name, regroup
+from .resolved import EngineConfig
+
+__all__ = ["PipelineEngine", "build_pipeline"]
+
+#: ZeRO stage -> parallelize's dp strategy over the pipeline's dp axis
+_DP_OF_STAGE = {0: "ddp", 1: "zero1", 2: "zero2"}
+
+
+def build_pipeline(
+    model: nn.Module,
+    ctx: ParallelContext,
+    cfg: EngineConfig,
+    *,
+    scaler: Any,
+    groups: list[dict[str, Any]],
+    make: Callable[..., Any],
+    tp_plan: dict[str, Any] | None,
+    blocks: BlocksFn | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> tuple[ParallelModel, Any]:
+    """``parallelize`` with the config's pipeline, tp plan and dp stage; the optimizer over this
+    rank's stage parameters (the user's groups kept, by name).
+
+    Returns:
+        ``(parallel model, optimizer)``.
+    """
+    pipe, zero = cfg.pipeline, cfg.zero
+    named = groups_by_name(model, groups)
+    options: dict[str, Any] = {}
+    if zero.stage:
+        options = {"bucket_mb": zero.bucket_mb(4), "offload": zero.offload}
+        if zero.offload == "nvme":
+            options["nvme_dir"] = zero.offload_optimizer.nvme_path
+    par = parallelize(
+        model,
+        ctx,
+        loss_fn=loss_fn,
+        tp_plan=tp_plan,
+        pp=PipelineOptions(
+            microbatches=pipe.microbatches, schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, split=pipe.partition
+        ),
+        dp=_DP_OF_STAGE[zero.stage],
+        blocks=blocks,
+        loss_scaler=scaler,
+        dp_options=options or None,
+    )
+    mine = regroup(model, named, keep=par.parameters())
+    cls, kwargs = make(mine)
+    return par, par.make_optimizer(cls, mine, **kwargs)
+
+
+class PipelineEngine(Engine):
+    """:class:`~shardkit.engine.Engine` for pipelined configs: :meth:`train_batch` and
+    :meth:`eval_batch` replace forward/backward/step, as in DeepSpeed's ``PipelineEngine``.
+
+    Attributes:
+        parallel: the :class:`~shardkit.parallel.ParallelModel` (``parallel.pipeline`` is the
+            :class:`~shardkit.parallel.PipelineParallel`).
+        module: this rank's stages (an ``nn.ModuleList``).
+
+    Example:
+        >>> engine, *_ = shardkit.initialize(model=nn.Sequential(*layers), config={
+        ...     "train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+        ...     "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "pipeline": {"stages": 2}})
+        >>> loss = engine.train_batch(iter(loader))    # 4 micro-batches of (inputs, labels)
+    """
+
+    def __init__(self, *, parallel: ParallelModel, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.parallel = parallel
+        self.training_dataloader: Any = None
+        self._data_iter: Iterator[Any] | None = None
+
+    # ---- DeepSpeed's pipeline accessors --------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        """Whether this rank runs the first stage (the one that reads the inputs)."""
+        return self.parallel.pipeline.is_first
+
+    def is_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (the one that reads the labels and the loss)."""
+        return self.parallel.pipeline.is_last
+
+    def set_dataiter(self, iterator: Iterator[Any]) -> None:
+        """The iterator :meth:`train_batch` reads when called without one."""
+        self._data_iter = iterator
+
+    # ---- refused: the pipeline runs whole batches ----------------------------------------------
+    def _refuse(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"engine.{what} is not available with pipeline.stages={self.config.pipeline.stages}: a pipeline runs whole "
+            "batches; call engine.train_batch(data_iter) (forward, backward and step of one global batch) or "
+            "engine.eval_batch(data_iter), as DeepSpeed's PipelineEngine"
+        )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._refuse("forward (engine(...))")
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        raise self._refuse("backward")
+
+    def step(self) -> None:
+        raise self._refuse("step")
+
+    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
+        raise NotImplementedError(
+            "save_checkpoint with pipeline.stages > 1 is not built; engine.full_state_dict() gives the whole "
+            "model's state on every rank"
+        )
+
+    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+        raise NotImplementedError("load_checkpoint with pipeline.stages > 1 is not built")
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _global_batch(self, data_iter: Iterator[Any] | None) -> tuple[Any, Any]:
+        """``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` concatenated on dim 0,
+        on the ranks that read them (first stage: inputs, last: labels); None elsewhere."""
+        pipe = self.parallel.pipeline
+        if not (pipe.is_first or pipe.is_last):
+            return None, None
+        it = data_iter if data_iter is not None else self._data_iter
+        if it is None:
+            return None, None  # the pipeline's agreement raises on every rank, naming this one
+        xs, ys = [], []
+        for i in range(self.gradient_accumulation_steps()):
+            item = next(it)
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(
+                    f"data_iter: micro-batch {i} must be a pair (inputs, labels) of tensors, got {type(item).__name__}"
+                )
+            xs.append(item[0])
+            ys.append(item[1])
+        return (torch.cat(xs) if pipe.is_first else None), (torch.cat(ys) if pipe.is_last else None)
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """One optimizer step of one global batch through the pipeline.
+
+        Reads ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from
+        ``data_iter`` (default: the iterator of :meth:`set_dataiter`, or of the ``training_data``
+        given to ``initialize``) on the first and last stage (other ranks may pass None), runs
+        them through the schedule in ``pipeline.microbatches`` pieces, averages the gradients
+        over dp, clips to ``gradient_clipping`` (the global norm over tp shards and stages),
+        steps the optimizer (skipped on an fp16 overflow) and then the LR scheduler.
+
+        Args:
+            data_iter: an iterator of ``(inputs [micro, ...], labels [micro, ...])`` pairs.
+
+        Returns:
+            The mean loss of the global batch (0-d fp32, the same on every pipeline rank).
+
+        Example:
+            >>> for step in range(steps):
+            ...     loss = engine.train_batch(iter_of_micro_batches)
+        """
+        if not self.module.training:
+            raise RuntimeError("train_batch in eval mode: call engine.train() first (eval_batch evaluates)")
+        x, y = self._global_batch(data_iter)
+        with record_function("shardkit::engine_train_batch"):
+            loss = self.parallel.forward_backward(x, y)
+            norm = self.parallel.clip(self.config.gradient_clipping or None)
+            applied = self.parallel.step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+        self._global_grad_norm = None if norm is None else float(norm)
+        self._step_applied = applied
+        if applied and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.skipped_steps += int(not applied)
+        self.global_steps += 1
+        self.micro_steps += self.gradient_accumulation_steps()
+        self.global_samples += self.train_batch_size()
+        return loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """The mean loss of ``gradient_accumulation_steps`` micro-batches, without gradients
+        (eval mode during the call); the same on every pipeline rank.
+
+        Example:
+            >>> val_loss = engine.eval_batch(iter(val_loader))
+        """
+        x, y = self._global_batch(data_iter)
+        return torch.tensor(self.parallel.evaluate(x, y))
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's state keyed as ``nn.Sequential(*blocks).state_dict()``, gathered over
+        pp (call on every rank); CPU tensors."""
+        sd = self.parallel.pipeline.full_state_dict()
+        return {} if rank0_only and self.ctx.global_rank != 0 else sd
+
+    def memory_report(self) -> dict[str, Any]:
+        """This rank's model-state bytes (its stages): ``params``, ``grads``, ``optimizer_state``."""
+        mem = dict(self.parallel.report(self.optimizer).memory)
+        mem.setdefault("master_params", 0)
+        mem["model_state"] = sum(mem[k] for k in ("params", "grads", "optimizer_state", "master_params"))
+        return {"unit": "bytes", **mem, "peak_transient": mem.get("peak_transient", 0), "offloaded": {}}

@@ -1,0 +1,226 @@
+"""``shardkit.initialize`` with shardkit's ``tensor_parallel`` and ``pipeline`` config sections.
+
+References are single-process plain torch runs of the dense model on the same global batch
+(``torch.optim.SGD`` / ``AdamW``, ``torch.nn.utils.clip_grad_norm_``); the engine's state is
+gathered back to the dense layout (``engine.full_state_dict()``) and compared key by key.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from shardkit.comm import ParallelContext
+from test_zero_edge import _no_collective
+from tolerances import FP32
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, MICRO, GAS, STEPS, CLIP, LR = 96, 12, 2, 2, 5, 0.5, 0.1
+
+
+# ---- tensor_parallel ---------------------------------------------------------------------------
+def _gpt2(seed: int = 0):
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB,  # 96 % 2 == 0, 95 would pad
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)  # tied lm_head / wte
+
+
+def _tp_config(stage: int, tp: int) -> dict:
+    # SGD, not Adam: GPT-2's key bias has a ~0 gradient (softmax ignores a per-row shift) whose
+    # rounding noise Adam's m / sqrt(v) blows up to lr-sized steps (see test_tensor_parallel_hf)
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage},
+        "tensor_parallel": {"size": tp, "plan": "auto"},
+    }
+
+
+def _batch(step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randint(VOCAB, (MICRO, SEQ), generator=g)
+
+
+def _dense_reference() -> tuple[dict, list[float], list[float]]:
+    """One process, plain torch: the dense GPT-2, HF's labels= loss, SGD + momentum, clipping."""
+    model = _gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(GAS):
+            x = _batch(step, micro)
+            loss = model(input_ids=x, labels=x).loss
+            (loss / GAS).backward()
+            losses.append(float(loss))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), losses, norms
+
+
+def _tp_body(stage: int) -> dict:
+    import shardkit
+
+    with ParallelContext.from_world(tp=2) as ctx:  # world 2: tp 2, dp 1
+        engine, *_ = shardkit.initialize(model=_gpt2(), config=_tp_config(stage, 2), ctx=ctx)
+        head = engine.module.lm_head
+        assert head.weight is engine.module.transformer.wte.weight  # still tied after the split
+        if stage == 0:  # (ZeRO-3 frees the unit's params between steps)
+            assert head.weight.shape[0] == VOCAB // 2
+        losses, norms = [], []
+        for step in range(STEPS):
+            for micro in range(GAS):
+                x = _batch(step, micro)  # every tp rank reads the whole (dp-rank) batch
+                out = engine(input_ids=x, labels=x)
+                assert out.logits.shape[-1] == VOCAB  # gathered: HF's own loss ran on full logits
+                engine.backward(out.loss)
+                engine.step()
+                losses.append(float(out.loss))
+            norms.append(engine.get_global_grad_norm())
+        ref, ref_losses, ref_norms = _dense_reference()
+        full = engine.full_state_dict()
+        for k, r in ref.items():
+            if k in full:  # GPT-2's causal-mask buffers are not in every transformers version
+                torch.testing.assert_close(full[k], r, **FP32, msg=lambda m, k=k: f"{k}: {m}")
+        assert set(ref) - set(full) <= {k for k in ref if k.endswith(".attn.bias") or k.endswith("masked_bias")}
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **FP32)
+        assert min(ref_norms) > CLIP  # clipping acted on every step (its norm spans the tp shards)
+        with pytest.raises(NotImplementedError, match="tensor_parallel"):
+            engine.save_checkpoint("/nonexistent")
+        return {"losses": losses, "vocab_rows": full["lm_head.weight"].shape[0]}
+
+
+@pytest.mark.parametrize("stage", [0, 3], ids=["stage0", "zero3"])
+def test_tensor_parallel_config_trains_like_one_process(dist_pool, stage):
+    out = dist_pool.run(_tp_body, stage, world_size=2, timeout=120)
+    assert out[0]["losses"] == out[1]["losses"]
+    assert out[0]["vocab_rows"] == VOCAB  # gathered back to the dense layout
+
+
+# ---- pipeline ----------------------------------------------------------------------------------
+P_MICRO, P_GAS, P_IN, P_CLASSES = 4, 4, 8, 5
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(P_IN, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, P_CLASSES)
+    )  # fmt: skip
+
+
+def _pp_config(**pipeline) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": P_MICRO,
+        "gradient_accumulation_steps": P_GAS,
+        "gradient_clipping": CLIP,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "pipeline": {"stages": 2, **pipeline},
+    }
+
+
+def _micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(step)
+    return [(torch.randn(P_MICRO, P_IN, generator=g), torch.randint(P_CLASSES, (P_MICRO,), generator=g)) for _ in range(P_GAS)]
+
+
+def _pp_reference() -> tuple[dict, list[float]]:
+    """One process, plain torch: cross-entropy of the global batch (all micro-batches), AdamW."""
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        x, y = (torch.cat(t) for t in zip(*_micro_batches(step), strict=True))
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return model.state_dict(), losses
+
+
+def _pp_body(schedule: str) -> dict:
+    import shardkit
+
+    with ParallelContext.from_world(pp=2) as ctx:
+        engine, *_ = shardkit.initialize(model=_mlp(), config=_pp_config(schedule=schedule), ctx=ctx)
+        assert engine.is_first_stage() == (ctx.rank("pp") == 0) and engine.is_last_stage() == (ctx.rank("pp") == 1)
+        losses = [float(engine.train_batch(iter(_micro_batches(step)))) for step in range(STEPS)]
+        ref, ref_losses = _pp_reference()
+        full = engine.full_state_dict()
+        assert sorted(full) == sorted(ref)
+        for k, r in ref.items():
+            torch.testing.assert_close(full[k], r, **FP32, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
+        assert (engine.global_steps, engine.micro_steps, engine.global_samples) == (STEPS, STEPS * P_GAS, STEPS * 16)
+        assert engine.get_global_grad_norm() > CLIP  # the last step was clipped
+        # eval_batch: the same mean loss as the reference model on the next batch, no step
+        x, y = (torch.cat(t) for t in zip(*_micro_batches(99), strict=True))
+        model = _mlp()
+        model.load_state_dict(ref)
+        expect = float(F.cross_entropy(model(x), y))
+        assert float(engine.eval_batch(iter(_micro_batches(99)))) == pytest.approx(expect, rel=1e-5)
+        assert engine.global_steps == STEPS
+        # the DeepSpeed micro-step API is refused, naming train_batch
+        for call in (lambda: engine(x), lambda: engine.backward(torch.ones(())), engine.step):
+            with pytest.raises(RuntimeError, match="train_batch"):
+                call()
+        return {"losses": losses}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_config_train_batch_equals_one_process(dist_pool, schedule):
+    out = dist_pool.run(_pp_body, schedule, world_size=2, timeout=120)
+    assert out[0] == out[1]  # the loss is the same on every stage
+
+
+# ---- errors, before any collective -------------------------------------------------------------
+def _errors_body() -> None:
+    import shardkit
+
+    with ParallelContext.from_world() as ctx:
+        tp2 = _tp_config(0, 2)
+
+        def with_(base: dict, **sections) -> dict:
+            c = copy.deepcopy(base)
+            for name, value in sections.items():
+                c[name] = {**c.get(name, {}), **value}
+            return c
+
+        cases = [
+            (_gpt2(), with_(tp2, tensor_parallel={"size": 3}), {}, ValueError, "tensor_parallel.size"),
+            (_gpt2(), with_(tp2, tensor_parallel={"sise": 2}), {}, ValueError, "tensor_parallel.sise"),
+            (_gpt2(), with_(tp2, tensor_parallel={"plan": "megatron"}), {}, ValueError, "tensor_parallel.plan"),
+            (_mlp(), with_(tp2), {}, ValueError, "tensor_parallel.plan"),  # "auto" knows no plan for an MLP
+            (_gpt2(), with_(tp2), {}, ValueError, "ctx"),  # a dp-only ctx for a tp-2 config
+            (_gpt2(), with_(tp2, fp16={"enabled": True}), {}, ValueError, "fp16.enabled"),
+            (_mlp(), _pp_config(stagez=2), {}, ValueError, "pipeline.stagez"),
+            (_mlp(), _pp_config(microbatches=3), {}, ValueError, "pipeline.microbatches"),
+            (_mlp(), _pp_config(virtual_stages=2), {}, ValueError, "pipeline.virtual_stages"),
+            (_gpt2(), _pp_config(), {}, ValueError, "blocks"),  # not splittable as given
+            (_mlp(), with_(_pp_config(), zero_optimization={"stage": 3}), {}, ValueError, "zero_optimization.stage"),
+            (_mlp(), with_(_pp_config(), pipeline={"stages": 1}), {"blocks": list}, ValueError, "blocks"),
+            (_mlp(), _pp_config(), {"optimizer": torch.optim.SGD(_mlp().parameters(), lr=0.1)}, TypeError, "optimizer"),
+        ]
+        for model, config, kwargs, exc, key in cases:
+            stack = _no_collective()
+            try:
+                with pytest.raises(exc, match=key.replace(".", r"\.")):
+                    shardkit.initialize(model=model, config=config, ctx=ctx, **kwargs)
+            finally:
+                stack.stop()
+
+
+def test_bad_parallel_sections_raise_naming_the_key_before_any_collective(dist_pool):
+    dist_pool.run(_errors_body, world_size=2, timeout=60)
