@@ -221,14 +221,14 @@ def test_plan_agrees_with_memory_report(dist_pool, kind: str, dtype: torch.dtype
 # ---- checkpoints ------------------------------------------------------------------------------
 def _checkpoint(tmp: str, dtype: torch.dtype) -> None:
     """Save with offload_params at step 3 → load into offload_params=False (and into stage 3
-    without offload), and save without → load with: every continuation is bitwise the run that
-    never stopped."""
+    without offload, and into stage 2), and save without → load with: every continuation is
+    bitwise the run that never stopped (stage 2: within tolerance)."""
     ctx = ParallelContext.from_world()
     rank = ctx.rank("dp")
 
-    def build(params: bool, offload: str | None = "cpu"):
-        if offload is None:
-            sdp = ShardedDataParallel(_model(dtype), ctx, 3, bucket_mb=0.004)
+    def build(params: bool, offload: str | None = "cpu", stage: int = 3):
+        if offload is None or stage != 3:
+            sdp = ShardedDataParallel(_model(dtype), ctx, stage, bucket_mb=0.004, offload=offload)
             return sdp, ZeroOptimizer(sdp, FusedAdamW, _groups(sdp.module), **OPTIMIZERS["fused_adamw"][1])
         return _build(ctx, offload, params, "fused_adamw", dtype, os.path.join(tmp, f"nvme{rank}"))
 
@@ -236,7 +236,7 @@ def _checkpoint(tmp: str, dtype: torch.dtype) -> None:
         for step in steps:
             _train_step(sdp, opt, ctx, step, dtype)
 
-    for saver, loaders in ((True, [(False, "cpu"), (False, None)]), (False, [(True, "cpu")])):
+    for saver, loaders in ((True, [(False, "cpu"), (False, None), (False, "stage2")]), (False, [(True, "cpu")])):
         path = os.path.join(tmp, f"ckpt-{saver}")
         sdp, opt = build(saver)
         train(sdp, opt, range(3))
@@ -244,12 +244,19 @@ def _checkpoint(tmp: str, dtype: torch.dtype) -> None:
         train(sdp, opt, range(3, 6))
         want = sdp.full_state_dict()
         for params, offload in loaders:
-            sdp2, opt2 = build(params, offload)
+            # "stage2": the checkpoint resharded into another stage (other buckets: equal within
+            # the one-process tolerance, as tests/test_checkpoint.py's stage changes)
+            sdp2, opt2 = build(params, "cpu", 2) if offload == "stage2" else build(params, offload)
             assert load_checkpoint(path, sdp2, opt2) == {"step": 3}
             train(sdp2, opt2, range(3, 6))
             got = sdp2.full_state_dict()
             for k in want:
-                assert torch.equal(got[k], want[k]), f"saved offload_params={saver} -> {params}/{offload}: {k}"
+                if offload != "stage2":
+                    assert torch.equal(got[k], want[k]), f"saved offload_params={saver} -> {params}/{offload}: {k}"
+                elif dtype == torch.float32:
+                    torch.testing.assert_close(got[k], want[k], **FP32)
+                else:  # bf16: one bf16 ulp for the rounding of a master that moved by < FP32
+                    torch.testing.assert_close(got[k], want[k], rtol=2.0**-7, atol=FP32["atol"])
     ctx.destroy()
 
 
