@@ -200,11 +200,12 @@ class TrainConfig:
             raise ValueError(f"nproc={world} must be a multiple of tp x pp = {self.tp} x {self.pp}")
         dp = world // model_ranks
         if dp > 1 and self.strategy == "none" and self.config is None:
-            raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp (or zero1/2/3 without --tp/--pp)")
+            raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp, zero1 or zero2 (zero3 without --pp)")
         if model_ranks > 1:
-            if self.strategy.startswith("zero") and self.pp > 1:
+            if self.strategy == "zero3" and self.pp > 1:
                 raise ValueError(
-                    f"strategy={self.strategy} with --pp: ZeRO does not compose with the pipeline yet; use --strategy ddp"
+                    "strategy=zero3 with --pp: ZeRO-3's per-unit gathers would have to run per micro-batch inside "
+                    "the pipeline schedule; use --strategy zero1 or zero2 (or ddp)"
                 )
             if self.precision == "fp16" and not self.strategy.startswith("zero"):
                 raise ValueError(
