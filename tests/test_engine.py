@@ -149,6 +149,35 @@ def test_seed_configs_fp32_equal_one_process(dist_pool, name, stage):
         assert out[0]["stage"] == (2 if stage is None else stage)
 
 
+def _offload_param_body() -> dict:
+    """Seed 002's ZeRO-3 CPU-offload config with and without its offload_param section."""
+    import shardkit
+
+    world = torch.distributed.get_world_size()
+    runs = {}
+    with ParallelContext.from_world() as ctx:
+        for keep in (True, False):
+            cfg = _config(ZERO3, fp16=False)
+            if not keep:
+                del cfg["zero_optimization"]["offload_param"]
+            model = _gpt2()
+            engine, *_ = shardkit.initialize(model=model, model_parameters=_groups(model), config=cfg, ctx=ctx, **AUTO)
+            losses = _train(engine, range(3), ctx.rank("dp"), world)
+            runs[keep] = (losses, engine.full_state_dict(), engine.memory_report())
+    (losses, state, mem), (losses0, state0, mem0) = runs[True], runs[False]
+    assert losses == losses0  # bitwise: the host shard is the same fp32 shard
+    for k, v in state.items():
+        assert torch.equal(v, state0[k]), k
+    assert mem["offloaded"]["params"] > 0 and "params" not in mem0["offloaded"]
+    assert mem["params"] < mem0["params"]  # the device keeps no parameter shard between gathers
+    return {"host_param_bytes": mem["offloaded"]["params"]}
+
+
+def test_offload_param_trains_identically_and_keeps_the_shards_on_the_host(dist_pool):
+    out = dist_pool.run(_offload_param_body, world_size=2, timeout=120)
+    assert out[0]["host_param_bytes"] > 0
+
+
 # ---- fp16: the loss-scaler path ----------------------------------------------------------------
 def expected_scales(overflows: list[bool], power: int, hysteresis: int, window: int) -> list[float]:
     """The scale after each step under DeepSpeed's rule (docs/reference.md "fp16 dynamic loss

@@ -119,8 +119,9 @@ def _mlp(seed: int = 0) -> nn.Sequential:
     )  # fmt: skip
 
 
-def _pp_config(**pipeline) -> dict:
+def _pp_config(stage: int = 0, **pipeline) -> dict:
     return {
+        "zero_optimization": {"stage": stage},
         "train_micro_batch_size_per_gpu": P_MICRO,
         "gradient_accumulation_steps": P_GAS,
         "gradient_clipping": CLIP,
@@ -150,11 +151,13 @@ def _pp_reference() -> tuple[dict, list[float]]:
     return model.state_dict(), losses
 
 
-def _pp_body(schedule: str) -> dict:
+def _pp_body(schedule: str, stage: int) -> dict:
     import shardkit
+    from shardkit.parallel import ZeroOptimizer
 
     with ParallelContext.from_world(pp=2) as ctx:
-        engine, *_ = shardkit.initialize(model=_mlp(), config=_pp_config(schedule=schedule), ctx=ctx)
+        engine, *_ = shardkit.initialize(model=_mlp(), config=_pp_config(stage, schedule=schedule), ctx=ctx)
+        assert isinstance(engine.optimizer, ZeroOptimizer) == (stage > 0)
         assert engine.is_first_stage() == (ctx.rank("pp") == 0) and engine.is_last_stage() == (ctx.rank("pp") == 1)
         losses = [float(engine.train_batch(iter(_micro_batches(step)))) for step in range(STEPS)]
         ref, ref_losses = _pp_reference()
@@ -179,9 +182,9 @@ def _pp_body(schedule: str) -> dict:
         return {"losses": losses}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_config_train_batch_equals_one_process(dist_pool, schedule):
-    out = dist_pool.run(_pp_body, schedule, world_size=2, timeout=120)
+@pytest.mark.parametrize("schedule,stage", [("1f1b", 0), ("gpipe", 1)], ids=["1f1b-stage0", "gpipe-zero1"])
+def test_pipeline_config_train_batch_equals_one_process(dist_pool, schedule, stage):
+    out = dist_pool.run(_pp_body, schedule, stage, world_size=2, timeout=120)
     assert out[0] == out[1]  # the loss is the same on every stage
 
 
@@ -209,7 +212,8 @@ def _errors_body() -> None:
             (_mlp(), _pp_config(microbatches=3), {}, ValueError, "pipeline.microbatches"),
             (_mlp(), _pp_config(virtual_stages=2), {}, ValueError, "pipeline.virtual_stages"),
             (_gpt2(), _pp_config(), {}, ValueError, "blocks"),  # not splittable as given
-            (_mlp(), with_(_pp_config(), zero_optimization={"stage": 3}), {}, ValueError, "zero_optimization.stage"),
+            (_mlp(), _pp_config(3), {}, ValueError, "zero_optimization.stage"),
+            (_mlp(), with_(_pp_config(1), fp16={"enabled": True}), {}, ValueError, "fp16.enabled"),
             (_mlp(), with_(_pp_config(), pipeline={"stages": 1}), {"blocks": list}, ValueError, "blocks"),
             (_mlp(), _pp_config(), {"optimizer": torch.optim.SGD(_mlp().parameters(), lr=0.1)}, TypeError, "optimizer"),
         ]

@@ -5,7 +5,8 @@ What it builds from the resolved config (:func:`shardkit.engine.load_config`):
 * ZeRO stage 0 → :class:`~shardkit.parallel.DataParallel` (bucket size from
   ``reduce_bucket_size``); stages 1-3 → :class:`~shardkit.parallel.ShardedDataParallel` (same
   bucket size in elements, ``offload_optimizer`` → ``offload="cpu"|"nvme"``, ``nvme_path`` →
-  ``nvme_dir``) and a :class:`~shardkit.parallel.ZeroOptimizer`.
+  ``nvme_dir``, ``offload_param`` → ``offload_params=True``) and a
+  :class:`~shardkit.parallel.ZeroOptimizer`.
 * precision: fp16 → the module in fp16 and a :class:`~shardkit.parallel.DynamicLossScaler`
   with the config's arguments; bf16 → the module in bf16. Both keep fp32 masters: ZeRO always,
   stage 0 through the fused optimizers' ``master_weights=True``.
@@ -49,9 +50,6 @@ from .resolved import EngineConfig
 __all__ = ["initialize"]
 
 logger = logging.getLogger("shardkit.engine")
-
-#: parallelize(dp="zero1"/"zero2") with pp > 1 exists (ZeRO × pipeline)
-_ZERO_WITH_PIPELINE = False
 
 #: ``deepspeed.initialize`` arguments that have no meaning here: accepted at their defaults.
 _DEEPSPEED_DEFAULTS = {"distributed_port": None, "dist_init_required": None, "mpu": None, "mesh_param": None}
@@ -270,20 +268,15 @@ def _check_supported(cfg: EngineConfig) -> None:
             "the overflow over dp and tp); use stage 1-3, or bf16/fp32 at stage 0"
         )
     if pp > 1:
-        if stage >= 1 and not _ZERO_WITH_PIPELINE:
-            raise ValueError(
-                f"zero_optimization.stage={stage} with pipeline.stages={pp}: ZeRO does not compose with the pipeline "
-                "yet; use zero_optimization.stage 0 (the dp axis then all-reduces after each pipeline step)"
-            )
         if stage == 3:
             raise ValueError(
                 f"zero_optimization.stage=3 with pipeline.stages={pp}: not supported (as in DeepSpeed, whose pipeline "
                 "engine takes ZeRO 0-2); use stage 0-2"
             )
-        if fp16 and stage == 0:
+        if fp16:
             raise ValueError(
-                "fp16.enabled with pipeline.stages > 1 needs zero_optimization.stage 1-2 (the loss scaler's overflow "
-                "is agreed by ZeRO's epilogue); use bf16 or fp32 at stage 0"
+                "fp16.enabled with pipeline.stages > 1: the pipeline does not scale its loss (no fp16 loss scaler "
+                "inside the schedule yet); use bf16 or fp32"
             )
         if cfg.zero.offload_optimizer.enabled and stage == 0:
             raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
@@ -292,11 +285,17 @@ def _check_supported(cfg: EngineConfig) -> None:
         path = Path(off.nvme_path)
         if not path.is_dir():
             raise ValueError(f"zero_optimization.offload_optimizer.nvme_path {str(path)!r} is not an existing directory")
-    if cfg.zero.offload_param.enabled:
-        # Parameter offload is not built; the config still runs (parameters stay on the device).
+    param_off = cfg.zero.offload_param
+    if param_off.enabled and not off.enabled:
+        # the host copy of a parameter shard is the optimizer's host master: both go off the device
+        raise ValueError(
+            f"zero_optimization.offload_param.device={param_off.device!r} needs zero_optimization.offload_optimizer."
+            "device 'cpu' or 'nvme' too (shardkit keeps the parameter shards next to the offloaded fp32 masters)"
+        )
+    if param_off.device == "nvme":
         warnings.warn(
-            f"zero_optimization.offload_param.device={cfg.zero.offload_param.device!r} is not implemented: parameters "
-            "stay on the model's device (optimizer offload, offload_optimizer, is applied)",
+            "zero_optimization.offload_param.device='nvme': the parameter shards are kept in host memory, not in "
+            "files (offload_param.nvme_path is not used); offload_optimizer's nvme applies to the optimizer state",
             UserWarning,
             stacklevel=3,
         )
@@ -409,7 +408,14 @@ def _wrap(
     # elements are 4 bytes each
     nvme = zero.offload_optimizer.nvme_path if zero.offload == "nvme" else None
     wrapped = ShardedDataParallel(
-        model, ctx, zero.stage, bucket_mb=zero.bucket_mb(4), offload=zero.offload, nvme_dir=nvme, loss_scaler=scaler
+        model,
+        ctx,
+        zero.stage,
+        bucket_mb=zero.bucket_mb(4),
+        offload=zero.offload,
+        nvme_dir=nvme,
+        loss_scaler=scaler,
+        offload_params=zero.offload_param.enabled,  # stage 3 only (the config reader checks)
     )
     cls, kwargs = make(groups)
     return wrapped, ZeroOptimizer(wrapped, cls, groups, **kwargs)
