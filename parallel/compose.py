@@ -100,8 +100,9 @@ class ParallelModel:
 
     Attributes:
         module: the module this rank trains (the DataParallel/ZeRO wrapper, or without dp the
-            TP-converted model; with a pipeline the :class:`PipelineParallel`'s stages, wrapped
-            by ZeRO when ``dp`` is ``"zero1"``/``"zero2"``).
+            TP-converted model; with a pipeline the :class:`PipelineParallel`'s stages, or with
+            ``dp="zero1"``/``"zero2"`` their blocks keyed by block index, as the unsplit
+            ``nn.Sequential(*blocks)``, in a ZeRO wrapper).
         pipeline: the :class:`PipelineParallel`, or None.
         strategy: the dp :class:`~shardkit.parallel.strategy.Strategy` (no pipeline, or ZeRO
             under a pipeline), or None.
@@ -337,8 +338,13 @@ def parallelize(
         stages = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
         strategy = None
         if dp.startswith("zero"):
+            # keyed by block index: state_dict keys are the unsplit nn.Sequential(*blocks)'s,
+            # distinct across pp ranks (checkpoints) and equal to pipe.full_state_dict()'s
+            held = nn.ModuleDict(
+                {str(j): blk for s in sorted(pipe.stages) for j, blk in zip(pipe.stage_blocks[s], pipe.stages[s], strict=True)}
+            )
             strategy = make_strategy(dp, ctx=ctx, **dict(dp_options or {}))
-            stages = strategy.wrap_stages(stages, uncounted=_uncounted_tie_copies(pipe, ctx))
+            stages = strategy.wrap_stages(held, uncounted=_uncounted_tie_copies(pipe, ctx))
         par = ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=strategy, pipeline=pipe, dp=dp, autocast=None)
         par.stats = stats
         return par

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from shardkit.comm import ParallelContext
 from shardkit.models import gpt_blocks
@@ -22,7 +23,7 @@ def _body(strategy: str, schedule: str, tie: bool, tp: int) -> dict:
     world = dist.get_world_size()
     pp = 2
     with ParallelContext.from_world(dp=world // (tp * pp), tp=tp, pp=pp) as ctx:
-        _, ref_losses, ref_norms = _dense_run(tie)
+        dense, ref_losses, ref_norms = _dense_run(tie)
         opts = {"microbatches": 2, "schedule": schedule}
         if schedule == "interleaved":
             opts["virtual_stages"] = 2
@@ -72,7 +73,14 @@ def _body(strategy: str, schedule: str, tie: bool, tp: int) -> dict:
         padding = sum(16 * (len(sb.segments) + dp) * 4 for sb in buckets)  # alignment + tail per bucket
         assert abs(state - ddp_state / dp) <= padding, (state, ddp_state, dp)
 
-        # evaluation and the pipeline's full state dict see the all-gathered params on every dp rank
+        # the wrapper's full_state_dict holds this rank's blocks under the unsplit model's keys
+        if tp == 1:
+            want = nn.Sequential(*gpt_blocks(dense)).state_dict()
+            got = sdp.full_state_dict()
+            assert got and set(got) <= set(want)
+            for key, value in got.items():
+                torch.testing.assert_close(value, want[key], **FP32, msg=lambda m, key=key: f"{key}: {m}")
+        # the pipeline's full state dict sees the all-gathered params on every dp rank
         full = par.pipeline.full_state_dict()
         flat = torch.cat([v.reshape(-1) for v in full.values()])
         gathered = [torch.empty_like(flat) for _ in range(dp)]
