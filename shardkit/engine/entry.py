@@ -41,10 +41,9 @@ from shardkit.parallel import DataParallel, ShardedDataParallel, ZeroOptimizer
 from shardkit.parallel.param_groups import resolve_param_groups
 from shardkit.parallel.tensor import plan_modules, tensor_parallelize
 
-from ._reader import Reader, to_int
-from .config import load_config, load_raw
+from .config import load_config
 from .engine import Engine
-from .layout import default_blocks, gather_head_logits, groups_by_name, regroup, tp_plan_for, vocab_sizes
+from .layout import axis_sizes, default_blocks, gather_head_logits, groups_by_name, regroup, tp_plan_for, vocab_sizes
 from .resolved import EngineConfig
 
 __all__ = ["initialize"]
@@ -141,7 +140,7 @@ def initialize(
         # torchrun's environment, or a one-process world: the rendezvous, no collective yet. NCCL
         # when CUDA is available (the model then moves to the rank's GPU, as DeepSpeed moves it),
         # else gloo. The axis sizes are checked against WORLD_SIZE before any group exists.
-        ctx = _context_from_env(*_axis_sizes(config, auto_values))
+        ctx = _context_from_env(*axis_sizes(config, auto_values))
     world = ctx.world_size if ctx is not None else dist.get_world_size()
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     if hidden is not None and "hidden_size" not in auto_values:
@@ -216,17 +215,6 @@ def _the_config(config: Any, config_params: Any, args: Any) -> Any:
     if from_args is None:
         raise ValueError("config is required: a JSON path or a dict (or args.deepspeed_config, as DeepSpeed)")
     return from_args
-
-
-def _axis_sizes(config: Any, auto_values: Mapping[str, Any]) -> tuple[int, int]:
-    """``tensor_parallel.size`` and ``pipeline.stages`` alone, read before the world exists (the
-    whole config is read once the world size is known)."""
-    r = Reader(load_raw(config), auto_values)
-    sizes = [r.section(s).get(k, to_int, 1, check=lambda v: v >= 1, must="be >= 1") for s, k in _AXIS_KEYS]
-    return sizes[0], sizes[1]
-
-
-_AXIS_KEYS = (("tensor_parallel", "size"), ("pipeline", "stages"))
 
 
 def _context_from_env(tp: int, pp: int) -> ParallelContext:

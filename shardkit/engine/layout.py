@@ -27,11 +27,34 @@ from shardkit.parallel.tensor import (
     llama_plan,
 )
 
+from ._reader import Reader, to_int
+from .config import load_raw
 from .resolved import TensorParallelConfig
 
-__all__ = ["default_blocks", "gather_head_logits", "groups_by_name", "regroup", "tp_plan_for", "vocab_sizes"]
+__all__ = ["axis_sizes", "default_blocks", "gather_head_logits", "groups_by_name", "regroup", "tp_plan_for", "vocab_sizes"]
 
 BlocksFn = Callable[[nn.Module], Sequence[nn.Module]]
+
+
+def axis_sizes(config: str | Any, auto_values: Mapping[str, Any] | None = None) -> tuple[int, int]:
+    """``(tensor_parallel.size, pipeline.stages)`` of a config, read alone: the context's axes
+    must exist before the whole config can be read (its batch rule needs dp = world / (tp × pp)).
+
+    Args:
+        config: a JSON path or a dict.
+        auto_values: what ``"auto"`` stands for (load_config's keywords).
+
+    Raises:
+        ValueError: a size that is not an integer >= 1, naming the dotted key.
+
+    Example:
+        >>> axis_sizes({"tensor_parallel": {"size": 2}})
+        (2, 1)
+    """
+    r = Reader(load_raw(config), auto_values or {})
+    tp = r.section("tensor_parallel").get("size", to_int, 1, check=lambda v: v >= 1, must="be >= 1")
+    pp = r.section("pipeline").get("stages", to_int, 1, check=lambda v: v >= 1, must="be >= 1")
+    return tp, pp
 
 
 def _is_tinygpt(model: nn.Module) -> bool:

@@ -179,8 +179,11 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
     Example:
         >>> train(TrainConfig(config="tests/configs/zero2_config_accelerate.json", steps=10))
     """
+    from shardkit.engine.layout import axis_sizes
+
     owns_world = not dist.is_initialized()
-    ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl")
+    tp, pp = axis_sizes(cfg.config, auto_values(cfg))  # the config's tensor_parallel / pipeline axes
+    ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp)
     try:
         return _train(cfg, ctx, device, t_start)
     finally:
@@ -222,9 +225,12 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
         get_batch("val", global_rows, cfg.seq_len, eval_gen, corpus=corpus, device=device) for _ in range(cfg.eval_iters)
     ]
     stage, dtype = ecfg.zero.stage, ecfg.precision.dtype
+    pipelined = ecfg.pipeline.stages > 1
     bar = ProgressBar(cfg.steps, enabled=rank == 0)
     bar.write(
         f"{cfg.model} {n_params / 1e6:.2f}M params | {cfg.config}: ZeRO-{stage}"
+        f"{f' tp {ecfg.tensor_parallel.size}' if ecfg.tensor_parallel.size > 1 else ''}"
+        f"{f' pp {ecfg.pipeline.stages} ({ecfg.pipeline.schedule})' if pipelined else ''}"
         f"{' offload ' + ecfg.zero.offload if ecfg.zero.offload else ''} {dtype} "
         f"{ecfg.optimizer.type if ecfg.optimizer else '-'} {ecfg.scheduler.type if ecfg.scheduler else 'constant lr'} "
         f"world={world} {device.type} | {cfg.steps} steps x {global_rows} seqs "
@@ -247,7 +253,9 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
             "train", micro * gas, cfg.seq_len, data_gen, rank=dp_rank, world_size=dp, corpus=corpus, device=device
         )
         step_loss = torch.zeros((), device=device)
-        for k in range(gas):
+        if pipelined:  # one call: the gas micro-batches through the schedule, then the step
+            step_loss += engine.train_batch(iter(zip(x_all.split(micro), y_all.split(micro), strict=True))).to(device)
+        for k in range(0 if pipelined else gas):
             x, y = x_all[k * micro : (k + 1) * micro], y_all[k * micro : (k + 1) * micro]
             loss = _loss(engine, hf, x, y)
             engine.backward(loss)
@@ -259,7 +267,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
             torch.cuda.synchronize(device)
         train_time += time.perf_counter() - t0
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            evals.append((step, _evaluate(engine, hf, eval_batches)))
+            evals.append((step, _evaluate(engine, hf, eval_batches, gas if pipelined else 0)))
             if not math.isfinite(evals[-1][1]) and dtype != "fp16":
                 raise FloatingPointError(f"rank {rank}: eval loss is {evals[-1][1]} at step {step}")
             scale = f" | loss scale {scales[-1]:g}" if scales[-1] is not None else ""
@@ -314,7 +322,13 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
 
 
 @torch.no_grad()
-def _evaluate(engine: nn.Module, hf: bool, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def _evaluate(engine: nn.Module, hf: bool, batches: list[tuple[torch.Tensor, torch.Tensor]], pipeline_gas: int = 0) -> float:
+    """Mean loss of ``batches``; under a pipeline (``pipeline_gas`` > 0) each through ``eval_batch``
+    as ``pipeline_gas`` micro-batches."""
+    if pipeline_gas:
+        return sum(
+            float(engine.eval_batch(iter(zip(x.chunk(pipeline_gas), y.chunk(pipeline_gas), strict=True)))) for x, y in batches
+        ) / len(batches)
     engine.eval()
     try:
         return sum(float(_loss(engine, hf, x, y)) for x, y in batches) / len(batches)
