@@ -169,7 +169,9 @@ def stage3_layout(model: nn.Module, *, dp: int, bucket_mb: float, wrap: Any = No
     return Stage3Layout(dp=dp, units=tuple(units), owned=max(owned))
 
 
-def stage3_transient(layout: Stage3Layout, *, pb: int, gb: int, reshard_after_forward: bool, in_flight: int) -> int:
+def stage3_transient(
+    layout: Stage3Layout, *, pb: int, gb: int, reshard_after_forward: bool, in_flight: int, staging: bool = False
+) -> int:
     """Peak transient bytes of a stage-3 step, replaying the runtime's order of events.
 
     Forward: the root unit gathered throughout, unit k plus the prefetched k+1 (all units by the
@@ -179,32 +181,43 @@ def stage3_transient(layout: Stage3Layout, *, pb: int, gb: int, reshard_after_fo
     params and the root at the end). Then the root's buckets. An fp32 copy of every reduced
     shard in the epilogue when G ≠ 4. Assumes each unit runs once, in module order.
 
+    ``staging`` (``offload_params``): a gather also holds a ``[shard]`` device staging buffer
+    (1/N of the unit, [Note: offloaded parameter shards]) from its issue until it is waited: in
+    forward the unit being waited and the prefetched next one hold theirs for a moment (the
+    root's and the first unit's at the start); in backward (with ``reshard_after_forward``) the
+    prefetched unit k-1 holds its own while unit k's gradient buckets launch.
+
     Example:
         >>> lay = stage3_layout(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), dp=2, bucket_mb=25)
         >>> stage3_transient(lay, pb=4, gb=4, reshard_after_forward=True, in_flight=2)
         384
     """
+    n = layout.dp
     root, units = layout.units[0], list(layout.units[1:])
+    r = pb * root.gathered
     size = [pb * u.gathered for u in units]
-    peak = pb * root.gathered + (
-        sum(size) if not reshard_after_forward else max((sum(size[k : k + 2]) for k in range(len(size))), default=0)
-    )
+    stage = [s // n if staging else 0 for s in size]
+    peak = r + (r // n if staging else 0) + (size[0] + stage[0] if size else 0)  # the root + the first prefetch
+    for k in range(len(size)):
+        held = sum(size[: k + 2]) if not reshard_after_forward else sum(size[k : k + 2])
+        peak = max(peak, r + held + sum(stage[k : k + 2]))
     alive = set(range(len(units))) if not reshard_after_forward else set()
     flight: list[int] = []
 
-    def launch(totals: tuple[int, ...]) -> int:
+    def launch(totals: tuple[int, ...], staged: int) -> int:
         most = 0
         for t in totals:
             del flight[: max(0, len(flight) - in_flight + 1)]
             flight.append(gb * t)
-            most = max(most, pb * root.gathered + sum(size[j] for j in alive) + sum(flight))
+            most = max(most, r + sum(size[j] for j in alive) + staged + sum(flight))
         return most
 
     for k in reversed(range(len(units))):
         alive |= {k} | ({k - 1} if k else set())  # this unit, and the prefetch of the one before
-        peak = max(peak, launch(units[k].totals))
+        staged = stage[k - 1] if (k and reshard_after_forward) else 0  # the prefetch of k-1, not yet waited
+        peak = max(peak, launch(units[k].totals, staged))
         if units[k].totals and not units[k].frozen_totals:
             alive.discard(k)
-    peak = max(peak, launch(root.totals))
+    peak = max(peak, launch(root.totals, 0))
     epilogue = 4 * layout.shards if gb != 4 else 0
     return max(peak, epilogue)

@@ -319,46 +319,6 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def _stage3_transient_staged(layout: Any, *, pb: int, gb: int, reshard_after_forward: bool, in_flight: int) -> int:
-    """:func:`stage3_transient` with ``offload_params``' device staging buffers.
-
-    A gather holds a ``[shard]`` staging buffer (1/N of the unit, [Note: offloaded parameter
-    shards]) from its issue until it is waited: in forward the unit being waited and the
-    prefetched next one both hold theirs for a moment (the root's and the first unit's at the
-    start); in backward (with ``reshard_after_forward``) the prefetched unit k-1 holds its own
-    while unit k's gradient buckets launch. Otherwise the same replay as stage3_transient.
-    """
-    n = layout.dp
-    root, units = layout.units[0], list(layout.units[1:])
-    r = pb * root.gathered
-    size = [pb * u.gathered for u in units]
-    stage = [s // n for s in size]
-    peak = r + r // n + (size[0] + stage[0] if size else 0)  # the root's gather + the first prefetch
-    for k in range(len(size)):
-        held = sum(size[: k + 2]) if not reshard_after_forward else sum(size[k : k + 2])
-        peak = max(peak, r + held + sum(stage[k : k + 2]))
-    alive = set(range(len(units))) if not reshard_after_forward else set()
-    flight: list[int] = []
-
-    def launch(totals: tuple[int, ...], staged: int) -> int:
-        most = 0
-        for t in totals:
-            del flight[: max(0, len(flight) - in_flight + 1)]
-            flight.append(gb * t)
-            most = max(most, r + sum(size[j] for j in alive) + staged + sum(flight))
-        return most
-
-    for k in reversed(range(len(units))):
-        alive |= {k} | ({k - 1} if k else set())
-        staged = stage[k - 1] if (k and reshard_after_forward) else 0  # the prefetch of k-1, not yet waited
-        peak = max(peak, launch(units[k].totals, staged))
-        if units[k].totals and not units[k].frozen_totals:
-            alive.discard(k)
-    peak = max(peak, launch(root.totals, 0))
-    epilogue = 4 * layout.shards if gb != 4 else 0
-    return max(peak, epilogue)
-
-
 def plan_memory(
     num_params: int | nn.Module,
     *,
@@ -506,8 +466,13 @@ def plan_memory(
                 layout, psi_t, dp=dp, stage=stage, pb=pb, gb=gb, bucket=bucket, in_flight=buckets_in_flight
             )
         elif lay3 is not None:
-            transient = (_stage3_transient_staged if offload_params else stage3_transient)(
-                lay3, pb=pb, gb=gb, reshard_after_forward=reshard_after_forward, in_flight=buckets_in_flight
+            transient = stage3_transient(
+                lay3,
+                pb=pb,
+                gb=gb,
+                reshard_after_forward=reshard_after_forward,
+                in_flight=buckets_in_flight,
+                staging=offload_params,
             )
         else:
             unit = psi if largest_unit_params is None else largest_unit_params
