@@ -36,6 +36,9 @@ __all__ = [
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
 _REDUCE_OPS = ("sum", "avg", "max", "min")
+#: on gloo, an all-gather whose output has at least this many bytes runs as one broadcast per
+#: rank, in place (see [Note: gloo all-gather as broadcasts])
+GLOO_BROADCAST_GATHER_BYTES = 64 * 1024
 
 
 # ---- argument checks ---------------------------------------------------------------------------
@@ -305,14 +308,42 @@ def all_gather(
     if n == 1:
         output.copy_(input.view_as(output))
         return CommHandle(fn, output)
-    return _launch(
-        fn,
-        group,
-        output,
-        lambda: dist.all_gather_single(output.view(-1), input.view(-1), group=group, async_op=True),
-        async_op=async_op,
-        stats=stats,
-        nbytes=_nbytes(output),
+    issue = lambda: dist.all_gather_single(output.view(-1), input.view(-1), group=group, async_op=True)  # noqa: E731
+    if _nbytes(output) >= GLOO_BROADCAST_GATHER_BYTES and dist.get_backend(group) == "gloo":
+        issue = lambda: _gather_by_broadcasts(output.view(-1), input.view(-1), group)  # noqa: E731
+    return _launch(fn, group, output, issue, async_op=async_op, stats=stats, nbytes=_nbytes(output))
+
+
+class _Works:
+    """Several works in flight, waited and polled as one (a :class:`CommHandle`'s work)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> _Works:
+    """[Note: gloo all-gather as broadcasts]
+    gloo's all-gather into one tensor is 2.5-4x slower than one in-place broadcast per rank of
+    the same chunks (measured on 2 and 4 CPU ranks, 1-64 MiB outputs: e.g. 64 MiB on 2 ranks,
+    88 ms vs 22 ms at the minimum), as torch's ZeroRedundancyOptimizer syncs its partitions.
+    Each rank copies its input into its own chunk of ``output`` and broadcasts that chunk; the
+    other chunks are received in place. The bytes moved are the same ((N-1)/N of the output per
+    rank), so CommStats records one all-gather either way.
+    """
+    k = input.numel()
+    mine = output.narrow(0, group.rank() * k, k)
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input)
+    return _Works(
+        [dist.broadcast(output.narrow(0, r * k, k), group_src=r, group=group, async_op=True) for r in range(group.size())]
     )
 
 
