@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -403,6 +404,35 @@ def test_config_check_prints_the_resolution_and_the_plan(capsys) -> None:
     plan = plan_memory(124_000_000, dp=2, stage=2, precision="fp16", optimizer="adamw", bucket_mb=2e8 * 2 / 2**20)
     assert plan.table() in out
     assert "config keys accepted but ignored" not in err  # printed once, not logged as well
+
+
+def test_config_check_prints_the_tensor_and_pipeline_layout(capsys) -> None:
+    sets = ["tensor_parallel.size=2", "tensor_parallel.gather_logits=false", "pipeline.stages=2", "pipeline.microbatches=8"]
+    args = [str(ZERO2), "--world-size", "8", *_auto_args(), "--set", "zero_optimization.stage=1", "--set", "fp16.enabled=false"]
+    rc, out, err = _check([*args, *(a for kv in sets for a in ("--set", kv))], capsys)
+    assert rc == 0, err
+    for text in (
+        "world size 8 = dp 2 × tensor_parallel 2 × pipeline 2",
+        "tensor parallel: 2 ranks per group, plan 'auto'; LM-head logits vocabulary-parallel shards",
+        "pipeline: 2 stages split by layers, schedule 1f1b; train_batch runs 1 micro-batches as 8 pipeline micro-batches of 5 rows",
+    ):
+        assert text in out, (text, out)
+
+
+@pytest.mark.parametrize(
+    "section,message",
+    [
+        ({"tensor_parallel": {"size": 2, "plan": "megatron"}}, "tensor_parallel.plan must be one of"),
+        ({"tensor_parallel": {"size": 2, "gather_logits": "maybe"}}, "tensor_parallel.gather_logits"),
+        ({"pipeline": {"stages": 2, "virtual_stages": 2}}, "pipeline.virtual_stages"),
+        ({"pipeline": {"stages": 2, "microbatches": 3}}, "pipeline.microbatches=3 must divide"),
+        ({"pipeline": {"stages": 2, "partition": "uniform"}}, "pipeline.partition must be one of"),
+    ],
+)
+def test_tensor_and_pipeline_keys_are_checked(section, message) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(_cfg(gradient_accumulation_steps=2, **section), world_size=4)
+    assert load_config(_cfg(tensor_parallel={"size": 2, "plan": "AUTO"}), world_size=2).tensor_parallel.plan == "auto"
 
 
 def test_config_check_offload_set_and_errors(capsys) -> None:

@@ -102,10 +102,21 @@ def describe(cfg: EngineConfig) -> str:
             f"fp16, dynamic loss scale from 2^{ls.initial_scale_power} (window {ls.loss_scale_window}, "
             f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g})"
         )
+    tp, pp = cfg.tensor_parallel, cfg.pipeline
     lines = [
-        f"world size {cfg.world_size} = dp {cfg.dp_size} × tensor_parallel {cfg.tensor_parallel.size} × "
-        f"pipeline {cfg.pipeline.stages}"
-        + (f" ({cfg.pipeline.schedule}, {cfg.pipeline.microbatches} microbatches)" if cfg.pipeline.stages > 1 else ""),
+        f"world size {cfg.world_size} = dp {cfg.dp_size} × tensor_parallel {tp.size} × pipeline {pp.stages}",
+    ]
+    if tp.size > 1:
+        logits = "gathered to the full vocabulary" if tp.gather_logits else "vocabulary-parallel shards"
+        lines.append(f"tensor parallel: {tp.size} ranks per group, plan {tp.plan!r}; LM-head logits {logits}")
+    if pp.stages > 1:
+        virtual = f", {pp.virtual_stages} virtual stages per rank" if pp.virtual_stages > 1 else ""
+        lines.append(
+            f"pipeline: {pp.stages} stages split by {pp.partition}, schedule {pp.schedule}{virtual}; train_batch runs "
+            f"{cfg.gradient_accumulation_steps} micro-batches as {pp.microbatches} pipeline micro-batches of "
+            f"{cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps // pp.microbatches} rows"
+        )
+    lines += [
         f"ZeRO stage {z.stage}; offload optimizer: {off_opt}; offload params: {off_par}",
         f"precision: {precision}",
         f"batch: train_batch_size {cfg.train_batch_size} = micro {cfg.train_micro_batch_size_per_gpu} × "
