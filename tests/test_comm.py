@@ -30,6 +30,7 @@ from shardkit.comm import (
     reduce_scatter,
     send,
 )
+from shardkit.comm.collectives import GLOO_BROADCAST_GATHER_BYTES
 from shardkit.comm.context import NCCL_BLOCKING_WAIT_ENV, _nccl_blocking_wait
 from shardkit.comm.handle import CommHandle, as_timeout_error
 from tolerances import FP32
@@ -134,6 +135,32 @@ def _all_gather_body() -> None:
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_all_gather_matches_reference(dist_pool, world_size):
     dist_pool.run(_all_gather_body, world_size=world_size)
+
+
+def _all_gather_large_body() -> None:
+    """Outputs over GLOO_BROADCAST_GATHER_BYTES take gloo's broadcast path ([Note: gloo all-gather
+    as broadcasts]): same result as the reference, async, with the input separate from or
+    aliasing this rank's own chunk of the output, and recorded as one all-gather."""
+    with ParallelContext.from_world() as ctx:
+        group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        stats = CommStats()
+        for dtype in DTYPES:
+            numel = GLOO_BROADCAST_GATHER_BYTES // (n * torch.empty((), dtype=dtype).element_size()) + 37
+            ref = torch.stack([_input(r, numel, dtype) for r in range(n)])
+            out = torch.full((n, numel), -7, dtype=dtype)
+            h = all_gather(out, _input(me, numel, dtype), group=group, async_op=True, stats=stats)
+            torch.testing.assert_close(h.wait(), ref, **EXACT)
+            assert h.is_completed()
+            aliased = torch.full((n, numel), -7, dtype=dtype)
+            aliased[me] = _input(me, numel, dtype)
+            all_gather(aliased, aliased[me], group=group)  # in place: the input is this rank's chunk
+            torch.testing.assert_close(aliased, ref, **EXACT)
+        assert stats.calls("all_gather") == len(DTYPES)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_large_all_gather_matches_reference(dist_pool, world_size):
+    dist_pool.run(_all_gather_large_body, world_size=world_size)
 
 
 def _broadcast_body() -> None:
