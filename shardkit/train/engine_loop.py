@@ -144,6 +144,7 @@ def _plan(model: nn.Module, ecfg: Any) -> dict[str, Any]:
         bucket_mb=z.bucket_mb(4 if stage else ecfg.precision.grad_bytes),
         grad_dtype_bytes=4 if stage else None,
         offload=z.offload if stage else None,
+        offload_params=z.offload_param.enabled,  # stage 3 with offload (initialize checks)
     )
     out: dict[str, Any] = {
         "stage": plan.name,
