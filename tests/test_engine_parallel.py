@@ -179,6 +179,7 @@ def _pp_body(schedule: str, stage: int) -> dict:
         for call in (lambda: engine(x), lambda: engine.backward(torch.ones(())), engine.step):
             with pytest.raises(RuntimeError, match="train_batch"):
                 call()
+        engine.close()
         return {"losses": losses}
 
 

@@ -208,6 +208,15 @@ class PipelineEngine(Engine):
         x, y = self._global_batch(data_iter)
         return torch.tensor(self.parallel.evaluate(x, y))
 
+    def close(self) -> None:
+        """Release the process groups the pipeline made (tied-parameter groups, ZeRO's stage
+        context); the engine must not train afterwards. Idempotent; local.
+
+        Example:
+            >>> engine.close(); ctx.destroy()
+        """
+        self.parallel.close()
+
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's state keyed as ``nn.Sequential(*blocks).state_dict()``, gathered over
         pp (call on every rank); CPU tensors."""
