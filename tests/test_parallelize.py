@@ -164,8 +164,8 @@ def _bad_arguments() -> None:
             parallelize(_model(), ctx, pp={"microbatches": 2})
         with pytest.raises(ValueError, match="unknown option"):
             parallelize(_model(), ctx, pp={"micro": 2}, blocks=gpt_blocks)
-        with pytest.raises(ValueError, match="zero2"):
-            parallelize(_model(), ctx, pp={"microbatches": 2}, blocks=gpt_blocks, dp="zero2")
+        with pytest.raises(ValueError, match="zero3"):
+            parallelize(_model(), ctx, pp={"microbatches": 2}, blocks=gpt_blocks, dp="zero3")
 
 
 def test_parallelize_bad_arguments_raise_before_any_collective(dist_pool):

@@ -68,7 +68,7 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
     [
         (dict(nproc=3, tp=2, strategy="ddp"), "multiple of tp x pp"),
         (dict(nproc=4, tp=2, strategy="none"), "dp=2"),
-        (dict(nproc=2, pp=2, strategy="zero2"), "ZeRO"),
+        (dict(nproc=2, pp=2, strategy="zero3"), "zero3"),
         (dict(nproc=2, tp=2, precision="fp16"), "fp16"),
         (dict(nproc=2, pp=2, precision="bf16"), "fp32"),
         (dict(nproc=2, pp=2, microbatches=3), "microbatches"),

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..data_parallel import DataParallel
 from ..zero import ShardedDataParallel, ZeroOptimizer
+from ..zero.pipeline_grads import PipelineShardedDataParallel
 from .pieces import FlatPiece
 
 __all__ = ["Layout", "layout_of", "save_content", "LoadPlan", "plan_load", "apply_load"]
@@ -67,6 +68,12 @@ class Layout:
 
 def layout_of(model: nn.Module, optimizer: Any) -> Layout:
     """Classify ``model``/``optimizer`` and check they match (TypeError/ValueError naming them)."""
+    if isinstance(model, PipelineShardedDataParallel):
+        # the writer/reader roles follow the dp rank, which every pp rank has: they would collide
+        raise TypeError(
+            "model: checkpoints of ZeRO under a pipeline (parallelize(pp=..., dp='zero1'|'zero2')) are not "
+            "supported yet; save model.full_state_dict() on every pp rank instead"
+        )
     if isinstance(model, ShardedDataParallel):
         if not isinstance(optimizer, ZeroOptimizer) or optimizer.sdp is not model:
             raise TypeError("optimizer: a ShardedDataParallel model needs its own ZeroOptimizer")
