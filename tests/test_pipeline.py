@@ -322,3 +322,40 @@ def _aliased_grad_body(schedule: str, v: int) -> None:
 @pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("zb-h1", 1), ("interleaved", 4)])
 def test_gradient_aliasing_its_seed_is_not_reused(dist_pool, schedule, v):
     dist_pool.run(_aliased_grad_body, schedule, v, world_size=2, timeout=60)
+
+
+def _caller_grads_body(schedule: str) -> None:
+    """[Note: accumulating in param.grad]: gradients already in ``param.grad`` are added to, as
+    by two backward calls of the unsplit model; a step that raises half-way leaves them as they
+    were (no micro-batch of the failed step reaches them)."""
+    with ParallelContext.from_world(pp=dist.get_world_size(), dp=-1) as ctx:
+        pipe = PipelineParallel(_blocks(4), ctx, schedule=schedule, microbatches=4, loss_fn=_ce)
+        ref = nn.Sequential(*_blocks(4))
+        for step in range(2):  # no zero_grad in between: the second step adds to the first's
+            x, y = _batch(step)
+            pipe.step(x, y)
+            _ce(ref(x), y).backward()
+        grads = {n: q.grad for n, q in ref.named_parameters()}
+        for s, mod in pipe.stages.items():
+            for j, block in zip(pipe.stage_blocks[s], mod):
+                for name, q in block.named_parameters():
+                    torch.testing.assert_close(q.grad, grads[f"{j}.{name}"], **FP32)
+        before = [q.grad.clone() for q in pipe.parameters()]
+        boom = {"n": 0}
+
+        def failing(out: torch.Tensor, yy: torch.Tensor) -> torch.Tensor:
+            boom["n"] += 1
+            if boom["n"] == 3:  # after two micro-batches' backward on the last stage
+                raise RuntimeError("loss failed")
+            return _ce(out, yy)
+
+        pipe.loss_fn = failing
+        with pytest.raises(RuntimeError, match="loss failed"):
+            pipe.step(*_batch(5))
+        for q, b in zip(pipe.parameters(), before, strict=True):
+            assert torch.equal(q.grad, b)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_gradients_add_to_the_callers_and_a_failed_step_leaves_them(dist_pool, schedule):
+    dist_pool.run(_caller_grads_body, schedule, world_size=1, timeout=60)

@@ -143,6 +143,10 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         )
         self.pipeline_ctx = ctx
         self._uncounted = {p for p in uncounted if p.requires_grad}
+        # the pipeline's backward may accumulate p.grad through autograd, once per micro-batch
+        # ([Note: accumulating in param.grad]): the hooks must not reduce; reduce_gradients()
+        # reduces once per step
+        self._reducer.enabled = False
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter the full ``p.grad`` of every bucket into this rank's shard, in bucket
