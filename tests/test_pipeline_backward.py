@@ -69,6 +69,24 @@ def test_split_backward_matches_autograd(make, scalar):
     assert work.output is None and work.captured == {}  # no re-walk fallback; freed
 
 
+@pytest.mark.parametrize("make", [_mlp, _Tied, _OffPath])
+def test_split_backward_accumulates_into_grad(make):
+    """``accumulate=True`` adds W's gradients into ``.grad`` (twice: the sum of two passes)."""
+    torch.manual_seed(0)
+    mod = make()
+    params = list(mod.parameters())
+    x = torch.randn(4, 3, 6, requires_grad=True)
+    g = torch.randn(4, 3, 6)
+    want = torch.autograd.grad(mod(x), params, grad_outputs=g)
+    for _ in range(2):
+        y = mod(x)
+        _, work = backward_input(y, x, g, params)
+        assert backward_weight(work, accumulate=True) == ()
+    for q, ref in zip(params, want, strict=True):
+        torch.testing.assert_close(q.grad, 2 * ref, **FP32)
+    assert x.grad is None  # only the weights were asked for
+
+
 def test_weight_pass_does_not_rerun_the_input_path():
     torch.manual_seed(0)
     mod = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6))

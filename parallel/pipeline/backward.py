@@ -143,14 +143,22 @@ def backward_input(
     return dx, WeightWork(list(params), output=y, grad_output=grad_output)
 
 
-def backward_weight(work: WeightWork) -> tuple[torch.Tensor | None, ...]:
+def backward_weight(work: WeightWork, *, accumulate: bool = False) -> tuple[torch.Tensor | None, ...]:
     """Weight gradients for ``work.params`` (None for a parameter the output does not use).
 
     Frees the graph kept by :func:`backward_input`.
+
+    Args:
+        work: from :func:`backward_input`.
+        accumulate: add the gradients into each parameter's ``.grad`` as autograd computes them
+            (``torch.autograd.backward(..., inputs=params)``) and return ``()``.
     """
     if not work.params:
         return ()
     if work.output is not None:
+        if accumulate:
+            torch.autograd.backward(work.output, grad_tensors=work.grad_output, inputs=work.params)
+            return ()
         return torch.autograd.grad(work.output, work.params, grad_outputs=work.grad_output, allow_unused=True)
     # One autograd call per group, so no call walks into another group's subgraph (which a
     # single call over all intermediates would do: the way to x links them).
@@ -168,14 +176,13 @@ def backward_weight(work: WeightWork) -> tuple[torch.Tensor | None, ...]:
             handles = []
             if len(group.nodes) > 1:  # clamp: see the Note
                 handles = [n.register_prehook(lambda _go, gs=work.captured[n]: gs) for n in group.nodes]
+            wanted = [work.params[i] for i in group.params]
+            keep = n_group < len(work.groups) - 1
             try:
-                got = torch.autograd.grad(
-                    edges,
-                    [work.params[i] for i in group.params],
-                    grad_outputs=grads,
-                    retain_graph=n_group < len(work.groups) - 1,
-                    allow_unused=True,
-                )
+                if accumulate:
+                    torch.autograd.backward(edges, grad_tensors=grads, retain_graph=keep, inputs=wanted)
+                    continue
+                got = torch.autograd.grad(edges, wanted, grad_outputs=grads, retain_graph=keep, allow_unused=True)
             finally:
                 for h in handles:
                     h.remove()
@@ -184,4 +191,4 @@ def backward_weight(work: WeightWork) -> tuple[torch.Tensor | None, ...]:
     finally:
         work.captured.clear()
         work.groups.clear()
-    return tuple(out)
+    return () if accumulate else tuple(out)

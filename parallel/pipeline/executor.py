@@ -26,8 +26,9 @@ while it is still in cache, and frees it at once; returning every gradient of th
 from ``torch.autograd.grad`` and adding them afterwards was measured 20% slower on CPU (one
 stage of 4 MLP blocks, 16.8M params, 8 micro-batches: 443 vs 519 ms min), the gap between our
 pipeline and torch.distributed.pipelining's. Parameter hooks therefore fire once per
-micro-batch, as in a plain accumulation loop. Other dtypes keep fp32 sums (``_accumulate``),
-and ZB-H1's weight-gradient action (W) returns its gradients there too.
+micro-batch, as in a plain accumulation loop. ZB-H1's weight-gradient action (W) accumulates
+the same way (``backward_weight(..., accumulate=True)``). Other dtypes keep fp32 sums
+(``_accumulate``).
 
 The shape exchange before the first activation is in :mod:`~shardkit.parallel.pipeline.shapes`;
 tied parameters in :mod:`~shardkit.parallel.pipeline.tied`.
@@ -373,8 +374,9 @@ class PipelineParallel:
         # checkpointed blocks: W's autograd calls (one per weight group) share one recomputation
         foreign = [work.grad_output, *(t for gs in work.captured.values() for t in gs)]
         with GraphExecGroup() if self.checkpointing else nullcontext():
-            grads = backward_weight(work)  # clears work.captured
-        self._accumulate(s, grads, st, foreign=foreign)
+            grads = backward_weight(work, accumulate=self._accumulate_in_grad)  # clears work.captured
+        if not self._accumulate_in_grad:
+            self._accumulate(s, grads, st, foreign=foreign)
 
     def communicate(self, run: Sequence[Action], st: _StepState, t0: float) -> list[TimedAction]:
         """Post a run of consecutive sends/receives together (one ``batch_isend_irecv`` when
