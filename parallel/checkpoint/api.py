@@ -34,7 +34,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..loss_scaler import DynamicLossScaler
-from .content import Layout, Local, apply_load, dcp_state, layout_of, merge_meta, model_meta, plan_load, save_content
+from .content import Layout, dcp_state, layout_of, merge_meta, merge_model_meta, model_meta, save_content
+from .loading import apply_load, plan_load
 
 __all__ = ["save_checkpoint", "load_checkpoint", "FORMAT_VERSION", "read_manifest", "verify_files"]
 
@@ -145,7 +146,7 @@ def save_checkpoint(
         dist.barrier()
     try:
         local = save_content(layout, optimizer)
-        metas = _all_gather(layout, Local(scalars=local.scalars, elementwise=local.elementwise, groups=local.groups))
+        metas = _all_gather(layout, local.meta())
         t1 = time.perf_counter()
         try:
             with _quiet_single_process():
@@ -154,12 +155,13 @@ def save_checkpoint(
             raise RuntimeError(f"checkpoint {final}: writing failed on ranks {sorted(e.failures)}: {_first(e)}") from e
         t2 = time.perf_counter()
         if layout.rank == 0:
-            shapes, aliases = model_meta(layout)
-            order = list(dict.fromkeys(layout.names.values()))
+            shapes, aliases, order = merge_model_meta(metas)
             meta = {
                 "format": FORMAT_VERSION,
                 "kind": layout.kind,
-                "dp_size": layout.size,
+                "dp_size": layout.axes["dp"],
+                "axes": layout.axes,
+                "world_size": layout.size,
                 "stage": layout.stage,
                 "shapes": shapes,
                 "aliases": aliases,
@@ -211,7 +213,9 @@ def _publish(tmp: Path, final: Path, layout: Layout, keys: list[str], sums: dict
     manifest = {
         "format_version": FORMAT_VERSION,
         "kind": layout.kind,
-        "dp_size": layout.size,
+        "dp_size": layout.axes["dp"],
+        "tp_size": layout.axes["tp"],
+        "pp_size": layout.axes["pp"],
         "stage": layout.stage,
         "created": time.time(),
         "keys": keys,
@@ -345,7 +349,9 @@ def load_checkpoint(
     saved = {
         k: tuple(m.size) for k, m in FileSystemReader(path).read_metadata().state_dict_metadata.items() if hasattr(m, "size")
     }
-    plan = plan_load(layout, optimizer, meta, saved)
+    shapes, aliases = model_meta(layout)
+    world_keys = {k for part in _all_gather(layout, [*shapes, *aliases]) for k in part}
+    plan = plan_load(layout, optimizer, meta, saved, world_keys)
     if scaler is not None and meta["scaler"] is None:
         plan.errors.append("scaler: the checkpoint holds no loss-scaler state (meta.pt)")
     _agree(layout, plan.errors, f"checkpoint {path}")

@@ -31,12 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compose import ParallelModel
 from ..data_parallel import DataParallel
 from ..zero import ShardedDataParallel, ZeroOptimizer
 from ..zero.pipeline_grads import PipelineShardedDataParallel
 from .pieces import FlatPiece
+from .tp import TPSlice, tp_size, tp_slices
 
-__all__ = ["Layout", "layout_of", "save_content", "LoadPlan", "plan_load", "apply_load"]
+__all__ = ["Layout", "layout_of", "save_content", "merge_meta", "merge_model_meta", "dcp_state"]
 
 #: group entries that select an implementation, not a hyperparameter: never restored from a
 #: checkpoint (a FusedAdamW checkpoint loads into torch.optim.AdamW and back)
@@ -45,9 +47,22 @@ _IMPL_KEYS = frozenset({"params", "foreach", "fused", "capturable", "differentia
 
 @dataclass
 class Layout:
-    """How this process holds the model: ``kind`` is ``"zero"``, ``"data_parallel"`` or
-    ``"module"``; ``distributed`` whether collectives run (over the world); ``rank``/``size``
-    the dp rank and size."""
+    """How this process holds the model.
+
+    Attributes:
+        kind: ``"zero"``, ``"data_parallel"`` or ``"module"`` (a plain, TP-converted or
+            pipeline-stage module, whose optimizer is a ``torch.optim.Optimizer``).
+        module: the unwrapped module whose ``state_dict`` keys name the checkpoint's tensors
+            (with a pipeline: this rank's blocks keyed by block index).
+        sdp: the ZeRO wrapper, or None.
+        distributed: whether collectives run (over the world).
+        rank, size: the GLOBAL rank and world size: the roles (the one metadata writer, each
+            rank's share of the checksums) are per process, whatever the dp × tp × pp layout.
+        stage: the ZeRO stage, or None.
+        axes: ``{"dp", "tp", "pp"}`` sizes (recorded in the manifest and meta).
+        tp: this rank's tp-sharded parameters and their place in the dense tensors.
+        whole: whether this rank holds every parameter of the model (False under a pipeline).
+    """
 
     kind: str
     module: nn.Module
@@ -56,6 +71,9 @@ class Layout:
     rank: int
     size: int
     stage: int | None
+    axes: dict[str, int] = field(default_factory=lambda: {"dp": 1, "tp": 1, "pp": 1})
+    tp: dict[nn.Parameter, TPSlice] = field(default_factory=dict)
+    whole: bool = True
 
     @property
     def names(self) -> dict[nn.Parameter, str]:
@@ -65,33 +83,79 @@ class Layout:
             names.setdefault(p, n)  # insertion order = model order (consolidate indexes by it)
         return names
 
+    def full_numel(self, p: torch.Tensor) -> int:
+        """Elements of ``p``'s dense tensor (its tp slice's full tensor, or ``p`` itself)."""
+        s = self.tp.get(p)
+        return s.full_numel if s is not None else p.numel()
 
-def layout_of(model: nn.Module, optimizer: Any) -> Layout:
-    """Classify ``model``/``optimizer`` and check they match (TypeError/ValueError naming them)."""
-    if isinstance(model, PipelineShardedDataParallel):
-        # the writer/reader roles follow the dp rank, which every pp rank has: they would collide
-        raise TypeError(
-            "model: checkpoints of ZeRO under a pipeline (parallelize(pp=..., dp='zero1'|'zero2')) are not "
-            "supported yet; save model.full_state_dict() on every pp rank instead"
-        )
+    def full_shape(self, p: torch.Tensor) -> tuple[int, ...]:
+        s = self.tp.get(p)
+        return s.full_shape if s is not None else tuple(p.shape)
+
+    def pieces(self, p: torch.Tensor, offset: int, t: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``t`` (local flat elements ``[offset, offset + numel)`` of ``p``) as chunks of the
+        dense flattened tensor (see [Note: TP slices in the checkpoint])."""
+        s = self.tp.get(p)
+        return s.pieces(offset, t) if s is not None else [(offset, t)]
+
+
+def _world() -> tuple[bool, int, int]:
+    on = dist.is_initialized()
+    return on, (dist.get_rank() if on else 0), (dist.get_world_size() if on else 1)
+
+
+def layout_of(model: Any, optimizer: Any) -> Layout:
+    """Classify ``model``/``optimizer`` and check they match (TypeError/ValueError naming them).
+
+    ``model`` may be a :class:`~shardkit.parallel.ParallelModel` (any dp × tp × pp layout), a
+    ZeRO wrapper (also :class:`PipelineShardedDataParallel`), a DataParallel or a plain module.
+    """
+    if isinstance(model, ParallelModel):
+        ctx = model.ctx
+        axes = {a: ctx.size(a) for a in ("dp", "tp", "pp")} if ctx is not None else None
+        if model.pipeline is not None and model.strategy is None:
+            # ddp (or no dp) under a pipeline: the stages are a ModuleList whose positional keys
+            # repeat on every pp rank; key this rank's blocks by block index instead, as the
+            # ZeRO wrapper does (the unsplit nn.Sequential(*blocks)'s keys, disjoint over pp)
+            pipe = model.pipeline
+            held = nn.ModuleDict(
+                {str(j): blk for s in sorted(pipe.stages) for j, blk in zip(pipe.stage_blocks[s], pipe.stages[s], strict=True)}
+            )
+            return _plain(held, optimizer, "module", axes, whole=False)
+        return layout_of(model.module, optimizer) if axes is None else _with_axes(layout_of(model.module, optimizer), axes)
     if isinstance(model, ShardedDataParallel):
         if not isinstance(optimizer, ZeroOptimizer) or optimizer.sdp is not model:
             raise TypeError("optimizer: a ShardedDataParallel model needs its own ZeroOptimizer")
-        size, rank = model.ctx.size("dp"), model.ctx.rank("dp")
-        return Layout("zero", model.module, model, size > 1 or dist.is_initialized(), rank, size, model.stage)
+        pp = model.pipeline_ctx.size("pp") if isinstance(model, PipelineShardedDataParallel) else 1
+        on, rank, size = _world()
+        axes = {"dp": model.ctx.size("dp"), "tp": model.ctx.size("tp"), "pp": pp}
+        return Layout("zero", model.module, model, on, rank, size, model.stage, axes, tp_slices(model.module), pp == 1)
     if isinstance(optimizer, ZeroOptimizer):
         raise TypeError(f"optimizer: a ZeroOptimizer needs its ShardedDataParallel model, got {type(model).__name__}")
+    if isinstance(model, DataParallel):
+        axes = {a: model.ctx.size(a) for a in ("dp", "tp", "pp")}
+        if axes["pp"] > 1:
+            raise ValueError("model: a DataParallel over one pipeline stage; pass the ParallelModel that parallelize() returned")
+        return _plain(model.module, optimizer, "data_parallel", axes)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module or a ParallelModel, got {type(model).__name__}")
+    return _plain(model, optimizer, "module", None)
+
+
+def _with_axes(layout: Layout, axes: dict[str, int]) -> Layout:
+    layout.axes = axes
+    return layout
+
+
+def _plain(module: nn.Module, optimizer: Any, kind: str, axes: dict[str, int] | None, whole: bool = True) -> Layout:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a ZeroOptimizer or a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if isinstance(model, DataParallel):
-        size, rank = model.ctx.size("dp"), model.ctx.rank("dp")
-        if dist.is_initialized() and size != dist.get_world_size():
-            raise ValueError(f"model: the dp axis ({size}) must span the world ({dist.get_world_size()}) to checkpoint")
-        return Layout("data_parallel", model.module, None, dist.is_initialized(), rank, size, None)
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    on = dist.is_initialized()
-    return Layout("module", model, None, on, dist.get_rank() if on else 0, dist.get_world_size() if on else 1, None)
+    on, rank, size = _world()
+    slices = tp_slices(module)
+    if axes is None:  # a plain module: replicated over the world, or tp-sharded over all of it
+        tp = tp_size(module)
+        axes = {"dp": size // tp, "tp": tp, "pp": 1}
+    return Layout(kind, module, None, on, rank, size, None, axes, slices, whole)
 
 
 def _elementwise(v: Any, numel: int) -> bool:
@@ -112,9 +176,32 @@ class Local:
     scalars: dict[str, dict[str, Any]] = field(default_factory=dict)
     elementwise: dict[str, list[str]] = field(default_factory=dict)
     groups: list[tuple[dict[str, Any], list[str]]] = field(default_factory=list)
+    shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
 
-    def piece(self, key: str, numel: int, offset: int, t: torch.Tensor) -> None:
-        self.pieces.setdefault(key, (numel, []))[1].append((offset, t.reshape(-1)))
+    def piece(self, layout: Layout, p: torch.Tensor, key: str, offset: int, t: torch.Tensor) -> None:
+        """Add ``t`` (local flat elements ``[offset, ...)`` of ``p``) to ``key``'s dense chunks."""
+        for o, chunk in layout.pieces(p, offset, t.reshape(-1)):
+            self.pieces.setdefault(key, (layout.full_numel(p), []))[1].append((o, chunk))
+
+    def whole(self, layout: Layout, p: torch.Tensor, key: str, t: torch.Tensor) -> None:
+        """Add all of ``t`` (shaped like ``p``): a full entry, or ``p``'s tp slice as chunks."""
+        if p in layout.tp:
+            self.piece(layout, p, key, 0, t.detach())
+        else:
+            self.entries[key] = t.detach().reshape(-1)
+
+    def meta(self) -> Local:
+        """This rank's metadata only (what the ranks all-gather)."""
+        return Local(
+            scalars=self.scalars,
+            elementwise=self.elementwise,
+            groups=self.groups,
+            shapes=self.shapes,
+            aliases=self.aliases,
+            order=self.order,
+        )
 
 
 def _param_buckets(sdp: ShardedDataParallel) -> list[Any]:
@@ -128,7 +215,8 @@ def _bucket_params(sdp: ShardedDataParallel) -> set[nn.Parameter]:
 
 
 def model_meta(layout: Layout) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, str]]:
-    """``{key: (shape, dtype)}`` of the module's state_dict and ``{alias: canonical key}`` of tied params."""
+    """``{key: (dense shape, dtype)}`` of the module's state_dict and ``{alias: canonical key}``
+    of tied params (on this rank: under a pipeline, of its blocks only)."""
     shapes: dict[str, tuple[tuple[int, ...], str]] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -139,28 +227,47 @@ def model_meta(layout: Layout) -> tuple[dict[str, tuple[tuple[int, ...], str]], 
             aliases[k] = first[id(v)]
             continue
         first[id(v)] = k
-        shapes[k] = (tuple(v.shape), str(v.dtype).removeprefix("torch."))
+        shapes[k] = (layout.full_shape(v), str(v.dtype).removeprefix("torch."))
     return shapes, aliases
+
+
+def merge_model_meta(locals_: list[Local]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """Every rank's ``(shapes, aliases, param order)`` merged: the union (pipeline ranks hold
+    disjoint blocks), keys in block order when they are keyed by block index."""
+    shapes: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    order: list[str] = []
+    for loc in locals_:
+        shapes.update(loc.shapes)
+        order += loc.order
+    for loc in locals_:  # a copy of a tied param another rank stores under its own key is no alias
+        aliases.update({a: c for a, c in loc.aliases.items() if a not in shapes})
+    order = list(dict.fromkeys(order))
+    if all(n.split(".", 1)[0].isdigit() for n in order):
+        order.sort(key=lambda n: int(n.split(".", 1)[0]))  # stable: model order within a block
+    return shapes, aliases, order
 
 
 def save_content(layout: Layout, optimizer: Any) -> Local:
     """This rank's DCP entries (pieces it owns, full tensors otherwise) and its metadata."""
     out = Local()
     names = layout.names
-    shapes, aliases = model_meta(layout)
+    out.shapes, out.aliases = model_meta(layout)
+    out.order = list(dict.fromkeys(names.values()))
     sdp = layout.sdp
     owned = _bucket_params(sdp) if sdp is not None else set()
     for k, v in layout.module.state_dict(keep_vars=True).items():
-        if k in shapes and not (isinstance(v, nn.Parameter) and v in owned):
-            out.entries[f"model.{k}"] = v.detach().reshape(-1)
+        if k in out.shapes and not (isinstance(v, nn.Parameter) and v in owned):
+            out.whole(layout, v, f"model.{k}", v)
     if sdp is not None:
-        _zero_content(sdp, optimizer, names, out)
+        _zero_content(layout, optimizer, names, out)
     else:
-        _plain_content(optimizer, names, out)
+        _plain_content(layout, optimizer, names, out)
     return out
 
 
-def _zero_content(sdp: ShardedDataParallel, opt: ZeroOptimizer, names: dict[nn.Parameter, str], out: Local) -> None:
+def _zero_content(layout: Layout, opt: ZeroOptimizer, names: dict[nn.Parameter, str], out: Local) -> None:
+    sdp = layout.sdp
     st = opt.state_dict()
     masters = st["master"] + [None] * (len(_param_buckets(sdp)) - len(st["master"]))
     for sb, master in zip(_param_buckets(sdp), masters):
@@ -170,16 +277,16 @@ def _zero_content(sdp: ShardedDataParallel, opt: ZeroOptimizer, names: dict[nn.P
         for seg in sb.segments:
             p = sb.grad_bucket.params[seg.index]
             lo = seg.flat_offset - sb.start
-            out.piece(f"model.{names[p]}", p.numel(), seg.tensor_offset, local.narrow(0, lo, seg.numel))
+            out.piece(layout, p, f"model.{names[p]}", seg.tensor_offset, local.narrow(0, lo, seg.numel))
             if master is not None:
-                out.piece(f"master.{names[p]}", p.numel(), seg.tensor_offset, master.narrow(0, lo, seg.numel))
+                out.piece(layout, p, f"master.{names[p]}", seg.tensor_offset, master.narrow(0, lo, seg.numel))
     slots = opt.shard_slots()
-    numel = {n: p.numel() for p, n in names.items()}
+    by_name = {n: p for p, n in names.items()}
     inner = st["optimizer"]
     for i, (name, start, n) in enumerate(slots):
         for k, v in inner["state"].get(i, {}).items():
             if _elementwise(v, n):
-                out.piece(f"optim.{name}.{k}", numel[name], start, v)
+                out.piece(layout, by_name[name], f"optim.{name}.{k}", start, v)
                 out.elementwise.setdefault(name, []).append(k)
             else:
                 out.scalars.setdefault(name, {})[k] = _scalar(v)
@@ -187,7 +294,7 @@ def _zero_content(sdp: ShardedDataParallel, opt: ZeroOptimizer, names: dict[nn.P
         out.groups.append(({k: v for k, v in g.items() if k != "params"}, [slots[i][0] for i in g["params"]]))
 
 
-def _plain_content(opt: torch.optim.Optimizer, names: dict[nn.Parameter, str], out: Local) -> None:
+def _plain_content(layout: Layout, opt: torch.optim.Optimizer, names: dict[nn.Parameter, str], out: Local) -> None:
     params = [p for g in opt.param_groups for p in g["params"]]
     for p in params:
         if p not in names:
@@ -197,9 +304,9 @@ def _plain_content(opt: torch.optim.Optimizer, names: dict[nn.Parameter, str], o
         name = names[p]
         for k, v in sd["state"].get(i, {}).items():
             if k == "master_param":
-                out.entries[f"master.{name}"] = v.detach().reshape(-1)
+                out.whole(layout, p, f"master.{name}", v)
             elif _elementwise(v, p.numel()):
-                out.entries[f"optim.{name}.{k}"] = v.detach().reshape(-1)
+                out.whole(layout, p, f"optim.{name}.{k}", v)
                 out.elementwise.setdefault(name, []).append(k)
             else:
                 out.scalars.setdefault(name, {})[k] = _scalar(v)
@@ -228,209 +335,6 @@ def merge_meta(locals_: list[Local], order: list[str]) -> dict[str, Any]:
 
 
 def dcp_state(local: Local) -> dict[str, Any]:
-    """The dict handed to DCP: plain tensors and :class:`FlatPiece` carriers."""
-    return {**local.entries, **{k: FlatPiece(n, chunks) for k, (n, chunks) in local.pieces.items()}}
-
-
-# ---- load --------------------------------------------------------------------------------------
-@dataclass
-class LoadPlan:
-    """What to read (``request``, temporaries only) and how to apply it afterwards."""
-
-    request: dict[str, Any] = field(default_factory=dict)
-    model: dict[str, torch.Tensor] = field(default_factory=dict)
-    masters: list[torch.Tensor | None] = field(default_factory=list)
-    master_from_ckpt: list[list[bool]] = field(default_factory=list)
-    optim_state: dict[int, dict[str, Any]] = field(default_factory=dict)
-    shards: list[torch.Tensor] = field(default_factory=list)  # stage 3: each param bucket's local shard
-    errors: list[str] = field(default_factory=list)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def plan_load(layout: Layout, optimizer: Any, meta: dict[str, Any], saved: dict[str, tuple[int, ...]]) -> LoadPlan:
-    """Validate the checkpoint against this layout and allocate the temporaries to read into.
-
-    ``saved`` maps DCP keys to their stored size. Problems go to ``plan.errors`` (the caller
-    agrees them over the ranks before any rank reads).
-    """
-    plan = LoadPlan()
-    err = plan.errors.append
-    shapes, _ = model_meta(layout)
-    sharded = _bucket_params(layout.sdp) if layout.sdp is not None and layout.sdp.stage == 3 else set()
-    by_name = dict(layout.module.state_dict(keep_vars=True))
-    for k, (shape, dtype) in shapes.items():
-        if k not in meta["shapes"]:
-            err(f"model key {k!r}: not in the checkpoint (meta.pt lists {len(meta['shapes'])} model keys)")
-        elif tuple(meta["shapes"][k][0]) != shape:
-            err(f"model key {k!r}: shape {tuple(meta['shapes'][k][0])} in the checkpoint, {shape} in the model")
-        elif f"model.{k}" not in saved:
-            err(f"DCP key 'model.{k}': missing from the checkpoint's .metadata")
-        elif by_name[k] not in sharded:
-            plan.model[k] = torch.empty(shape, dtype=_dtype(dtype)).reshape(-1)
-            plan.request[f"model.{k}"] = plan.model[k]
-    for k in meta["shapes"]:
-        if k not in shapes:
-            err(f"checkpoint key 'model.{k}': the model has no such parameter or buffer")
-    names = layout.names
-    groups = meta["optim"]["groups"]
-    if layout.sdp is not None:
-        mine = [(g, [s[0] for s in _zero_group_slots(optimizer, gi)]) for gi, g in enumerate(optimizer.param_groups)]
-    else:
-        mine = [(g, [names.get(p, "?") for p in g["params"]]) for g in optimizer.param_groups]
-    if len(mine) != len(groups):
-        err(f"optimizer: {len(mine)} param groups here, {len(groups)} in the checkpoint (meta.pt)")
-    else:
-        for gi, ((_, ns), saved_g) in enumerate(zip(mine, groups)):
-            exact = layout.sdp is None
-            extra = set(ns) - set(saved_g["params"])
-            if extra or (exact and set(ns) != set(saved_g["params"])):
-                diff = sorted(extra or set(saved_g["params"]) - set(ns))
-                err(f"optimizer: param group {gi} holds {diff[:3]} here but not in the checkpoint, or vice versa")
-    if plan.errors:
-        return plan
-    if sharded:  # stage 3: only this rank's pieces of the params, into copies of its shards
-        names = layout.names
-        for sb in _param_buckets(layout.sdp):
-            tmp = sb.local_param_shard().clone()
-            for seg in sb.segments:
-                p = sb.grad_bucket.params[seg.index]
-                key = f"model.{names[p]}"
-                _request_piece(plan, key, p.numel(), seg.tensor_offset, tmp.narrow(0, seg.flat_offset - sb.start, seg.numel))
-            plan.shards.append(tmp)
-    if layout.sdp is not None:
-        _plan_zero(layout, optimizer, meta, saved, names, plan)
-    else:
-        _plan_plain(optimizer, meta, saved, names, plan)
-    return plan
-
-
-def _zero_group_slots(opt: ZeroOptimizer, gi: int) -> list[tuple[str, int, int]]:
-    slots = opt.shard_slots()
-    sizes = [len(g["params"]) for g in opt.param_groups]
-    start = sum(sizes[:gi])
-    return slots[start : start + sizes[gi]]
-
-
-def _request_piece(plan: LoadPlan, key: str, numel: int, offset: int, t: torch.Tensor) -> None:
-    cur = plan.request.get(key)
-    chunks = list(cur._chunks) if isinstance(cur, FlatPiece) else []
-    plan.request[key] = FlatPiece(numel, [*chunks, (offset, t)])
-
-
-def _check(plan: LoadPlan, saved: dict[str, tuple[int, ...]], key: str, numel: int) -> bool:
-    if key not in saved:
-        plan.errors.append(f"DCP key {key!r}: missing from the checkpoint's .metadata")
-        return False
-    if tuple(saved[key]) != (numel,):
-        plan.errors.append(f"DCP key {key!r}: {tuple(saved[key])} in the checkpoint, ({numel},) here")
-        return False
-    return True
-
-
-def _plan_zero(layout: Layout, opt: ZeroOptimizer, meta: dict, saved: dict, names: dict, plan: LoadPlan) -> None:
-    masters_saved = set(meta["masters"])
-    offloaded = layout.sdp.offload is not None
-    for sb in layout.sdp.sharded_buckets:
-        # low-precision params have an fp32 master: on the device, or off it with offload
-        # (sb.master is then None, but the saved master must still win over the rounded params)
-        if sb.master is None and not (offloaded and sb.flat_param.dtype != torch.float32):
-            plan.masters.append(None)
-            plan.master_from_ckpt.append([])
-            continue
-        tmp = torch.empty(sb.shard, dtype=torch.float32, device=sb.local_param_shard().device)
-        flags = []
-        for seg in sb.segments:
-            p = sb.grad_bucket.params[seg.index]
-            key = f"master.{names[p]}"
-            use = names[p] in masters_saved and _check(plan, saved, key, p.numel())
-            if use:
-                _request_piece(plan, key, p.numel(), seg.tensor_offset, tmp.narrow(0, seg.flat_offset - sb.start, seg.numel))
-            flags.append(use)
-        plan.masters.append(tmp)
-        plan.master_from_ckpt.append(flags)
-    numel = {n: p.numel() for p, n in names.items()}
-    scalars, elementwise = meta["optim"]["scalars"], meta["optim"]["elementwise"]
-    for i, (name, start, n) in enumerate(opt.shard_slots()):
-        if name not in scalars and name not in elementwise:
-            continue  # no state yet (saved before its first step)
-        state = {k: _clone(v) for k, v in scalars.get(name, {}).items()}
-        for k in elementwise.get(name, []):
-            key = f"optim.{name}.{k}"
-            if _check(plan, saved, key, numel[name]):
-                state[k] = torch.empty(n, dtype=torch.float32, device=layout.sdp.ctx.device)
-                _request_piece(plan, key, numel[name], start, state[k])
-        plan.optim_state[i] = state
-
-
-def _plan_plain(opt: torch.optim.Optimizer, meta: dict, saved: dict, names: dict, plan: LoadPlan) -> None:
-    scalars, elementwise = meta["optim"]["scalars"], meta["optim"]["elementwise"]
-    keeps_master = bool(getattr(opt, "master_weights", False))
-    for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
-        name = names[p]
-        if name not in scalars and name not in elementwise:
-            continue
-        state = {k: _clone(v) for k, v in scalars.get(name, {}).items()}
-        for k in elementwise.get(name, []):
-            key = f"optim.{name}.{k}"
-            if _check(plan, saved, key, p.numel()):
-                state[k] = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
-                plan.request[key] = state[k]
-        if keeps_master and p.dtype != torch.float32 and name in meta["masters"]:
-            key = f"master.{name}"
-            if _check(plan, saved, key, p.numel()):
-                state["master_param"] = torch.empty(p.numel(), dtype=torch.float32, device=p.device)
-                plan.request[key] = state["master_param"]
-        plan.optim_state[i] = state
-
-
-def _clone(v: Any) -> Any:
-    return v.clone() if isinstance(v, torch.Tensor) else v
-
-
-def _hyper(group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-    return {**group, **{k: v for k, v in saved.items() if k in group and k not in _IMPL_KEYS}}
-
-
-@torch.no_grad()
-def apply_load(layout: Layout, optimizer: Any, meta: dict[str, Any], plan: LoadPlan) -> None:
-    """Copy the read temporaries into the model, then the masters and optimizer state."""
-    target = layout.module.state_dict(keep_vars=True)
-    shapes, _ = model_meta(layout)
-    for k, flat in plan.model.items():
-        target[k].copy_(flat.view(shapes[k][0]))
-    if plan.shards:
-        # offload_params: the shards are host memory a staging copy may still read (CUDA)
-        layout.sdp._shards.host_writable()
-        for sb, tmp in zip(_param_buckets(layout.sdp), plan.shards):
-            sb.local_param_shard().copy_(tmp)
-    groups = meta["optim"]["groups"]
-    if layout.sdp is not None:
-        masters = []
-        for sb, tmp, flags in zip(layout.sdp.sharded_buckets, plan.masters, plan.master_from_ckpt):
-            if tmp is None:
-                masters.append(None)
-                continue
-            base = sb.local_param_shard().float()  # no saved master (fp32 or plain-optimizer run): from the param
-            for seg, use in zip(sb.segments, flags):
-                if use:
-                    lo = seg.flat_offset - sb.start
-                    base.narrow(0, lo, seg.numel).copy_(tmp.narrow(0, lo, seg.numel))
-            masters.append(base)
-        inner = optimizer.optimizer.state_dict()
-        inner = {
-            "state": plan.optim_state,
-            "param_groups": [_hyper(g, s["hyper"]) for g, s in zip(inner["param_groups"], groups)],
-        }
-        optimizer.load_state_dict({"zero": optimizer.state_dict()["zero"], "optimizer": inner, "master": masters})
-    else:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        state = {i: {k: _shaped(v, params[i]) for k, v in s.items()} for i, s in plan.optim_state.items()}
-        cur = optimizer.state_dict()["param_groups"]
-        optimizer.load_state_dict({"state": state, "param_groups": [_hyper(g, s["hyper"]) for g, s in zip(cur, groups)]})
-
-
-def _shaped(v: Any, p: torch.Tensor) -> Any:
-    return v.view(p.shape) if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == p.numel() else v
+    """The dict handed to DCP: plain tensors and :class:`FlatPiece` carriers (a key whose every
+    element on this rank is tp padding has no chunk: left out)."""
+    return {**local.entries, **{k: FlatPiece(n, chunks) for k, (n, chunks) in local.pieces.items() if chunks}}
