@@ -158,3 +158,88 @@ def test_tp_checkpoint_loads_into_other_layouts(dist_pool, tp2_dp2_zero2, strate
     path, want = tp2_dp2_zero2
     out = dist_pool.run(load_then_run, path, strategy, tp, 1, world_size=world_size, timeout=60)
     _same(out[0], want, bitwise)
+
+
+# ---- atomicity and mismatches --------------------------------------------------------------------
+def _dense_state(par) -> dict[str, torch.Tensor]:
+    return par.pipeline.full_state_dict()
+
+
+def crash_mid_save(path: str) -> list[str]:
+    """dp 2 × pp 2: save at K, one more step, a second save whose writer on rank 3 (pp rank 1)
+    fails after writing part of its file: every rank raises, the step-K checkpoint loads."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import filesystem
+
+    par, opt, ctx = _build("zero1", 1, 2)
+    _train(par, opt, ctx, range(K))
+    save_checkpoint(path, par, opt, extra={"step": K})
+    at_k = _dense_state(par)
+    _train(par, opt, ctx, range(K, K + 1))
+    real = filesystem._write_files_from_queue
+    if dist.get_rank() == 3:
+
+        def broken(create_stream, file_queue, *args, **kwargs):  # type: ignore[no-untyped-def]
+            file_name, _, _ = file_queue.get()
+            with create_stream(file_name, "wb") as f:
+                f.write(b"half a shard")
+            raise OSError("No space left on device (simulated)")
+
+        filesystem._write_files_from_queue = broken
+    try:
+        with pytest.raises(RuntimeError, match=r"writing failed on ranks \[3\]: OSError: No space left"):
+            save_checkpoint(path, par, opt, extra={"step": K + 1})
+    finally:
+        filesystem._write_files_from_queue = real
+    dist.barrier()
+    leftovers = sorted(p.name for p in __import__("pathlib").Path(path).parent.iterdir())
+    _close(par, ctx)
+    par, opt, ctx = _build("zero2", 1, 2)
+    assert load_checkpoint(path, par, opt) == {"step": K}
+    got = _dense_state(par)
+    assert got.keys() == at_k.keys()
+    for k in got:
+        assert torch.equal(got[k], at_k[k]), k
+    _close(par, ctx)
+    return leftovers
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(dist_pool, tmp_path) -> None:
+    out = dist_pool.run(crash_mid_save, str(tmp_path / "ck"), world_size=4, timeout=60)
+    assert out[0] == ["ck"], out[0]  # the failed save's temp dir is gone
+
+
+def mismatches(good: str, pp1: str) -> None:
+    """dp 1 × pp 2 (world 2): a checkpoint of other blocks, of another model naming, and a
+    mismatched optimizer raise a ValueError/TypeError naming what differs, before any read,
+    and leave the model as it was."""
+    par, opt, ctx = _build("zero1", 1, 2, layers=3)  # one block fewer than the checkpoint
+    _train(par, opt, ctx, range(1))  # some state of its own to protect
+    before, momentum = _dense_state(par), [s["momentum_buffer"].clone() for s in opt.optimizer.state.values()]
+    with pytest.raises(ValueError, match=r"checkpoint key 'model\.4\.ln1\.weight': the model has no such parameter"):
+        load_checkpoint(good, par, opt)
+    after = _dense_state(par)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert all(torch.equal(s["momentum_buffer"], m) for s, m in zip(opt.optimizer.state.values(), momentum, strict=True))
+    _close(par, ctx)
+    par, opt, ctx = _build("zero1", 1, 2)
+    with pytest.raises(
+        ValueError, match=r"pp: the checkpoint was saved at pp 1.*model key '0\.tok_emb\.weight': not in the checkpoint"
+    ):
+        load_checkpoint(pp1, par, opt)  # saved over TinyGPT's own keys, not the blocks'
+    with pytest.raises(TypeError, match="optimizer: a ShardedDataParallel model needs its own ZeroOptimizer"):
+        load_checkpoint(good, par, torch.optim.SGD(par.parameters(), lr=0.1))
+    _close(par, ctx)
+
+
+def _save_tinygpt_keys(path: str) -> None:
+    par, opt, ctx = _build("zero1", 1, 1)
+    save_checkpoint(path, par, opt)
+    _close(par, ctx)
+
+
+def test_mismatched_layouts_raise_naming_the_difference(dist_pool, dp2_pp2_zero1, tmp_path) -> None:
+    path, _ = dp2_pp2_zero1
+    pp1 = str(tmp_path / "tinygpt_keys")
+    dist_pool.run(_save_tinygpt_keys, pp1, world_size=2, timeout=60)
+    dist_pool.run(mismatches, path, pp1, world_size=2, timeout=60)

@@ -87,10 +87,11 @@ def plan_load(
         if k not in world_keys:
             err(f"checkpoint key 'model.{k}': the model has no such parameter or buffer")
     saved_pp = meta.get("axes", {}).get("pp", 1)
-    if plan.errors and saved_pp != layout.axes["pp"]:
-        err(
+    if plan.errors and saved_pp != layout.axes["pp"]:  # first: the likeliest cause of the key errors after it
+        plan.errors.insert(
+            0,
             f"pp: the checkpoint was saved at pp {saved_pp}, this run has pp {layout.axes['pp']}; another pp "
-            "split loads only when both key the blocks alike (the unsplit nn.Sequential(*blocks)'s keys)"
+            "split loads only when both key the blocks alike (the unsplit nn.Sequential(*blocks)'s keys)",
         )
     names = layout.names
     groups = meta["optim"]["groups"]
