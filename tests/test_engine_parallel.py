@@ -202,7 +202,13 @@ def _errors_body() -> None:
                 c[name] = {**c.get(name, {}), **value}
             return c
 
+        frozen_front = _mlp()
+        for q in frozen_front[:4].parameters():  # stage 0 (blocks 0-3 of 7) has nothing to train
+            q.requires_grad_(False)
+        subset = _mlp()  # the same, by leaving stage 0's parameters out of model_parameters
         cases = [
+            (frozen_front, _pp_config(1), {}, ValueError, "pipeline.stages=2: stage 0"),
+            (subset, _pp_config(), {"model_parameters": list(subset[4:].parameters())}, ValueError, "left out of model_parameters"),
             (_gpt2(), with_(tp2, tensor_parallel={"size": 3}), {}, ValueError, "tensor_parallel.size"),
             (_gpt2(), with_(tp2, tensor_parallel={"sise": 2}), {}, ValueError, "tensor_parallel.sise"),
             (_gpt2(), with_(tp2, tensor_parallel={"plan": "megatron"}), {}, ValueError, "tensor_parallel.plan"),

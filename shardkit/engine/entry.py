@@ -39,6 +39,7 @@ from torch import nn
 from shardkit.comm import ParallelContext
 from shardkit.parallel import DataParallel, ShardedDataParallel, ZeroOptimizer
 from shardkit.parallel.param_groups import resolve_param_groups
+from shardkit.parallel.pipeline.split import as_block_list, split_blocks
 from shardkit.parallel.tensor import plan_modules, tensor_parallelize
 
 from .config import load_config
@@ -151,6 +152,8 @@ def initialize(
     plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
     blocks = default_blocks(model, blocks) if pp > 1 else None
     groups = resolve_param_groups(model, model_parameters, arg="model_parameters")
+    if pp > 1:
+        _check_stages_train(model, blocks, cfg, groups)
     make_optimizer = _optimizer_factory(cfg, optimizer, model)
     _check_scheduler(lr_scheduler, optimizer)
     if ctx is None:
@@ -245,6 +248,23 @@ def _check_layout(model: nn.Module, cfg: EngineConfig, tp_plan: Any, blocks: Any
     plan = tp_plan_for(model, cfg.tensor_parallel, tp_plan)
     plan_modules(model, plan, tp)  # every pattern, style and divisibility, before any collective
     return plan
+
+
+def _check_stages_train(model: nn.Module, blocks: Any, cfg: EngineConfig, groups: list[dict[str, Any]]) -> None:
+    """Every pipeline stage must hold a parameter the optimizer trains: a rank without one would
+    fail alone, after the pipeline's collectives began (the split is a pure function of the blocks,
+    so this is checked on every rank before any)."""
+    mods = as_block_list(blocks(model) if blocks is not None else model)
+    trained = {id(p) for g in groups for p in g["params"]}
+    num_stages = cfg.pipeline.stages * cfg.pipeline.virtual_stages
+    for s, (idx, stage) in enumerate(split_blocks(mods, num_stages, cfg.pipeline.partition)):
+        if not any(id(p) in trained for p in stage.parameters()):
+            raise ValueError(
+                f"pipeline.stages={cfg.pipeline.stages}: stage {s} (blocks {idx.start}-{idx.stop - 1} of {len(mods)}) has "
+                "no parameter to train (frozen, or left out of model_parameters); every stage's rank steps an "
+                "optimizer. Move the cut (pipeline.partition, or initialize(blocks=...) grouping the frozen blocks "
+                "with trained ones) or use fewer stages"
+            )
 
 
 def _check_supported(cfg: EngineConfig) -> None:
