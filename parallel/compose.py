@@ -322,6 +322,10 @@ def parallelize(
     # 2. pipeline split, 3. activation checkpointing inside the stages
     if pp_size > 1:
         seq = list(blocks(model)) if blocks is not None else list(model)
+        strategy = None
+        if dp.startswith("zero"):  # its checks before the pipeline's collectives
+            strategy = make_strategy(dp, ctx=ctx, **dict(dp_options or {}))
+            strategy.check_stages(nn.ModuleList(seq))
         pipe = PipelineParallel(
             seq,
             ctx,
@@ -336,14 +340,12 @@ def parallelize(
         # 4. data parallel after each pipeline step: ddp a coalesced all-reduce (ParallelModel),
         # zero1/zero2 a reduce-scatter per bucket of this rank's stages (the ZeRO wrapper)
         stages = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
-        strategy = None
-        if dp.startswith("zero"):
+        if strategy is not None:
             # keyed by block index: state_dict keys are the unsplit nn.Sequential(*blocks)'s,
             # distinct across pp ranks (checkpoints) and equal to pipe.full_state_dict()'s
             held = nn.ModuleDict(
                 {str(j): blk for s in sorted(pipe.stages) for j, blk in zip(pipe.stage_blocks[s], pipe.stages[s], strict=True)}
             )
-            strategy = make_strategy(dp, ctx=ctx, **dict(dp_options or {}))
             stages = strategy.wrap_stages(held, uncounted=_uncounted_tie_copies(pipe, ctx))
         par = ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=strategy, pipeline=pipe, dp=dp, autocast=None)
         par.stats = stats

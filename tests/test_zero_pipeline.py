@@ -120,6 +120,10 @@ def _zero3_refused() -> None:
         try:
             with pytest.raises(ValueError, match="zero3.*per micro-batch.*zero1"):
                 parallelize(_model(), ctx, pp={"microbatches": 2}, blocks=gpt_blocks, dp="zero3")
+            # the wrapper's own checks (here nvme_dir) run before the pipeline's constructor and
+            # the stage context's new_group (review finding)
+            with pytest.raises(ValueError, match="nvme_dir"):
+                parallelize(_model(), ctx, pp={"microbatches": 2}, blocks=gpt_blocks, dp="zero1", dp_options={"offload": "nvme"})
         finally:
             for patch in patches:
                 patch.stop()

@@ -40,7 +40,7 @@ from torch.profiler import record_function
 
 from shardkit.comm import AXES, CommStats, ParallelContext, all_reduce
 
-from .sharded import ShardedDataParallel
+from .sharded import ShardedDataParallel, _validate
 
 __all__ = ["PipelineShardedDataParallel", "stage_context"]
 
@@ -128,6 +128,8 @@ class PipelineShardedDataParallel(ShardedDataParallel):
             )
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
+        # every argument check first: stage_context creates process groups (a collective)
+        _validate(stages, ctx, stage, bucket_mb, None, True, offload, nvme_dir, grad_dtype, None, pipeline=True)
         uncounted = list(uncounted)
         sub = stage_context(ctx)
         super().__init__(

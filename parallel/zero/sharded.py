@@ -387,8 +387,11 @@ def _validate(
     nvme_dir: Any,
     grad_dtype: Any,
     loss_scaler: Any,
+    *,
+    pipeline: bool = False,
 ) -> list[nn.Parameter]:
-    """Every argument check, before any collective (ValueError/TypeError naming the argument)."""
+    """Every argument check, before any collective (ValueError/TypeError naming the argument).
+    ``pipeline``: the caller is ``PipelineShardedDataParallel`` (a pp axis is expected)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if isinstance(module, ShardedDataParallel) or type(module).__name__ == "DataParallel":
@@ -417,10 +420,10 @@ def _validate(
         raise ValueError(f"grad_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {grad_dtype!r}")
     if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
         raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}")
-    if ctx.size("pp") != 1:
+    if ctx.size("pp") != 1 and not pipeline:
         raise ValueError(
-            f"ctx: ShardedDataParallel does not compose with pipeline parallelism yet (pp={ctx.size('pp')}): "
-            "the pipeline accumulates gradients outside autograd's hooks; use DataParallel on the dp axis"
+            f"ctx: has a pp axis of size {ctx.size('pp')}; ZeRO on a pipeline's dp axis is "
+            "shardkit.parallel.parallelize(model, ctx, pp=..., dp='zero1'|'zero2')"
         )
     params = list(module.parameters())
     for name, p in module.named_parameters():

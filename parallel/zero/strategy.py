@@ -24,7 +24,7 @@ from ..loss_scaler import DynamicLossScaler
 from ..strategy import Strategy, StrategyReport, register_strategy
 from .optimizer import ZeroOptimizer
 from .pipeline_grads import PipelineShardedDataParallel
-from .sharded import ShardedDataParallel
+from .sharded import ShardedDataParallel, _validate
 
 __all__ = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy"]
 
@@ -81,13 +81,13 @@ class _ZeroStrategy(Strategy):
         )
         return self.model
 
-    def wrap_stages(self, stages: nn.Module, *, uncounted: Iterable[nn.Parameter] = ()) -> nn.Module:
-        """Wrap one pipeline rank's stages (stages 1-2; see [Note: ZeRO under a pipeline] in
-        :mod:`~shardkit.parallel.zero.pipeline_grads`); the loop then calls the wrapper's
-        ``reduce_gradients()`` after each pipeline step.
+    def check_stages(self, model: nn.Module) -> None:
+        """:meth:`wrap_stages`' argument checks on the whole model, before the pipeline is built
+        (its constructor and the stage context communicate): ValueError/TypeError naming the
+        argument on every rank alike.
 
         Example:
-            >>> model = s.wrap_stages(nn.ModuleList(pipe.stages[k] for k in sorted(pipe.stages)))
+            >>> s.check_stages(model)   # then PipelineParallel(...), then s.wrap_stages(...)
         """
         if self.stage == 3:
             raise ValueError(
@@ -96,6 +96,17 @@ class _ZeroStrategy(Strategy):
             )
         if self.loss_scaler is not None:
             raise ValueError("loss_scaler: the pipeline does not scale its loss (fp16); pipeline in fp32")
+        _validate(model, self.ctx, self.stage, self.bucket_mb, None, True, self.offload, self.nvme_dir, None, None, pipeline=True)
+
+    def wrap_stages(self, stages: nn.Module, *, uncounted: Iterable[nn.Parameter] = ()) -> nn.Module:
+        """Wrap one pipeline rank's stages (stages 1-2; see [Note: ZeRO under a pipeline] in
+        :mod:`~shardkit.parallel.zero.pipeline_grads`); the loop then calls the wrapper's
+        ``reduce_gradients()`` after each pipeline step.
+
+        Example:
+            >>> model = s.wrap_stages(nn.ModuleList(pipe.stages[k] for k in sorted(pipe.stages)))
+        """
+        self.check_stages(stages)
         self.model = PipelineShardedDataParallel(
             stages,
             self.ctx,
