@@ -243,3 +243,55 @@ def test_mismatched_layouts_raise_naming_the_difference(dist_pool, dp2_pp2_zero1
     pp1 = str(tmp_path / "tinygpt_keys")
     dist_pool.run(_save_tinygpt_keys, pp1, world_size=2, timeout=60)
     dist_pool.run(mismatches, path, pp1, world_size=2, timeout=60)
+
+
+# ---- shardkit.initialize engines -----------------------------------------------------------------
+def engine_roundtrip(root: str, kind: str, stages: tuple[int, int]) -> dict:
+    """An engine (``kind`` "pp": pipeline.stages 2, AdamW on an MLP; "tp": tensor_parallel 2 on
+    HF GPT-2) trains 2 steps, saves (ZeRO stage ``stages[0]``), trains 2 more; a fresh engine
+    (stage ``stages[1]``) loads ``root/latest`` and trains the same 2 steps."""
+    import shardkit
+    from test_engine_parallel import GAS, _batch, _gpt2, _micro_batches, _mlp, _pp_config, _tp_config
+
+    def build(stage: int):
+        if kind == "pp":
+            ctx = ParallelContext.from_world(pp=2)
+            return shardkit.initialize(model=_mlp(), config=_pp_config(stage), ctx=ctx)[0], ctx
+        ctx = ParallelContext.from_world(tp=2)
+        return shardkit.initialize(model=_gpt2(), config=_tp_config(stage, 2), ctx=ctx)[0], ctx
+
+    def train(engine, steps: range) -> list[float]:
+        if kind == "pp":
+            return [float(engine.train_batch(iter(_micro_batches(step)))) for step in steps]
+        losses = []
+        for step in steps:
+            for micro in range(GAS):
+                out = engine(input_ids=_batch(step, micro), labels=_batch(step, micro))
+                engine.backward(out.loss)
+                engine.step()
+                losses.append(float(out.loss))
+        return losses
+
+    engine, ctx = build(stages[0])
+    train(engine, range(2))
+    assert engine.save_checkpoint(root, client_state={"epoch": 1})
+    want = train(engine, range(2, 4))
+    if kind == "pp":
+        engine.close()
+    ctx.destroy()
+    engine, ctx = build(stages[1])
+    path, client = engine.load_checkpoint(root)
+    assert path.endswith("global_step2") and client == {"epoch": 1} and engine.global_steps == 2
+    got = train(engine, range(2, 4))
+    if kind == "pp":
+        engine.close()
+    ctx.destroy()
+    return {"want": want, "got": got}
+
+
+@pytest.mark.parametrize("kind, stages", [("pp", (1, 2)), ("tp", (0, 1))])
+def test_engine_checkpoints_with_tp_and_pp(dist_pool, tmp_path, kind, stages) -> None:
+    """Engine.save_checkpoint/load_checkpoint under pipeline.stages 2 (ZeRO-1 -> ZeRO-2) and
+    tensor_parallel 2 (stage 0 -> ZeRO-1): the resumed engine continues bitwise."""
+    out = dist_pool.run(engine_roundtrip, str(tmp_path / "ckpt"), kind, stages, world_size=2, timeout=60)
+    assert out[0]["got"] == out[0]["want"], out[0]

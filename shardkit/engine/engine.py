@@ -303,13 +303,13 @@ class Engine(nn.Module):
         save_latest: bool = True,
     ) -> bool:
         """Save ``save_dir/tag`` (every rank): model, optimizer, fp32 masters, loss scaler, LR
-        scheduler, the engine's counters and ``client_state``; reshardable (another dp size or
-        stage loads it). ``tag`` defaults to ``global_step<N>``; ``save_dir/latest`` names it.
+        scheduler, the engine's counters and ``client_state``; reshardable (another dp size,
+        ZeRO stage or tensor_parallel size loads it; with a pipeline, another dp size or stage).
+        ``tag`` defaults to ``global_step<N>``; ``save_dir/latest`` names it.
 
         Example:
             >>> engine.save_checkpoint("ckpt", client_state={"epoch": 3})
         """
-        self._check_checkpointable()
         tag = f"global_step{self.global_steps}" if tag is None else tag
         _check_tag(tag)
         extra = {
@@ -318,7 +318,7 @@ class Engine(nn.Module):
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
         }
         root = Path(save_dir)
-        save_checkpoint(root / tag, self._wrapped, self.optimizer, scaler=self.loss_scaler, extra=extra)
+        save_checkpoint(root / tag, self._checkpoint_model(), self.optimizer, scaler=self.loss_scaler, extra=extra)
         if save_latest:
             if self.ctx.global_rank == 0:
                 tmp = root / f"{LATEST}.tmp"
@@ -347,7 +347,6 @@ class Engine(nn.Module):
         Example:
             >>> path, client_state = engine.load_checkpoint("ckpt")
         """
-        self._check_checkpointable()
         if not load_optimizer_states:
             raise NotImplementedError("load_optimizer_states=False: shardkit checkpoints always restore the optimizer")
         root = Path(load_dir)
@@ -359,7 +358,7 @@ class Engine(nn.Module):
             tag = latest.read_text().strip()
         _check_tag(tag)
         path = root / tag
-        extra = load_checkpoint(path, self._wrapped, self.optimizer, scaler=self.loss_scaler)
+        extra = load_checkpoint(path, self._checkpoint_model(), self.optimizer, scaler=self.loss_scaler)
         if not isinstance(extra, dict) or "engine" not in extra:
             raise ValueError(f"checkpoint {path}: not written by Engine.save_checkpoint (no engine state in its extra)")
         for key, value in extra["engine"].items():
@@ -370,16 +369,16 @@ class Engine(nn.Module):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         return str(path), extra["client_state"]
 
-    def _check_checkpointable(self) -> None:
-        if self.ctx.size("tp") > 1:
-            raise NotImplementedError(
-                "checkpoints with tensor_parallel.size > 1 are not built (the ZeRO checkpoint format holds dp shards "
-                "of one tp rank); engine.full_state_dict() gives the dense state on every rank"
-            )
+    def _checkpoint_model(self) -> Any:
+        """What :func:`~shardkit.parallel.save_checkpoint` takes for this engine's layout: the dp
+        wrapper (or the tp-converted module), whose tp slices it places in the dense tensors."""
+        return self._wrapped
 
     def _barrier(self) -> None:
-        if self.ctx.world_size > 1:
-            dist.barrier(group=self.ctx.group("dp"))
+        # over the world: every rank reads ``latest`` after rank 0 (the writer) replaced it,
+        # whatever tp/pp group it is in
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
 
 
 def _check_tag(tag: Any) -> None:

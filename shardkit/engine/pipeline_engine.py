@@ -129,14 +129,9 @@ class PipelineEngine(Engine):
     def step(self) -> None:
         raise self._refuse("step")
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> bool:
-        raise NotImplementedError(
-            "save_checkpoint with pipeline.stages > 1 is not built; engine.full_state_dict() gives the whole "
-            "model's state on every rank"
-        )
-
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
-        raise NotImplementedError("load_checkpoint with pipeline.stages > 1 is not built")
+    def _checkpoint_model(self) -> ParallelModel:
+        # the ParallelModel: checkpoints key this rank's blocks by block index (disjoint over pp)
+        return self.parallel
 
     # ---- the step ------------------------------------------------------------------------------
     def _global_batch(self, data_iter: Iterator[Any] | None) -> tuple[Any, Any]:
