@@ -1,7 +1,8 @@
 """``save_checkpoint`` / ``load_checkpoint``: sharded, atomic, reshardable checkpoints on DCP.
 
 [Note: atomic publication]
-Every rank writes into ``<dir>.tmp-<id>`` (rank 0 creates it and broadcasts ``id``). After
+Every rank writes into ``<dir>.tmp-<id>`` (global rank 0 creates it and broadcasts ``id``; every
+role here is the global rank's, whatever the dp × tp × pp layout). After
 DCP's own metadata is written and every rank's files are on disk (``sync_files``), each rank
 checksums a share of the files, rank 0 writes ``meta.pt`` and, last, ``manifest.json`` (format
 version, dp size, stage, DCP keys, size and CRC-32 of every file) and publishes with two
@@ -33,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..compose import ParallelModel
 from ..loss_scaler import DynamicLossScaler
 from .content import Layout, dcp_state, layout_of, merge_meta, merge_model_meta, model_meta, save_content
 from .loading import apply_load, plan_load
@@ -102,7 +104,7 @@ def _is_checkpoint_or_empty(path: Path) -> bool:
 # ---- save --------------------------------------------------------------------------------------
 def save_checkpoint(
     dir: str | os.PathLike,
-    model: nn.Module,
+    model: nn.Module | ParallelModel,
     optimizer: Any,
     scaler: DynamicLossScaler | None = None,
     extra: Any = None,
@@ -110,17 +112,21 @@ def save_checkpoint(
     """Save model, optimizer (and loss scaler, ``extra``) as a sharded, atomic DCP checkpoint.
 
     Call on every rank. Each ZeRO rank writes only the pieces it owns (params, fp32 masters and
-    optimizer state of its shard); DataParallel and single-process runs write full tensors once.
-    The content does not depend on the layout: it loads into another dp size, another ZeRO
-    stage, DataParallel or one process (:func:`load_checkpoint`), and ``shardkit consolidate``
+    optimizer state of its shard); DataParallel and single-process runs write full tensors once;
+    a tp rank writes its slices as chunks of the dense tensors, a pipeline rank its blocks keyed
+    by block index (docs/checkpoint.md, "With tensor and pipeline parallelism"). The content
+    does not depend on the layout: it loads into another dp or tp size, another ZeRO stage,
+    DataParallel or one process, another pp split of the same blocks (:func:`load_checkpoint`),
+    and ``shardkit consolidate``
     turns it into plain ``torch.save`` files. Publication is atomic (see [Note: atomic
     publication]): a crash mid-save leaves the previous checkpoint at ``dir`` loadable.
 
     Args:
         dir: the checkpoint directory (replaced if it holds a previous checkpoint).
-        model: a :class:`~shardkit.parallel.ShardedDataParallel`, a
-            :class:`~shardkit.parallel.DataParallel` or a plain ``nn.Module`` (one process, or
-            replicated on every rank).
+        model: the :class:`~shardkit.parallel.ParallelModel` of :func:`~shardkit.parallel.parallelize`
+            (any dp × tp × pp layout), a :class:`~shardkit.parallel.ShardedDataParallel` (also
+            ZeRO under a pipeline), a :class:`~shardkit.parallel.DataParallel` or a plain
+            ``nn.Module`` (one process, replicated on every rank, or tp-converted).
         optimizer: the model's :class:`~shardkit.parallel.ZeroOptimizer`, or a
             ``torch.optim.Optimizer`` (shardkit's fused ones included) over the module's params.
         scaler: a :class:`~shardkit.parallel.DynamicLossScaler` whose state to save.
@@ -304,14 +310,14 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 def load_checkpoint(
     dir: str | os.PathLike,
-    model: nn.Module,
+    model: nn.Module | ParallelModel,
     optimizer: Any,
     scaler: DynamicLossScaler | None = None,
 ) -> Any:
     """Load a :func:`save_checkpoint` directory into this run's layout; returns ``extra``.
 
-    Works across layouts: another dp size, another ZeRO stage, DataParallel or one process, and
-    FusedAdamW ↔ torch.optim.AdamW. Every rank reads only the pieces its layout needs, into
+    Works across layouts: another dp or tp size, another ZeRO stage, DataParallel or one process,
+    another pp split of the same blocks, and FusedAdamW ↔ torch.optim.AdamW. Every rank reads only the pieces its layout needs, into
     temporaries; the files are verified (sizes, CRC-32 split over the ranks) and every key and
     shape is checked BEFORE anything is copied into ``model``/``optimizer``/``scaler``, so a bad
     checkpoint raises on every rank and changes nothing. Params are loaded first, then the

@@ -17,7 +17,8 @@ and a small pickled ``meta`` (shapes, dtypes, per-param scalar state such as ``s
 param groups' hyperparameters and member names, the loss-scaler state, ``extra``). A ZeRO rank
 contributes only its :class:`~shardkit.parallel.checkpoint.pieces.FlatPiece` of each key, so
 every element is written once; DataParallel and single-process runs contribute full tensors,
-which DCP deduplicates. On load each rank asks DCP for the pieces ITS layout needs, into
+which DCP deduplicates. A tp rank contributes its slices as chunks of the dense tensors (see
+[Note: TP slices in the checkpoint]); a pipeline rank its blocks, keyed by block index. On load each rank asks DCP for the pieces ITS layout needs, into
 temporaries; nothing is written into the model or optimizer until every read succeeded.
 """
 
