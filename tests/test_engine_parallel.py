@@ -96,8 +96,6 @@ def _tp_body(stage: int) -> dict:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), **FP32)
         assert min(ref_norms) > CLIP  # clipping acted on every step (its norm spans the tp shards)
-        with pytest.raises(NotImplementedError, match="tensor_parallel"):
-            engine.save_checkpoint("/nonexistent")
         return {"losses": losses, "vocab_rows": full["lm_head.weight"].shape[0]}
 
 
