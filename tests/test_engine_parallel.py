@@ -187,6 +187,29 @@ def test_pipeline_config_train_batch_equals_one_process(dist_pool, schedule, sta
     assert out[0] == out[1]  # the loss is the same on every stage
 
 
+def _pp_offload_body() -> dict:
+    """A pipeline engine with ZeRO-1 and the optimizer offloaded reports the host bytes its ZeRO
+    wrapper holds: the fp32 masters and AdamW's two moments of this rank's 1/dp share (review:
+    the report said nothing was offloaded)."""
+    import shardkit
+
+    with ParallelContext.from_world(pp=2) as ctx:
+        config = _pp_config(1)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        engine, *_ = shardkit.initialize(model=_mlp(), config=config, ctx=ctx)
+        engine.train_batch(iter(_micro_batches(0)))
+        off = engine.memory_report()["offloaded"]
+        numel = sum(p.numel() for p in engine.parallel.parameters())  # this pp rank's stages, dp 1
+        engine.close()
+        return {"cpu": off.get("cpu", 0), "numel": numel}
+
+
+def test_pipeline_engine_memory_report_counts_offloaded_state(dist_pool):
+    for out in dist_pool.run(_pp_offload_body, world_size=2, timeout=120):
+        # master + exp_avg + exp_avg_sq in fp32 on the host (plus padding and staging buffers)
+        assert out["cpu"] >= 12 * out["numel"], out
+
+
 # ---- errors, before any collective -------------------------------------------------------------
 def _errors_body() -> None:
     import shardkit
@@ -206,7 +229,13 @@ def _errors_body() -> None:
         subset = _mlp()  # the same, by leaving stage 0's parameters out of model_parameters
         cases = [
             (frozen_front, _pp_config(1), {}, ValueError, "pipeline.stages=2: stage 0"),
-            (subset, _pp_config(), {"model_parameters": list(subset[4:].parameters())}, ValueError, "left out of model_parameters"),
+            (
+                subset,
+                _pp_config(),
+                {"model_parameters": list(subset[4:].parameters())},
+                ValueError,
+                "left out of model_parameters",
+            ),
             (_gpt2(), with_(tp2, tensor_parallel={"size": 3}), {}, ValueError, "tensor_parallel.size"),
             (_gpt2(), with_(tp2, tensor_parallel={"sise": 2}), {}, ValueError, "tensor_parallel.sise"),
             (_gpt2(), with_(tp2, tensor_parallel={"plan": "megatron"}), {}, ValueError, "tensor_parallel.plan"),

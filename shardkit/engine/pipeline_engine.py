@@ -223,4 +223,6 @@ class PipelineEngine(Engine):
         mem = dict(self.parallel.report(self.optimizer).memory)
         mem.setdefault("master_params", 0)
         mem["model_state"] = sum(mem[k] for k in ("params", "grads", "optimizer_state", "master_params"))
-        return {"unit": "bytes", **mem, "peak_transient": mem.get("peak_transient", 0), "offloaded": {}}
+        # ZeRO on the pipeline's dp axis: its wrapper knows what went to the host (offload)
+        off = self.parallel.module.memory_report()["offloaded"] if self.parallel.strategy is not None else {}
+        return {"unit": "bytes", **mem, "peak_transient": mem.get("peak_transient", 0), "offloaded": off}
