@@ -40,6 +40,22 @@ squares add over tp, a tp-replicated one is identical on every tp rank (counted 
 rank, as :func:`~shardkit.parallel.tensor.clip_grad_norm_tp_`), stages add over pp (a parameter tied across stages counted on one of its copies only), and after
 the dp reduction the replicas are equal (no dp sum). One fp32 all-reduce over tp and one over pp.
 With ZeRO the gradients are sharded over dp, so the sum also runs over dp (ZeRO's finalize).
+
+[Note: fp16 loss scaling through the pipeline]
+With a ``loss_scaler`` and a pipeline, each step's backward is seeded with ``S`` times the loss
+(:meth:`PipelineParallel.step`'s ``loss_scale``, with DeepSpeed's per-micro-batch magnitudes: see
+[Note: fp16 loss scaling in the pipeline] in :mod:`~shardkit.parallel.pipeline.executor`), so
+``p.grad`` holds ``S`` times the gradient on every stage. The overflow decision must be one decision: a stage that skipped alone would
+leave the model half-updated. ``dp="ddp"``/``"none"``: :meth:`ParallelModel.clip` unscales
+``p.grad`` by ``1/S`` (after the dp all-reduce, so the dp replicas already agree), flags
+inf/nan in the same pass, and adds the flag to the norm's all-reduces over tp and pp (an
+8-byte ``[found_inf, Σg²]`` instead of 4 bytes); :meth:`ParallelModel.step` skips the
+optimizer on an overflow and updates the scaler (DeepSpeed's rule, on every rank alike).
+``dp="zero1"``/``"zero2"``: the ZeRO epilogue unscales by ``1/(dp·S)`` and sums the flag over
+dp, tp and pp (:meth:`~shardkit.parallel.zero.PipelineShardedDataParallel.finalize_gradients`);
+:class:`~shardkit.parallel.zero.ZeroOptimizer` skips and updates the scaler. The
+parameters may be fp32 or fp16 (DeepSpeed's ``model.half()``, with fp32 masters in the
+optimizer); autocast inside the stages is not applied.
 """
 
 from __future__ import annotations
@@ -121,11 +137,18 @@ class ParallelModel:
         pipeline: PipelineParallel | None,
         dp: str,
         autocast: Callable[[], Any] | None,
+        loss_scaler: DynamicLossScaler | None = None,
     ) -> None:
         self.ctx, self.module, self.loss_fn = ctx, module, loss_fn
         self.strategy, self.pipeline, self.dp = strategy, pipeline, dp
         self.stats = CommStats()
         self._autocast = autocast
+        #: the fp16 loss scaler (a pipeline scales its loss with it; see [Note: fp16 loss scaling
+        #: through the pipeline]), or None.
+        self.loss_scaler = loss_scaler
+        self.skipped_steps = 0
+        # pipeline + ddp + scaler: (overflow, norm) of this step once clip/step computed it
+        self._pp_state: tuple[bool, torch.Tensor | None] | None = None
         # tp/pp: the norm spans shards and stages, which the dp strategies' clip does not know
         self._composite = _size(ctx, "tp") > 1 or _size(ctx, "pp") > 1
 
@@ -155,8 +178,10 @@ class ParallelModel:
             The batch's mean loss, 0-d fp32 (detached; with a pipeline, the same on every pp rank).
         """
         if self.pipeline is not None:
+            scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+            self._pp_state = None
             with record_function("shardkit::pipeline_step"):
-                loss = torch.tensor(self.pipeline.step(inputs, targets))
+                loss = torch.tensor(self.pipeline.step(inputs, targets, loss_scale=scale))
             if self.strategy is not None:  # ZeRO: reduce-scatter each bucket into this rank's shard
                 self.module.reduce_gradients()
             elif _size(self.ctx, "dp") > 1:
@@ -189,35 +214,73 @@ class ParallelModel:
     def clip(self, max_norm: float | None) -> torch.Tensor | None:
         """Clip to the GLOBAL gradient norm (see [Note: the global gradient norm]).
 
+        With a pipeline and a loss scaler (``dp="ddp"``/``"none"``) this also unscales the
+        gradients and agrees the overflow over tp and pp (see [Note: fp16 loss scaling through
+        the pipeline]); on an overflow nothing is clipped and the norm is ``inf``.
+
         Returns:
             The pre-clip norm (0-d fp32), or None when nothing was computed.
         """
         if self.strategy is not None and (not self._composite or self.dp.startswith("zero")):
             # ZeRO's finalize agrees the norm over dp and tp itself (its gradients are sharded)
             return self.strategy.clip(max_norm)
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
+        if self.pipeline is not None and self.loss_scaler is not None:
+            if self._pp_state is None:
+                self._pp_state = self._unscale_and_clip(max_norm)
+            return self._pp_state[1]
         if max_norm is None:
             return None
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
+        return self._unscale_and_clip(max_norm)[1]
+
+    @torch.no_grad()
+    def _unscale_and_clip(self, max_norm: float | None) -> tuple[bool, torch.Tensor | None]:
+        """``(overflow, norm)``: unscale ``p.grad`` by ``1/S`` (with a loss scaler), Σg² with
+        each element counted once, one all-reduce over tp and one over pp of ``Σg²`` (with the
+        inf/nan flag in front when there is a scaler), clip unless an overflow."""
         params = [p for p in self.parameters() if p.grad is not None]
-        device = params[0].grad.device if params else torch.device("cpu")
+        device = params[0].grad.device if params else self.ctx.device if self.ctx is not None else torch.device("cpu")
+        scaler = self.loss_scaler if self.pipeline is not None else None
+        inv = None if scaler is None else 1.0 / scaler.scale
         copies = self._tie_copies()
+        found_inf = torch.zeros(1, device=device)
         sharded, replicated = torch.zeros(1, device=device), torch.zeros(1, device=device)
         for acc, want in ((sharded, True), (replicated, False)):
             for grads in _by_dtype([p.grad for p in params if is_tp_sharded(p) == want and id(p) not in copies]):
-                unscale_and_norm_(grads, sumsq=acc)
+                unscale_and_norm_(grads, inv_scale=inv, found_inf=found_inf, sumsq=acc)
+        if inv is not None and copies:  # uncounted tie copies: unscaled too, their flag counts
+            for grads in _by_dtype([p.grad for p in params if id(p) in copies]):
+                unscale_and_norm_(grads, inv_scale=inv, found_inf=found_inf)
         sumsq = sharded + replicated / _size(self.ctx, "tp")
+        both = sumsq if scaler is None else torch.cat([found_inf, sumsq])
         for axis in ("tp", "pp"):
             if _size(self.ctx, axis) > 1:
-                all_reduce(sumsq, group=self.ctx.group(axis), stats=self.stats)
-        for grads in _by_dtype([p.grad for p in params]):
-            clip_grads_(grads, sumsq, max_norm=max_norm)
-        return sumsq.sqrt().reshape(())
+                all_reduce(both, group=self.ctx.group(axis), stats=self.stats)
+        sumsq = both[-1:]
+        overflow = scaler is not None and bool(both[0].item() > 0)
+        if overflow:
+            return True, torch.full((), float("inf"), device=device)
+        if max_norm is not None:
+            for grads in _by_dtype([p.grad for p in params]):
+                clip_grads_(grads, sumsq, max_norm=max_norm)
+        return False, sumsq.sqrt().reshape(())
 
     def step(self, optimizer: Any) -> bool:
-        """Step the optimizer (skipped on an fp16 overflow agreed over dp). Returns whether it stepped."""
+        """Step the optimizer (skipped on an fp16 overflow agreed over dp, and with a pipeline
+        over pp and tp too; the loss scaler then updated). Returns whether it stepped."""
         if self.strategy is not None:
             return self.strategy.step(optimizer)
+        if self.pipeline is not None and self.loss_scaler is not None:
+            # [Note: fp16 loss scaling through the pipeline]: unscaled and agreed once per step
+            overflow, _ = self._pp_state if self._pp_state is not None else self._unscale_and_clip(None)
+            self._pp_state = None
+            if not overflow:
+                with record_function("shardkit::step"):
+                    optimizer.step()
+            self.skipped_steps += int(overflow)
+            self.loss_scaler.update(overflow)
+            return not overflow
         with record_function("shardkit::step"):
             optimizer.step()
         return True
@@ -236,7 +299,8 @@ class ParallelModel:
             "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
             "optimizer_state": sum(v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v)),
         }
-        return StrategyReport(memory=memory, comm=self.stats.summary(), loss_scale=None, skipped_steps=0)
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else None
+        return StrategyReport(memory=memory, comm=self.stats.summary(), loss_scale=scale, skipped_steps=self.skipped_steps)
 
     def _tie_copies(self) -> set[int]:
         """ids of :func:`_uncounted_tie_copies`."""
@@ -295,7 +359,8 @@ def parallelize(
             ``checkpointing`` without a pipeline.
         checkpointing: False, True (recompute each block in backward) or ``"cpu"`` (also keep
             the saved block inputs on the CPU).
-        loss_scaler: fp16 loss scaler (no pipeline; with tp, a ZeRO dp strategy).
+        loss_scaler: fp16 loss scaler (with tp, a ZeRO dp strategy; with pp, any dp but
+            ``"zero3"``: see [Note: fp16 loss scaling through the pipeline]).
         autocast: a context-manager factory for forward + loss (e.g. bf16 autocast); dp-only.
         dp_options: the dp strategy's options (``bucket_mb``, ``grad_buckets``...).
 
@@ -324,7 +389,7 @@ def parallelize(
         seq = list(blocks(model)) if blocks is not None else list(model)
         strategy = None
         if dp.startswith("zero"):  # its checks before the pipeline's collectives
-            strategy = make_strategy(dp, ctx=ctx, **dict(dp_options or {}))
+            strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
             strategy.check_stages(nn.ModuleList(seq))
         pipe = PipelineParallel(
             seq,
@@ -347,7 +412,9 @@ def parallelize(
                 {str(j): blk for s in sorted(pipe.stages) for j, blk in zip(pipe.stage_blocks[s], pipe.stages[s], strict=True)}
             )
             stages = strategy.wrap_stages(held, uncounted=_uncounted_tie_copies(pipe, ctx))
-        par = ParallelModel(ctx, module=stages, loss_fn=loss_fn, strategy=strategy, pipeline=pipe, dp=dp, autocast=None)
+        par = ParallelModel(
+            ctx, module=stages, loss_fn=loss_fn, strategy=strategy, pipeline=pipe, dp=dp, autocast=None, loss_scaler=loss_scaler
+        )
         par.stats = stats
         return par
     # 3. activation checkpointing on the blocks (no pipeline)
@@ -419,7 +486,6 @@ def _validate(
             raise ValueError(f"blocks is required to pipeline a {type(model).__name__} (model -> [embedding, *blocks, head])")
     if checkpointing and pp_size == 1 and blocks is None:
         raise ValueError("checkpointing without a pipeline needs blocks= (which modules to recompute)")
-    composite = tp > 1 or pp_size > 1
     if pp_size > 1 and dp == "zero3":
         raise ValueError(
             f"dp='zero3' with pp={pp_size}: ZeRO-3's per-unit parameter gathers would have to be issued per "
@@ -427,15 +493,18 @@ def _validate(
         )
     if pp_size > 1 and dp.startswith("zero") and ctx.world_size != dist.get_world_size():
         raise ValueError(f"ctx: dp={dp!r} with pp needs the context to span the world, got {ctx.world_size} ranks")
-    if pp_size > 1 and loss_scaler is not None:
-        raise ValueError("loss_scaler (fp16) with pp: the pipeline does not scale its loss; pipeline in fp32")
-    if composite and loss_scaler is not None and not dp.startswith("zero"):
+    if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+        raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}")
+    if tp > 1 and loss_scaler is not None and not dp.startswith("zero"):
         raise ValueError(
-            "loss_scaler (fp16) with tp/pp needs a ZeRO dp strategy (its finalize agrees the overflow over "
+            "loss_scaler (fp16) with tp needs a ZeRO dp strategy (its finalize agrees the overflow over "
             "dp and tp); use bf16 or fp32, or dp='zero1'/'zero2'/'zero3' with tp"
         )
     if pp_size > 1 and autocast is not None:
-        raise ValueError("autocast is not applied inside pipeline stages yet; pipeline in fp32 (or bf16 params)")
+        raise ValueError(
+            "autocast is not applied inside pipeline stages yet; pipeline in fp32, bf16 params, or fp16 params "
+            "(model.half()) with loss_scaler= (fp32 masters in the optimizer)"
+        )
     return opts
 
 

@@ -247,7 +247,6 @@ def _errors_body() -> None:
             (_mlp(), _pp_config(virtual_stages=2), {}, ValueError, "pipeline.virtual_stages"),
             (_gpt2(), _pp_config(), {}, ValueError, "blocks"),  # not splittable as given
             (_mlp(), _pp_config(3), {}, ValueError, "zero_optimization.stage"),
-            (_mlp(), with_(_pp_config(1), fp16={"enabled": True}), {}, ValueError, "fp16.enabled"),
             (_mlp(), with_(_pp_config(), pipeline={"stages": 1}), {"blocks": list}, ValueError, "blocks"),
             (_mlp(), _pp_config(), {"optimizer": torch.optim.SGD(_mlp().parameters(), lr=0.1)}, TypeError, "optimizer"),
         ]

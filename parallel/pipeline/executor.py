@@ -17,6 +17,26 @@ divides them by the global count, which the last stage broadcasts with the losse
 broadcast per step), then adds them to ``param.grad``. Gradients therefore never depend on how
 the batch was cut into micro-batches.
 
+[Note: fp16 loss scaling in the pipeline]
+With ``step(..., loss_scale=S)`` the backward must see the magnitudes DeepSpeed's fp16 engines
+give it — micro-batch ``i`` seeded with ``S * L_i / m`` (the mean loss, divided over the
+accumulation) — not ``S * n_i L_i``: a sum over thousands of tokens would overflow fp16 that
+many times sooner, and a static scale tuned on DeepSpeed would overflow every step. So the last
+stage seeds ``loss_sum_i * S / (m * n_0)`` (``n_0``: micro-batch 0's count, known after its
+forward, before any backward of every schedule), and :meth:`PipelineParallel.finalize`
+multiplies the sums by ``m * n_0 / sum_i n_i`` (1 when the micro-batches count alike) instead
+of dividing by ``sum_i n_i``: ``param.grad`` then holds ``S`` times the global mean gradient,
+still independent of how the batch was cut. Every activation gradient sent upstream is scaled
+alike, so small fp16 gradients stay representable on every stage. The reported losses are not
+scaled. The caller unscales and agrees the overflow over pp, dp and tp
+(:class:`~shardkit.parallel.ParallelModel`: in its clip/step with ``dp="ddp"``, in the ZeRO
+epilogue with ZeRO): a stage that skipped alone would leave the model half-updated. fp16
+*parameters* (``model.half()``, DeepSpeed's fp16 mode) take the fp32-sum path of the next Note;
+the sum is cast to fp16 once (an overflow there is an inf the caller sees).
+
+[Note: accumulating in param.grad]: the sums of the scaled
+micro-batch gradients are fp32, cast to fp16 once (an overflow there is an inf the caller sees).
+
 [Note: accumulating in param.grad]
 With fp32 parameters, a full backward (B) runs ``torch.autograd.backward(y, g, inputs=[x, *params])``
 and lets autograd accumulate each micro-batch into ``param.grad`` (the step's own sums: the
@@ -237,13 +257,17 @@ class PipelineParallel:
     def is_last(self) -> bool:
         return self.rank == self.schedule.num_ranks - 1
 
-    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> float:
+    def step(self, inputs: torch.Tensor | None, targets: torch.Tensor | None, *, loss_scale: float | None = None) -> float:
         """Forward and backward of one global batch through the pipeline; collective on pp.
 
         Args:
             inputs: ``[B, ...]`` global batch, read on the first stage (may be None elsewhere).
             targets: ``[B, ...]``, read on the last stage (may be None elsewhere). ``B`` must be
                 a multiple of ``microbatches``; micro-batch ``i`` is rows ``[i B/m, (i+1) B/m)``.
+            loss_scale: fp16 loss scale ``S`` (e.g. ``DynamicLossScaler.scale``), the same on
+                every pp rank, or None: the backward is seeded with ``S`` times the loss, so the
+                gradients come out multiplied by ``S`` (see [Note: fp16 loss scaling in the
+                pipeline]); the returned loss is not scaled.
 
         Returns:
             The global token-weighted mean loss, on every pp rank. Gradients are *added* to
@@ -251,13 +275,22 @@ class PipelineParallel:
 
         Raises:
             ValueError: on every rank, when any rank's inputs/targets are unusable or a stage
-                cannot take its predecessor's output (see [Note: the shape exchange]).
+                cannot take its predecessor's output (see [Note: the shape exchange]);
+                ``loss_scale`` not a finite number > 0 (before any communication).
+
+        Example:
+            >>> loss = pipe.step(x, y, loss_scale=scaler.scale)   # grads = scale * dloss/dparam
         """
+        if loss_scale is not None and (
+            isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float)) or not 0 < loss_scale < float("inf")
+        ):
+            raise ValueError(f"loss_scale must be None or a finite number > 0, got {loss_scale!r}")
         m = self.schedule.microbatches
         x_mbs = self._chunks("inputs", inputs) if self.is_first else None
         y_mbs = self._chunks("targets", targets) if self.is_last else None
         self._agree(x_mbs, y_mbs)
         state = _StepState(x_mbs, y_mbs, m)
+        state.loss_scale = None if loss_scale is None else float(loss_scale)
         if self._accumulate_in_grad:  # [Note: accumulating in param.grad]: the caller's grads aside
             state.stashed = {q: q.grad for qs in self._params.values() for q in qs}
             for q in state.stashed:
@@ -323,9 +356,16 @@ class PipelineParallel:
             else:
                 count = torch.tensor(st.y_mbs[i].numel())
                 total = out * float(count)
+            unscaled = total
+            if st.loss_scale is not None:  # [Note: fp16 loss scaling in the pipeline]
+                if st.seed is None:  # S / (m * n_0): a 0-d tensor, no host sync
+                    assert i == 0, "every schedule runs the last stage's forwards in micro-batch order"
+                    n0 = torch.as_tensor(count, device=total.device).to(torch.float32).clamp(min=1)
+                    st.seed = st.loss_scale / (self.schedule.microbatches * n0)
+                total = total * st.seed
             st.outputs[(s, i)] = total
             # kept as tensors: no device sync per micro-batch, one copy in finalize
-            st.loss_sums[i], st.counts[i] = total.detach(), count
+            st.loss_sums[i], st.counts[i] = unscaled.detach(), count
             return
         st.outputs[(s, i)] = y
         if (s + 1) % self.schedule.num_ranks == self.rank:
@@ -430,8 +470,13 @@ class PipelineParallel:
             if total <= 0:
                 raise ValueError(f"the loss counted {total} tokens over the batch; loss_fn must count >= 1")
             self.tied.sync_grads(st.grad_acc)  # sum-form, before the division: see tied.py
+            # [Note: fp16 loss scaling in the pipeline]: the seed was S / (m * n_0), not S
+            factor = None if st.loss_scale is None else m * max(counts[0], 1.0) / total
             for q, acc in st.grad_acc.items():
-                acc.div_(total)  # acc is this step's own fp32 buffer: divide in place, no new tensor
+                if factor is None:
+                    acc.div_(total)  # acc is this step's own fp32 buffer: divide in place, no new tensor
+                elif factor != 1.0:
+                    acc.mul_(factor)
                 g = acc if acc.dtype == q.dtype else acc.to(q.dtype)
                 q.grad = g if q.grad is None else q.grad.add_(g)
             self.microbatch_losses = [a / c if c else float("nan") for a, c in zip(sums, counts, strict=True)]
@@ -518,3 +563,5 @@ class _StepState:
         self.stashed: dict = {}  # param -> the caller's .grad, set aside while autograd accumulates
         self.loss_sums: list = [None] * m  # last stage only: 0-dim tensors
         self.counts: list = [None] * m
+        self.loss_scale: float | None = None  # S (fp16), or None: see [Note: fp16 loss scaling in the pipeline]
+        self.seed: torch.Tensor | None = None  # S / (m * n_0), set at micro-batch 0's loss

@@ -22,6 +22,12 @@ micro-batch, summed in fp32, written into ``p.grad`` once, in its finalize):
   params weighted 1/tp, as without a pipeline) minus the squares of the copies of
   cross-stage-tied parameters that another rank counts (a tie's gradient is the same on every
   copy), then one 8-byte all-reduce each over dp, tp and pp.
+* **fp16 loss scaling**: with a ``loss_scaler`` the pipeline seeded its backward with ``S``
+  times the loss, so the epilogue multiplies by ``1/(dp·S)`` (the dp average and the unscale in
+  one pass) and the inf/nan flag rides in front of Σg² in the same all-reduces over dp, tp
+  *and pp*: every rank of every stage reads the same overflow, skips the same step and updates
+  the scale alike (:class:`~shardkit.parallel.zero.ZeroOptimizer`); a stage stepping alone
+  would leave the model half-updated.
 
 The wrapped :class:`ShardedDataParallel` sees a context with ``pp = 1``: this pp rank's dp × tp
 slice of the mesh (:func:`stage_context`), the same dp and tp process groups, plus a size-1 pp
@@ -40,6 +46,7 @@ from torch.profiler import record_function
 
 from shardkit.comm import AXES, CommStats, ParallelContext, all_reduce
 
+from ..loss_scaler import DynamicLossScaler
 from .sharded import ShardedDataParallel, _validate
 
 __all__ = ["PipelineShardedDataParallel", "stage_context"]
@@ -94,8 +101,9 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         stage: 1 or 2.
         uncounted: parameters whose squares another rank counts in the global norm (this
             rank's copies of cross-stage-tied parameters, except on the tie's first owner).
-        bucket_mb, offload, nvme_dir, grad_dtype, stats, backend: as
-            :class:`~shardkit.parallel.ShardedDataParallel`.
+        bucket_mb, offload, nvme_dir, grad_dtype, loss_scaler, stats, backend: as
+            :class:`~shardkit.parallel.ShardedDataParallel` (the pipeline must scale its loss
+            by ``loss_scaler.scale``: :func:`~shardkit.parallel.parallelize` does).
 
     Raises:
         ValueError: ``stage`` not 1 or 2 (named), before any collective.
@@ -118,6 +126,7 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         offload: str | None = None,
         nvme_dir: str | None = None,
         grad_dtype: torch.dtype | None = None,
+        loss_scaler: DynamicLossScaler | None = None,
         stats: CommStats | None = None,
         backend: str = "auto",
     ) -> None:
@@ -129,7 +138,7 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
         # every argument check first: stage_context creates process groups (a collective)
-        _validate(stages, ctx, stage, bucket_mb, None, True, offload, nvme_dir, grad_dtype, None, pipeline=True)
+        _validate(stages, ctx, stage, bucket_mb, None, True, offload, nvme_dir, grad_dtype, loss_scaler, pipeline=True)
         uncounted = list(uncounted)
         sub = stage_context(ctx)
         super().__init__(
@@ -140,6 +149,7 @@ class PipelineShardedDataParallel(ShardedDataParallel):
             offload=offload,
             nvme_dir=nvme_dir,
             grad_dtype=grad_dtype,
+            loss_scaler=loss_scaler,
             stats=stats,
             backend=backend,
         )
@@ -158,31 +168,39 @@ class PipelineShardedDataParallel(ShardedDataParallel):
             self._reducer.finalize_backward()
 
     def finalize_gradients(self, max_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
-        """Average this rank's gradient shards over dp, agree the GLOBAL norm over dp, tp and pp
-        (each element counted once), clip. Runs once per step (later calls return the first's result).
+        """Average (and, with a loss scaler, unscale) this rank's gradient shards over dp, agree
+        the overflow and the GLOBAL norm over dp, tp and pp (each element counted once), clip.
+        Runs once per step (later calls return the first's result).
 
         Returns:
-            ``(False, norm)``: no overflow (the pipeline runs without a loss scaler), and the
-            global L2 norm before clipping (0-d fp32), or None without ``max_norm``.
+            ``(overflow, norm)``: whether any rank of any stage found inf/nan (always False
+            without a loss scaler), and the global L2 norm before clipping (0-d fp32; ``inf``
+            on an overflow), or None when neither a scaler nor ``max_norm`` asked for it.
         """
         if self._step_state is not None:
             return self._step_state
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
-        found_inf, sumsq = self._shards.epilogue(1.0 / self._dp, replicated=self._replicated, replicated_weight=1.0 / self._tp)
-        norm = None
-        if max_norm is not None:
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        found_inf, sumsq = self._shards.epilogue(
+            1.0 / (self._dp * scale), replicated=self._replicated, replicated_weight=1.0 / self._tp
+        )
+        overflow, norm = False, None
+        if self.loss_scaler is not None or max_norm is not None:
             if self._uncounted:
                 sumsq = sumsq - self._uncounted_sumsq(sumsq.device)
             both = torch.cat([found_inf, sumsq])
             ctx = self.pipeline_ctx
-            for axis in ("dp", "tp", "pp"):
+            for axis in ("dp", "tp", "pp"):  # every stage: one overflow decision for the whole model
                 if ctx.size(axis) > 1:
                     all_reduce(both, group=ctx.group(axis), op="sum", stats=self.comm_stats)
             sumsq = both[1:2]
-            norm = sumsq.sqrt().reshape(())
-            self._shards.clip_(sumsq, max_norm)
-        self._step_state = (False, norm)
+            # the flag is read on the host only with a scaler (a clip-only step stays sync-free)
+            overflow = self.loss_scaler is not None and bool(both[0].item() > 0)
+            norm = torch.full((), float("inf"), device=sumsq.device) if overflow else sumsq.sqrt().reshape(())
+            if max_norm is not None and not overflow:
+                self._shards.clip_(sumsq, max_norm)
+        self._step_state = (overflow, norm)
         return self._step_state
 
     def _uncounted_sumsq(self, device: torch.device) -> torch.Tensor:

@@ -94,14 +94,15 @@ class _ZeroStrategy(Strategy):
                 "dp='zero3' does not compose with the pipeline: its per-unit parameter gathers would have to be "
                 "issued per micro-batch inside the schedule; use dp='zero1' or 'zero2' (or 'ddp') with pp"
             )
-        if self.loss_scaler is not None:
-            raise ValueError("loss_scaler: the pipeline does not scale its loss (fp16); pipeline in fp32")
-        _validate(model, self.ctx, self.stage, self.bucket_mb, None, True, self.offload, self.nvme_dir, None, None, pipeline=True)
+        args = (self.stage, self.bucket_mb, None, True, self.offload, self.nvme_dir, None, self.loss_scaler)
+        _validate(model, self.ctx, *args, pipeline=True)
 
     def wrap_stages(self, stages: nn.Module, *, uncounted: Iterable[nn.Parameter] = ()) -> nn.Module:
         """Wrap one pipeline rank's stages (stages 1-2; see [Note: ZeRO under a pipeline] in
         :mod:`~shardkit.parallel.zero.pipeline_grads`); the loop then calls the wrapper's
-        ``reduce_gradients()`` after each pipeline step.
+        ``reduce_gradients()`` after each pipeline step. With the strategy's ``loss_scaler`` the
+        pipeline must seed its backward with ``loss_scaler.scale`` (``parallelize`` does); the
+        epilogue unscales and agrees the overflow over dp, tp and pp.
 
         Example:
             >>> model = s.wrap_stages(nn.ModuleList(pipe.stages[k] for k in sorted(pipe.stages)))
@@ -115,6 +116,7 @@ class _ZeroStrategy(Strategy):
             bucket_mb=self.bucket_mb,
             offload=self.offload,
             nvme_dir=self.nvme_dir,
+            loss_scaler=self.loss_scaler,
         )
         return self.model
 

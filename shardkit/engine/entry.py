@@ -281,11 +281,6 @@ def _check_supported(cfg: EngineConfig) -> None:
                 f"zero_optimization.stage=3 with pipeline.stages={pp}: not supported (as in DeepSpeed, whose pipeline "
                 "engine takes ZeRO 0-2); use stage 0-2"
             )
-        if fp16:
-            raise ValueError(
-                "fp16.enabled with pipeline.stages > 1: the pipeline does not scale its loss (no fp16 loss scaler "
-                "inside the schedule yet); use bf16 or fp32"
-            )
         if cfg.zero.offload_optimizer.enabled and stage == 0:
             raise ValueError("zero_optimization.offload_optimizer needs zero_optimization.stage >= 1")
     off = cfg.zero.offload_optimizer
