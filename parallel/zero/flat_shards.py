@@ -48,6 +48,7 @@ from shardkit.kernels.flatten import ALIGN_ELEMENTS, Segment, bucket_layout, fla
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
 from ..reducer import GradBucket
+from .offload import HostGradients
 from .sync_check import SyncCheck
 
 __all__ = ["FlatShards", "ShardedBucket", "paper_comm_bytes"]
@@ -153,9 +154,11 @@ class FlatShards:
         stats: CommStats for the collectives.
         backend: kernel backend for the flatten copies and the epilogue.
         offload: the optimizer keeps the fp32 masters and steps elsewhere (CPU/NVMe): no
-            device masters and no device shard params are built; the optimizer reads
-            ``sb.opt_grad`` after the epilogue and writes ``sb.local_param_shard()`` before
-            :meth:`all_gather_params`.
+            device masters and no device shard params are built; each reduced shard is copied
+            to :attr:`host` as its reduce-scatter completes, the epilogue and clip run on the
+            host copies ([Note: gradient copies overlapped with backward] in ``offload.py``),
+            the optimizer reads ``sb.opt_grad`` (the host fp32 buffer) and writes
+            ``sb.local_param_shard()`` before :meth:`all_gather_params`.
         check_sync: before each collective (bucket reduce-scatter, step epilogue, parameter
             all-gather) agree over dp which one it is ([Note: diverged ranks] in
             :mod:`~shardkit.parallel.zero.sync_check`); ``self.sync`` is then the
@@ -188,6 +191,12 @@ class FlatShards:
         self.stats = stats
         self.backend = backend
         self.buckets = [self._build(i, params) for i, params in enumerate(buckets)]
+        self.host: HostGradients | None = None
+        if offload:  # the epilogue's fp32 gradient is the host buffer, for good
+            device = self.buckets[0].flat_param.device if self.buckets else torch.device("cpu")
+            self.host = HostGradients([sb.shard for sb in self.buckets], grad_dtype=grad_dtype, device=device, backend=backend)
+            for sb, g in zip(self.buckets, self.host.fp32):
+                self._bind_opt_grad(sb, g)
         self._in_flight: deque[tuple[ShardedBucket, Any, torch.Tensor | None, torch.Tensor]] = deque()
         self._transient = 0
         self.peak_transient_bytes = 0
@@ -269,7 +278,7 @@ class FlatShards:
             )
         if self.sync is not None:
             self.sync.check("gradient reduce-scatter", gb.index)
-        while len(self._in_flight) >= MAX_IN_FLIGHT:  # bound transient memory; oldest first
+        while self.host is None and len(self._in_flight) >= MAX_IN_FLIGHT:  # bound transient memory; oldest first
             self._complete_oldest()
         if self.stage == 1:
             if sb.reduced:
@@ -286,6 +295,8 @@ class FlatShards:
             full = torch.empty(sb.total, dtype=self.grad_dtype, device=sb.flat_param.device)
             self._hold(full.numel() * full.element_size())
             self._pack(gb, full, into_views=False)
+        while self.host is not None and self._in_flight:  # offload: start the older buckets' copies now
+            self._complete_oldest()  # [Note: gradient copies overlapped with backward] (offload.py)
         out = sb.grad_shard if (self.stage >= 2 and sb.fresh) else torch.empty_like(full[: sb.shard])
         if out is not sb.grad_shard:
             self._hold(out.numel() * out.element_size())
@@ -320,6 +331,8 @@ class FlatShards:
     def _complete_oldest(self) -> None:
         sb, work, full, out = self._in_flight.popleft()
         work.wait()
+        if self.host is not None:  # the last micro-batch's copy may still read the shard
+            self.host.device_writable(sb.grad_bucket.index)
         if self.stage == 1:
             sb.grad_full.narrow(0, sb.start, sb.shard).copy_(out)
         elif out is not sb.grad_shard:
@@ -329,6 +342,8 @@ class FlatShards:
         if full is not None:
             self._release(full.numel() * full.element_size())
         sb.fresh = False
+        if self.host is not None:
+            self.host.issue(sb.grad_bucket.index, sb.reduced_shard)
 
     def finish(self, gb: GradBucket, work: Any) -> None:
         """Wait for every bucket launched up to ``gb`` (in launch order) and accumulate its shard."""
@@ -345,7 +360,7 @@ class FlatShards:
                 self._new_grad_full(sb)
             elif out is sb.grad_shard:
                 sb.grad_shard = torch.zeros_like(out)
-            if self.grad_dtype == torch.float32:
+            if self.grad_dtype == torch.float32 and self.host is None:
                 self._bind_opt_grad(sb, sb.reduced_shard)
         self._in_flight.clear()
         self._transient = 0
@@ -355,6 +370,8 @@ class FlatShards:
     def zero_grad(self, *, set_to_none: bool = True) -> None:
         """Forget the gradients of this step (the persistent buffers are kept, zeroed)."""
         for sb in self.buckets:
+            if self.host is not None:  # a copy may still read the shard zeroed here
+                self.host.device_writable(sb.grad_bucket.index)
             for p in sb.grad_bucket.params:
                 p.grad = None
             if sb.grad_full is not None and not set_to_none:  # p.grad stays a zeroed view
@@ -366,8 +383,10 @@ class FlatShards:
             if sb.grad_full is not None:
                 sb.grad_full.narrow(0, sb.start, sb.shard).zero_()
             sb.fresh, sb.reduced = True, False
-            if self.grad_dtype != torch.float32:
+            if self.grad_dtype != torch.float32 and self.host is None:
                 self._bind_opt_grad(sb, None)
+        if self.host is not None:
+            self.host.reset()
         self.finalized = False
 
     @torch.no_grad()
@@ -384,27 +403,37 @@ class FlatShards:
             replicated_weight: their weight.
 
         Returns:
-            ``(found_inf, sumsq)``: fp32 ``[1]`` each, of this rank's shards only (the caller
-            agrees them over dp: the global norm is the sum of every rank's ``sumsq``).
+            ``(found_inf, sumsq)``: fp32 ``[1]`` each, on the params' device, of this rank's
+            shards only (the caller agrees them over dp: the global norm is the sum of every
+            rank's ``sumsq``). With ``offload`` the pass runs over the host copies and
+            ``sb.opt_grad`` is the host fp32 buffer.
         """
         if self.finalized:
             raise RuntimeError("the gradient epilogue already ran for this step (call zero_grad() after step)")
         if self.sync is not None:  # the norm/overflow all-reduce (if any) follows on every rank alike
             self.sync.check("gradient epilogue (norm/overflow)")
         device = self.buckets[0].flat_param.device if self.buckets else torch.device("cpu")
-        found_inf, sumsq = torch.zeros(1, device=device), torch.zeros(1, device=device)
-        for sb in self.buckets:
-            g = sb.reduced_shard
+        host, backend, where = self.host, self.backend, device
+        if host is not None:  # the host copies: [Note: gradient copies overlapped with backward]
+            backend, where = host.backend, torch.device("cpu")
+            for i, sb in enumerate(self.buckets):
+                if not host.valid[i]:  # no backward reduced it since zero_grad: copy it now
+                    host.issue(i, sb.reduced_shard)
+                host.wait(i)
+        found_inf, sumsq = torch.zeros(1, device=where), torch.zeros(1, device=where)
+        for i, sb in enumerate(self.buckets):
+            g = sb.reduced_shard if host is None else host.raw[i]
             if self.grad_dtype == torch.float32:
-                unscale_and_norm_([g], inv_scale=inv_scale, found_inf=found_inf, sumsq=sumsq, backend=self.backend)
+                unscale_and_norm_([g], inv_scale=inv_scale, found_inf=found_inf, sumsq=sumsq, backend=backend)
                 continue
-            self._bind_opt_grad(sb, torch.empty(sb.shard, dtype=torch.float32, device=device))  # transient fp32
-            self._hold(sb.shard * 4)
-            unscale_and_norm_([g], inv_scale=inv_scale, out=[sb.opt_grad], found_inf=found_inf, sumsq=sumsq, backend=self.backend)
+            if host is None:
+                self._bind_opt_grad(sb, torch.empty(sb.shard, dtype=torch.float32, device=device))  # transient fp32
+                self._hold(sb.shard * 4)
+            unscale_and_norm_([g], inv_scale=inv_scale, out=[sb.opt_grad], found_inf=found_inf, sumsq=sumsq, backend=backend)
         if replicated and replicated_weight != 1.0:
             # re-read the (small: norms, biases) replicated pieces, already unscaled, and take
             # (1 - w) of their squares back out of the bucket sums
-            rep = torch.zeros(1, device=device)
+            rep = torch.zeros(1, device=where)
             for sb in self.buckets:
                 g = sb.opt_grad if sb.opt_grad is not None else sb.reduced_shard
                 for seg in sb.segments:
@@ -412,18 +441,21 @@ class FlatShards:
                         rep += g.narrow(0, seg.flat_offset - sb.start, seg.numel).float().square().sum()
             sumsq.sub_((1.0 - replicated_weight) * rep)
         self.finalized = True
-        return found_inf, sumsq
+        return found_inf.to(device), sumsq.to(device)  # the all-reduce's device (NCCL: CUDA)
 
     @torch.no_grad()
     def clip_(self, sumsq: torch.Tensor, max_norm: float) -> None:
-        """Scale every shard gradient by ``min(1, max_norm / (sqrt(sumsq) + eps))`` (global sumsq)."""
+        """Scale every shard gradient by ``min(1, max_norm / (sqrt(sumsq) + eps))`` (global sumsq;
+        with offload the host copies, ``sumsq`` brought to the host)."""
         grads = [sb.opt_grad for sb in self.buckets if sb.opt_grad is not None and sb.shard]
         if grads:
-            clip_grads_(grads, sumsq, max_norm=max_norm, backend=self.backend)
+            backend = self.backend if self.host is None else self.host.backend
+            clip_grads_(grads, sumsq.to(grads[0].device), max_norm=max_norm, backend=backend)
 
     def release_step_buffers(self) -> None:
-        """Drop the transient fp32 gradient copies after the optimizer step."""
-        if self.grad_dtype == torch.float32:
+        """Drop the transient fp32 gradient copies after the optimizer step (offload: the host
+        buffers persist)."""
+        if self.grad_dtype == torch.float32 or self.host is not None:
             return
         for sb in self.buckets:
             if sb.opt_grad is not None:

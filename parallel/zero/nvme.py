@@ -4,9 +4,9 @@
 (the *sub-group* of the stream) holding that bucket's fp32 master ``[shard]`` and the wrapped
 optimizer's state for the bucket's shard params, as raw bytes in a fixed order (the shapes,
 dtypes and non-tensor values are kept in memory: the files are swap space, not a checkpoint —
-``opt.state_dict()`` is the checkpoint). Host memory holds the gradient buffers
-(4 bytes per shard element) and about three sub-groups at a time; the device holds nothing of
-the optimizer.
+``opt.state_dict()`` is the checkpoint). Host memory holds the gradient buffers (4 bytes per
+shard element, +2 for bf16 gradients' staging; filled during backward) and about three
+sub-groups at a time; the device holds nothing of the optimizer.
 
 [Note: NVMe step and commit]
 One step streams the buckets: a reader thread loads sub-group k+1 while sub-group k is
@@ -273,8 +273,8 @@ class NvmeOffload(CpuOffload):
 
     def step(self) -> None:
         """Stream every bucket through the CPU step with read-ahead; commit; write the params."""
+        self.check_grads()
         self._resync_written()
-        self.copy_grads_in()
         n = len(self.buckets)
         with ThreadPoolExecutor(1, thread_name_prefix="shardkit-nvme-read") as reader:
             ahead = [reader.submit(self._read, 0, self.active)] if n else []
@@ -307,7 +307,10 @@ class NvmeOffload(CpuOffload):
         out = [dict(state[sp]) if sp in state else {} for sp in sps]
         for sp in sps:
             sp.grad = None
-        # the gradient buffer is dead now: stage the new params there until the commit
+        # the gradient buffer is dead now: stage the new params there until the commit (the
+        # next backward's copies into it are queued after the write-back: see [Note: gradient
+        # copies overlapped with backward] in offload.py)
+        self.host.invalidate(b)
         staged = self._staged(b)
         staged.copy_(master)
         return out
@@ -377,4 +380,4 @@ class NvmeOffload(CpuOffload):
                 for entries, _ in per_param:
                     nvme += sum(dt.itemsize * math.prod(shape) for _, dt, shape in entries)
         host = sum(t.numel() * t.element_size() for t in host_param_shards(self.sdp))  # offload_params
-        return {"cpu": host, "nvme": nvme, "cpu_buffers": sum(g.numel() * 4 for g in self.grads)}
+        return {"cpu": host, "nvme": nvme, "cpu_buffers": self.host.nbytes()}

@@ -11,31 +11,57 @@ tensor                 bytes       what
 =====================  ==========  ==========================================================
 ``masters[b]``         4·shard     fp32 master ``[shard]`` (padding included), pinned on CUDA
 ``grads[b]``           4·shard     fp32 gradient ``[shard]`` the step reads, pinned on CUDA
+staging (bf16 grads)   2·shard     the reduced shard as copied, in the grad dtype, pinned
 shard params           views       one 1-D ``nn.Parameter`` per segment (a view of the master,
                                    ``.grad`` a view of ``grads[b]``): the wrapped optimizer's
                                    params, so its state is allocated for the shard only
 optimizer state        e.g. 8·Ψ/N  Adam's m and v, on the CPU
 =====================  ==========  ==========================================================
 
-One step (:meth:`CpuOffload.step`, after ``finalize_gradients``):
+One step, in the order the data moves ([Note: gradient copies overlapped with backward]):
 
-1. every bucket's ``sb.opt_grad`` (final: averaged, unscaled, clipped by the GLOBAL norm) is
-   copied into ``grads[b]`` — asynchronously from CUDA into pinned memory, then one wait;
-2. the wrapped optimizer steps once over every shard param, on the CPU (shardkit's fused
+1. during backward, as each bucket's reduce-scatter completes, its reduced shard (the raw sum,
+   grad dtype) is copied into a host buffer (:class:`HostGradients`): ``non_blocking`` into
+   pinned memory on a side stream on CUDA, a plain copy on the CPU;
+2. ``finalize_gradients`` runs the step epilogue over the HOST copies (average/unscale by
+   1/(N·S), inf/nan, Σg², into ``grads[b]`` in fp32), agrees overflow and the global norm with
+   the same 8-byte all-reduce as without offload, and clips the host copies;
+3. the wrapped optimizer steps once over every shard param, on the CPU (shardkit's fused
    optimizers take their fast CPU path with ``backend="auto"``; torch's run their CPU loop);
-3. each master is written (cast to the param dtype) into ``sb.local_param_shard()``, and the
+4. each master is written (cast to the param dtype) into ``sb.local_param_shard()``, and the
    caller all-gathers the params.
 
-[Note: where the offload copies happen]
-The device-to-host gradient copies run after ``finalize_gradients``, not during backward: the
-gradient the optimizer needs is only final once every bucket is reduced, averaged, unscaled and
-clipped by the global norm, which needs every rank's sum of squares. Copying the raw reduced
-shards during backward and re-applying the epilogue on the CPU would copy stage-2 shards once
-per micro-batch and duplicate the epilogue; the copies are instead issued back to back on the
-current stream (non_blocking into pinned buffers, so they run at PCIe speed while the host
-queues the next one) and waited for once. The host-to-device write-back is non_blocking from
-pinned memory as well: the next step's gradient copies are queued behind it on the same
-stream, and the CPU writes the masters again only after waiting for those.
+[Note: gradient copies overlapped with backward]
+The device-to-host gradient copies are issued by ``FlatShards._complete_oldest`` (called by the
+reducer during and at the end of backward) right after a bucket's reduce-scatter is waited and
+accumulated into this rank's shard; only the last bucket's copy is left for the end of
+backward. With offload, ``FlatShards.launch`` packs bucket k, then completes the bucket still in
+flight (k-1), then starts k's reduce-scatter: bucket k-1's copy runs while k's reduce-scatter and
+the rest of backward do. The transient peak is the one without offload (two buckets alive at
+once: k packed, k-1 reducing); on CUDA the compute stream waits there for k-1's reduce-scatter,
+which ran during k's backward.
+
+Ordering on CUDA (:class:`HostGradients`): the side stream first waits for the compute stream
+(where the reduce-scatter's wait and the accumulation are queued), copies ``non_blocking`` into
+pinned memory and records one event per bucket. The host waits for those events before reading
+(the epilogue); the compute stream waits for a bucket's event before writing its reduced shard
+again (the next micro-batch's accumulation, ``zero_grad``), since the copy reads it. On the CPU
+the copy is synchronous and the same calls run, so the tests exercise the order.
+
+What is copied is the reduced SUM: the 1/(N·S) average, the inf/nan flag, Σg² and the clip
+need every bucket (and every rank's Σg²), so they run once per step on the host copies with the
+functions the device epilogue uses (:func:`~shardkit.kernels.grad_epilogue.unscale_and_norm_`,
+:func:`~shardkit.kernels.grad_epilogue.clip_grads_`): on the CPU the result is bitwise the
+device epilogue's (on CUDA the host sums Σg² in another order than the device kernel, within
+fp32 rounding). Gradient accumulation over micro-batches at stages 2-3 (every backward
+reduce-scatters into the shard) copies the accumulated shard after each backward; the last
+backward's copies are what the step reads (gΨ/N over the bus per micro-batch). Low-precision
+gradients (``grad_dtype=torch.bfloat16``) cross the bus in their dtype (half the bytes) into a
+host staging buffer, and the host epilogue widens them into the fp32 buffer: the device no
+longer holds an fp32 copy of every shard at the step (4Ψ/N bytes); the host holds 2Ψ/N more.
+The host-to-device write-back of the params is ``non_blocking`` from pinned memory on the
+compute stream; the next backward's copies into the same host buffers (NVMe stages the new
+params there) are queued after it, since the side stream waits for the compute stream first.
 
 Results are bitwise those of ``offload=None``: the wrapped optimizer sees the same shard params
 (views of one fp32 ``[shard]`` tensor per bucket, same groups, same order) and the same fp32
@@ -62,7 +88,7 @@ from torch import nn
 
 from shardkit.kernels.flatten import Segment
 
-__all__ = ["CpuOffload", "build_shard_params"]
+__all__ = ["CpuOffload", "HostGradients", "build_shard_params"]
 
 
 def build_shard_params(sdp: Any) -> tuple[list[list[nn.Parameter]], dict[nn.Parameter, nn.Parameter]]:
@@ -91,6 +117,85 @@ def placeholder(numel: int) -> torch.Tensor:
 def _piece(t: torch.Tensor, sb: Any, seg: Segment) -> torch.Tensor:
     """The segment's elements of a ``[shard]`` tensor of bucket ``sb``."""
     return t.narrow(0, seg.flat_offset - sb.start, seg.numel)
+
+
+class HostGradients:
+    """Host gradient buffers of every bucket and the device-to-host copies into them.
+
+    See [Note: gradient copies overlapped with backward]. Built by ``FlatShards(offload=True)``;
+    the reduced shards are copied as their reduce-scatters complete, the step epilogue runs on
+    :attr:`raw` → :attr:`fp32`, and the CPU optimizer reads :attr:`fp32`.
+
+    Args:
+        numels: each bucket's shard length.
+        grad_dtype: the dtype of the reduced shards (what crosses the bus).
+        device: the device the shards live on (CUDA: pinned buffers, a side stream, events).
+        backend: the kernel backend of the device epilogue; used on the host when the device is
+            the CPU (the same arithmetic as without offload), else ``"torch"``.
+
+    Attributes:
+        fp32: per bucket ``[shard]`` fp32: the gradient the optimizer steps with.
+        raw: per bucket ``[shard]`` in ``grad_dtype``: the copy target (:attr:`fp32` itself
+            when the grads are fp32; the epilogue then works in place, as on the device).
+        valid: per bucket, whether :attr:`raw` holds the bucket's reduced shard as of its last
+            reduce-scatter since :meth:`reset`.
+
+    Example:
+        >>> host = HostGradients([1024], grad_dtype=torch.bfloat16, device=torch.device("cpu"), backend="auto")
+        >>> host.issue(0, reduced_shard); host.wait(0); host.raw[0].dtype
+        torch.bfloat16
+    """
+
+    def __init__(self, numels: list[int], *, grad_dtype: torch.dtype, device: torch.device, backend: str) -> None:
+        self.pin = device.type == "cuda"
+        self.fp32 = [torch.empty(n, dtype=torch.float32, pin_memory=self.pin) for n in numels]
+        same = grad_dtype == torch.float32
+        self.raw = self.fp32 if same else [torch.empty(n, dtype=grad_dtype, pin_memory=self.pin) for n in numels]
+        self.backend = backend if device.type == "cpu" else "torch"
+        self._stream = torch.cuda.Stream(device=device) if self.pin else None
+        self._done: list[Any] = [None] * len(numels)  # CUDA: the event of each bucket's last copy
+        self.valid = [False] * len(numels)
+
+    @torch.no_grad()
+    def issue(self, i: int, src: torch.Tensor) -> None:
+        """Start copying bucket ``i``'s reduced shard ``src`` (``[shard]``, grad dtype) into
+        :attr:`raw` ``[i]``: ordered after everything queued on the current stream."""
+        dst = self.raw[i]
+        if self._stream is None:
+            dst.copy_(src)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            src.record_stream(self._stream)  # a replaced shard (abandon) is not reused under the copy
+            self._done[i] = done
+        self.valid[i] = True
+
+    def wait(self, i: int) -> None:
+        """Block the host until bucket ``i``'s copy has landed (before reading :attr:`raw`)."""
+        if self._done[i] is not None:
+            self._done[i].synchronize()
+            self._done[i] = None
+
+    def device_writable(self, i: int) -> None:
+        """Make the current stream wait for bucket ``i``'s copy (before writing its reduced shard)."""
+        if self._done[i] is not None:
+            torch.cuda.current_stream().wait_event(self._done[i])
+
+    def invalidate(self, i: int) -> None:
+        """:attr:`raw` ``[i]``/:attr:`fp32` ``[i]`` were reused (NVMe stages the new params there)."""
+        self.valid[i] = False
+
+    def reset(self) -> None:
+        """A new step (``zero_grad``): no bucket is copied yet."""
+        self.valid = [False] * len(self.valid)
+
+    def nbytes(self) -> int:
+        """Host bytes of the buffers (fp32, plus the grad-dtype staging when it differs)."""
+        extra = 0 if self.raw is self.fp32 else sum(t.numel() * t.element_size() for t in self.raw)
+        return sum(t.numel() * 4 for t in self.fp32) + extra
 
 
 class CpuOffload:
@@ -123,7 +228,9 @@ class CpuOffload:
         self.buckets = sdp.sharded_buckets
         # pinned host memory makes the copies asynchronous; it needs CUDA (and only helps there)
         self.pin = any(sb.flat_param.is_cuda for sb in self.buckets)
-        self.grads = [self._host(sb.shard) for sb in self.buckets]
+        # the host gradient buffers belong to the shards: they copy into them during backward
+        self.host: HostGradients = sdp._shards.host
+        self.grads = self.host.fp32
         self.shard_params, shard_of = build_shard_params(sdp)
         self.origin = {sp: p for p, sp in shard_of.items()}
         self.masters = self._init_masters()
@@ -207,16 +314,14 @@ class CpuOffload:
         self.record_versions()
 
     # ---- the step ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def copy_grads_in(self) -> None:
-        """Every bucket's final fp32 gradient shard into the host buffers (see [Note: where the
-        offload copies happen]); returns once they have landed."""
-        for sb, grad in zip(self.buckets, self.grads):
-            grad.copy_(sb.opt_grad, non_blocking=self.pin)
-        if self.pin:
-            done = torch.cuda.Event()
-            done.record()  # one wait for all copies, not one per bucket
-            done.synchronize()
+    def check_grads(self) -> None:
+        """Raise unless every host gradient buffer holds this step's gradient (it does after the
+        epilogue; a failed NVMe step may have staged params there)."""
+        if not all(self.host.valid):
+            raise RuntimeError(
+                "offload: the host gradient buffers no longer hold this step's gradients (a failed "
+                "offload='nvme' step staged params in them); call opt.zero_grad() and run backward again"
+            )
 
     @torch.no_grad()
     def write_back(self, sources: list[torch.Tensor]) -> None:
@@ -227,9 +332,10 @@ class CpuOffload:
                 dst.copy_(src, non_blocking=self.pin and dst.is_cuda)
 
     def step(self) -> None:
-        """Copy the gradients in, step on the CPU, write the params' shards (no all-gather)."""
+        """Step on the CPU over the host gradients (copied during backward, finalized by the
+        epilogue), write the params' shards (no all-gather)."""
+        self.check_grads()
         self._resync_written()
-        self.copy_grads_in()
         self.optimizer.step()
         self.write_back(self.masters)
 
@@ -258,7 +364,8 @@ class CpuOffload:
 
     def offloaded_bytes(self) -> dict[str, int]:
         """``{"cpu": masters + optimizer state (+ host param shards), "nvme": 0, "cpu_buffers":
-        gradient buffers}``; each storage counted once (an fp32 host param shard is the master)."""
+        gradient buffers (+ the grad-dtype staging)}``; each storage counted once (an fp32 host
+        param shard is the master)."""
         seen: dict[int, int] = {}
         for t in [*self.masters, *host_param_shards(self.sdp)]:
             seen[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
@@ -266,7 +373,7 @@ class CpuOffload:
             for v in s.values():
                 if isinstance(v, torch.Tensor):
                     seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
-        return {"cpu": sum(seen.values()), "nvme": 0, "cpu_buffers": sum(g.numel() * 4 for g in self.grads)}
+        return {"cpu": sum(seen.values()), "nvme": 0, "cpu_buffers": self.host.nbytes()}
 
 
 def host_param_shards(sdp: Any) -> list[torch.Tensor]:

@@ -170,7 +170,14 @@ def stage3_layout(model: nn.Module, *, dp: int, bucket_mb: float, wrap: Any = No
 
 
 def stage3_transient(
-    layout: Stage3Layout, *, pb: int, gb: int, reshard_after_forward: bool, in_flight: int, staging: bool = False
+    layout: Stage3Layout,
+    *,
+    pb: int,
+    gb: int,
+    reshard_after_forward: bool,
+    in_flight: int,
+    staging: bool = False,
+    host_epilogue: bool = False,
 ) -> int:
     """Peak transient bytes of a stage-3 step, replaying the runtime's order of events.
 
@@ -179,7 +186,8 @@ def stage3_transient(
     k-1 gathered while k's buckets launch, each holding its packed gradient (G·T) with at most
     ``in_flight`` buckets alive; a unit is freed after its last launch (units with frozen
     params and the root at the end). Then the root's buckets. An fp32 copy of every reduced
-    shard in the epilogue when G ≠ 4. Assumes each unit runs once, in module order.
+    shard in the epilogue when G ≠ 4, unless ``host_epilogue`` (offload: the epilogue runs on
+    the host copies, [Note: gradient copies overlapped with backward]). Assumes each unit runs once, in module order.
 
     ``staging`` (``offload_params``): a gather also holds a ``[shard]`` device staging buffer
     (1/N of the unit, [Note: offloaded parameter shards]) from its issue until it is waited: in
@@ -219,5 +227,5 @@ def stage3_transient(
         if units[k].totals and not units[k].frozen_totals:
             alive.discard(k)
     peak = max(peak, launch(root.totals, 0))
-    epilogue = 4 * layout.shards if gb != 4 else 0
+    epilogue = 4 * layout.shards if gb != 4 and not host_epilogue else 0
     return max(peak, epilogue)

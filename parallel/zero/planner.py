@@ -159,14 +159,23 @@ def _shard(n: int, dp: int) -> int:
 
 
 def _zero12_transient(
-    layout: FlatLayout | None, psi_t: int, *, dp: int, stage: int, pb: int, gb: int, bucket: int, in_flight: int
+    layout: FlatLayout | None,
+    psi_t: int,
+    *,
+    dp: int,
+    stage: int,
+    pb: int,
+    gb: int,
+    bucket: int,
+    in_flight: int,
+    host_epilogue: bool = False,
 ) -> int:
     """Peak transient bytes of stages 1-2: the largest of three phases that never overlap.
 
     Backward: ``in_flight`` consecutive buckets reducing at once, each holding its
     reduce-scatter input (stage 2: a packed full bucket, G·T) or output (stage 1: G·T/N; the
-    full gradient is persistent). Epilogue: an fp32 copy of every reduced shard when G ≠ 4.
-    All-gather: ``in_flight`` consecutive buckets' P·T/N input copies (docs/planner.md). Without
+    full gradient is persistent). Epilogue: an fp32 copy of every reduced shard when G ≠ 4, on
+    the device unless ``host_epilogue`` (offload: it runs on the host copies). All-gather: ``in_flight`` consecutive buckets' P·T/N input copies (docs/planner.md). Without
     a model the buckets are the caps (first 1 MiB) and the shards ⌈T/N⌉ of each.
     """
     if layout is not None:
@@ -180,7 +189,7 @@ def _zero12_transient(
         shards = _shard(psi_t, dp)
     held = [gb * (t if stage == 2 else _shard(t, dp)) for t in totals]
     backward = max((sum(held[i : i + in_flight]) for i in range(len(held))), default=0)
-    epilogue = 4 * shards if gb != 4 else 0
+    epilogue = 4 * shards if gb != 4 and not host_epilogue else 0
     inputs = [pb * (t // dp) for t in totals] if layout is not None else [pb * _shard(t, dp) for t in totals]
     gather = max((sum(inputs[i : i + in_flight]) for i in range(len(inputs))), default=0)
     return max(backward, epilogue, gather)
@@ -440,10 +449,11 @@ def plan_memory(
         lay3 = stage3_layout(num_params, dp=dp, bucket_mb=bucket_mb, wrap=wrap)
 
     # Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer step runs on the host, on an fp32
-    # copy of this rank's gradient shard; NVMe keeps the state in files, two sub-groups staged.
+    # copy of this rank's gradient shard (copied during backward in the grad dtype: a G-byte
+    # staging copy too when G ≠ 4); NVMe keeps the state in files, two sub-groups staged.
     cpu = nvme = 0
     if offload is not None:
-        cpu = 4 * shard_t
+        cpu = 4 * shard_t + (gb * shard_t if gb != 4 else 0)
         if offload == "cpu":
             cpu += opt
         else:
@@ -463,7 +473,15 @@ def plan_memory(
             transient = 0 if gradient_as_bucket_view else gb * psi_t
         elif stage in (1, 2):
             transient = _zero12_transient(
-                layout, psi_t, dp=dp, stage=stage, pb=pb, gb=gb, bucket=bucket, in_flight=buckets_in_flight
+                layout,
+                psi_t,
+                dp=dp,
+                stage=stage,
+                pb=pb,
+                gb=gb,
+                bucket=bucket,
+                in_flight=buckets_in_flight,
+                host_epilogue=offload is not None,
             )
         elif lay3 is not None:
             transient = stage3_transient(
@@ -473,6 +491,7 @@ def plan_memory(
                 reshard_after_forward=reshard_after_forward,
                 in_flight=buckets_in_flight,
                 staging=offload_params,
+                host_epilogue=offload is not None,
             )
         else:
             unit = psi if largest_unit_params is None else largest_unit_params

@@ -21,7 +21,9 @@ finalize_backward waits in launch order and accumulates the shard → (optional)
 sums g² of the shard, then one 8-byte all-reduce agrees the overflow flag and the GLOBAL Σg² →
 :class:`~shardkit.parallel.zero.ZeroOptimizer` steps the wrapped optimizer on this rank's 1-D
 shard views (one launch per group for the fused optimizers) → one all-gather per bucket puts the
-updated shards back into every rank's full params.
+updated shards back into every rank's full params. With ``offload`` each bucket's reduced shard
+is copied to the host as its reduce-scatter completes, and the epilogue, clip and step run
+there (docs/offload.md).
 
 Stage 3 (parameters sharded too, (b + g + K)Ψ/N, 3Ψ communication) gathers each ``wrap`` unit
 around its forward and backward: :mod:`~shardkit.parallel.zero.stage3` has its data path and
@@ -260,7 +262,9 @@ class ShardedDataParallel(nn.Module):
 
         Runs once per step (the second call returns the first's result). The all-reduce
         (8 bytes: the inf/nan flag and Σg² summed over dp) is issued only when it is needed:
-        with a loss scaler or a ``max_norm``.
+        with a loss scaler or a ``max_norm``. With ``offload`` the average, flag, Σg² and clip
+        run on the host copies of the shards made during backward (the all-reduce stays on the
+        device): [Note: gradient copies overlapped with backward] in ``offload.py``.
 
         Returns:
             ``(overflow, norm)``: whether any rank's gradients held inf/nan, and the GLOBAL L2
@@ -355,7 +359,8 @@ class ShardedDataParallel(nn.Module):
         offloaded = opt.offloaded_bytes() if opt is not None else {}
         if self.offload_params:
             host = self._shards.host_param_bytes()
-            offloaded = offloaded or {"cpu": host, "nvme": 0, "cpu_buffers": 0}  # no optimizer yet
+            buffers = self._shards.host.nbytes()  # no optimizer yet: the gradient buffers exist already
+            offloaded = offloaded or {"cpu": host, "nvme": 0, "cpu_buffers": buffers}
             offloaded["params"] = host
         return {"unit": "bytes", **mem, "offloaded": offloaded}
 
