@@ -4,51 +4,9 @@ The schedule (:func:`~shardkit.parallel.pipeline.schedules.build_schedule`) is d
 runs this rank's action list over point-to-point transfers on the pp group. Each action is a
 named phase under a profiler label ``shardkit::pipeline_<phase>``.
 
-[Note: pipeline loss normalization]
-The loss of a step is the token-weighted mean over the *global* batch: with micro-batch ``i``
-holding ``n_i`` target elements and ``loss_fn`` returning their mean ``L_i``, the step's loss
-is ``sum_i n_i L_i / sum_i n_i`` — exactly ``loss_fn(model(inputs), targets)`` of the
-unsplit model for any ``m`` and ``pp``. If ``loss_fn`` returns a pair ``(loss_sum, count)``
-(e.g. a summed cross-entropy and the number of non-ignored tokens), the loss is
-``sum_i loss_sum_i / sum_i count_i``, still the global token mean, padding included correctly.
-Backward seeds each micro-batch with its *sum* (``n_i L_i`` or ``loss_sum_i``); parameter
-gradients accumulate in fp32 buffers over the micro-batches, and :meth:`PipelineParallel.finalize`
-divides them by the global count, which the last stage broadcasts with the losses (one small
-broadcast per step), then adds them to ``param.grad``. Gradients therefore never depend on how
-the batch was cut into micro-batches.
-
-[Note: fp16 loss scaling in the pipeline]
-With ``step(..., loss_scale=S)`` the backward must see the magnitudes DeepSpeed's fp16 engines
-give it — micro-batch ``i`` seeded with ``S * L_i / m`` (the mean loss, divided over the
-accumulation) — not ``S * n_i L_i``: a sum over thousands of tokens would overflow fp16 that
-many times sooner, and a static scale tuned on DeepSpeed would overflow every step. So the last
-stage seeds ``loss_sum_i * S / (m * n_0)`` (``n_0``: micro-batch 0's count, known after its
-forward, before any backward of every schedule), and :meth:`PipelineParallel.finalize`
-multiplies the sums by ``m * n_0 / sum_i n_i`` (1 when the micro-batches count alike) instead
-of dividing by ``sum_i n_i``: ``param.grad`` then holds ``S`` times the global mean gradient,
-still independent of how the batch was cut. Every activation gradient sent upstream is scaled
-alike, so small fp16 gradients stay representable on every stage. The reported losses are not
-scaled. The caller unscales and agrees the overflow over pp, dp and tp
-(:class:`~shardkit.parallel.ParallelModel`: in its clip/step with ``dp="ddp"``, in the ZeRO
-epilogue with ZeRO): a stage that skipped alone would leave the model half-updated. fp16
-*parameters* (``model.half()``, DeepSpeed's fp16 mode) take the fp32-sum path of the next Note;
-the sum is cast to fp16 once (an overflow there is an inf the caller sees).
-
-[Note: accumulating in param.grad]: the sums of the scaled
-micro-batch gradients are fp32, cast to fp16 once (an overflow there is an inf the caller sees).
-
-[Note: accumulating in param.grad]
-With fp32 parameters, a full backward (B) runs ``torch.autograd.backward(y, g, inputs=[x, *params])``
-and lets autograd accumulate each micro-batch into ``param.grad`` (the step's own sums: the
-caller's gradients are set aside at the start of :meth:`PipelineParallel.step` and given back
-after the loop, or on an error). AccumulateGrad adds each gradient the moment it is computed,
-while it is still in cache, and frees it at once; returning every gradient of the micro-batch
-from ``torch.autograd.grad`` and adding them afterwards was measured 20% slower on CPU (one
-stage of 4 MLP blocks, 16.8M params, 8 micro-batches: 443 vs 519 ms min), the gap between our
-pipeline and torch.distributed.pipelining's. Parameter hooks therefore fire once per
-micro-batch, as in a plain accumulation loop. ZB-H1's weight-gradient action (W) accumulates
-the same way (``backward_weight(..., accumulate=True)``). Other dtypes keep fp32 sums
-(``_accumulate``).
+How gradients are normalized, scaled and accumulated over the micro-batches is in
+:mod:`~shardkit.parallel.pipeline.step_state` ([Note: pipeline loss normalization],
+[Note: fp16 loss scaling in the pipeline], [Note: accumulating in param.grad]).
 
 The shape exchange before the first activation is in :mod:`~shardkit.parallel.pipeline.shapes`;
 tied parameters in :mod:`~shardkit.parallel.pipeline.tied`.
@@ -76,6 +34,7 @@ from .p2p import p2p_tag, post
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
 from .shapes import exchange_shapes, signature
 from .split import SplitSpec, split_blocks
+from .step_state import StepState, accumulate, apply_grads, collect_grads, give_back_grads, set_aside_grads
 from .tied import TiedParameters, TiedSpec, find_ties
 
 __all__ = ["PipelineParallel"]
@@ -289,12 +248,10 @@ class PipelineParallel:
         x_mbs = self._chunks("inputs", inputs) if self.is_first else None
         y_mbs = self._chunks("targets", targets) if self.is_last else None
         self._agree(x_mbs, y_mbs)
-        state = _StepState(x_mbs, y_mbs, m)
+        state = StepState(x_mbs, y_mbs, m)
         state.loss_scale = None if loss_scale is None else float(loss_scale)
         if self._accumulate_in_grad:  # [Note: accumulating in param.grad]: the caller's grads aside
-            state.stashed = {q: q.grad for qs in self._params.values() for q in qs}
-            for q in state.stashed:
-                q.grad = None
+            set_aside_grads(state, [q for qs in self._params.values() for q in qs])
         t0 = time.perf_counter()
         self.timeline = []
         acts, n = self.schedule.actions[self.rank], 0
@@ -313,17 +270,16 @@ class PipelineParallel:
                 n = end
             self._loop_s = time.perf_counter() - t0
             assert not state.outputs and not state.w_pending, "schedule left work undone"
-            self._collect_grads(state)
+            collect_grads(state)
         except BaseException:
-            for q, g in state.stashed.items():  # nothing of a failed step reaches the caller's grads
-                q.grad = g
+            give_back_grads(state)  # nothing of a failed step reaches the caller's grads
             raise
         loss = self.finalize(state)
         assert len(self.microbatch_losses) == m
         return loss
 
     # ---- phases -------------------------------------------------------------------------------
-    def _compute(self, a: Action, st: _StepState) -> None:
+    def _compute(self, a: Action, st: StepState) -> None:
         k = a.kind
         if k is Kind.F:
             with record_function("shardkit::pipeline_forward"):
@@ -338,7 +294,7 @@ class PipelineParallel:
             with record_function("shardkit::pipeline_backward_weight"):
                 self.backward_weight(a.stage, a.mb, st)
 
-    def forward(self, s: int, i: int, st: _StepState) -> None:
+    def forward(self, s: int, i: int, st: StepState) -> None:
         """Run stage ``s`` on micro-batch ``i``; the last stage also computes the loss."""
         S = self.schedule.num_stages
         if s == 0:
@@ -373,7 +329,7 @@ class PipelineParallel:
         else:
             st.to_send[(Kind.SEND_F, s, i)] = y.detach()
 
-    def backward(self, s: int, i: int, st: _StepState, *, split: bool) -> None:
+    def backward(self, s: int, i: int, st: StepState, *, split: bool) -> None:
         """Backward of stage ``s`` on micro-batch ``i``: input and weight gradients, or (``split``,
         ZB-H1's BI) the input gradient only, keeping what :meth:`backward_weight` needs (see
         [Note: splitting backward without re-walking the graph] in
@@ -399,7 +355,7 @@ class PipelineParallel:
         else:
             wrt = ([x] if want_x else []) + params
             got = torch.autograd.grad(y, wrt, grad_outputs=g, allow_unused=True) if wrt else ()
-            self._accumulate(s, got[1:] if want_x else got, st, foreign=[g, got[0] if want_x else None])
+            accumulate(self._params[s], got[1:] if want_x else got, st)
             if want_x:
                 gx = got[0] if got[0] is not None else torch.zeros_like(x)
         if gx is not None:
@@ -408,17 +364,16 @@ class PipelineParallel:
             else:
                 st.to_send[(Kind.SEND_B, s, i)] = gx
 
-    def backward_weight(self, s: int, i: int, st: _StepState) -> None:
+    def backward_weight(self, s: int, i: int, st: StepState) -> None:
         """ZB-H1's W: the weight gradients of stage ``s`` for micro-batch ``i``."""
         work = st.w_pending.pop((s, i))
         # checkpointed blocks: W's autograd calls (one per weight group) share one recomputation
-        foreign = [work.grad_output, *(t for gs in work.captured.values() for t in gs)]
         with GraphExecGroup() if self.checkpointing else nullcontext():
             grads = backward_weight(work, accumulate=self._accumulate_in_grad)  # clears work.captured
         if not self._accumulate_in_grad:
-            self._accumulate(s, grads, st, foreign=foreign)
+            accumulate(self._params[s], grads, st)
 
-    def communicate(self, run: Sequence[Action], st: _StepState, t0: float) -> list[TimedAction]:
+    def communicate(self, run: Sequence[Action], st: StepState, t0: float) -> list[TimedAction]:
         """Post a run of consecutive sends/receives together (one ``batch_isend_irecv`` when
         there are several, so facing send/recv pairs cannot block each other on NCCL), then
         wait for the receives; sends are waited in :meth:`finalize`. Returns the run's timed
@@ -453,7 +408,7 @@ class PipelineParallel:
                 out[n] = TimedAction(a, posted - t0, done - t0, done - posted)
         return out
 
-    def finalize(self, st: _StepState) -> float:
+    def finalize(self, st: StepState) -> float:
         """Wait for the sends, broadcast the losses and counts from the last stage, and add the
         accumulated gradients divided by the global count to ``param.grad``."""
         with record_function("shardkit::pipeline_finalize"):
@@ -470,53 +425,11 @@ class PipelineParallel:
             if total <= 0:
                 raise ValueError(f"the loss counted {total} tokens over the batch; loss_fn must count >= 1")
             self.tied.sync_grads(st.grad_acc)  # sum-form, before the division: see tied.py
-            # [Note: fp16 loss scaling in the pipeline]: the seed was S / (m * n_0), not S
-            factor = None if st.loss_scale is None else m * max(counts[0], 1.0) / total
-            for q, acc in st.grad_acc.items():
-                if factor is None:
-                    acc.div_(total)  # acc is this step's own fp32 buffer: divide in place, no new tensor
-                elif factor != 1.0:
-                    acc.mul_(factor)
-                g = acc if acc.dtype == q.dtype else acc.to(q.dtype)
-                q.grad = g if q.grad is None else q.grad.add_(g)
+            apply_grads(st, counts, m)
             self.microbatch_losses = [a / c if c else float("nan") for a, c in zip(sums, counts, strict=True)]
             return sum(sums) / total
 
     # ---- helpers ------------------------------------------------------------------------------
-    def _collect_grads(self, st: _StepState) -> None:
-        """[Note: accumulating in param.grad] After the loop: each param's ``.grad`` (this step's
-        sum over micro-batches, accumulated by autograd) joins ``grad_acc``, and the caller's
-        gradient goes back to ``.grad`` (finalize adds the step's mean to it)."""
-        for q, kept in st.stashed.items():
-            if q.grad is not None:
-                acc = st.grad_acc.get(q)
-                st.grad_acc[q] = q.grad if acc is None else acc.add_(q.grad)
-            q.grad = kept
-        st.stashed = {}
-
-    def _accumulate(
-        self, s: int, grads: Sequence[torch.Tensor | None], st: _StepState, foreign: Sequence[torch.Tensor | None] = ()
-    ) -> None:
-        """Add one micro-batch's parameter gradients into the step's fp32 sums.
-
-        The first micro-batch's gradient is copied into a new fp32 buffer, never kept: keeping
-        it (as AccumulateGrad steals a fresh gradient) was measured *slower* on CPU —
-        ``perf/pipeline.py``, pp 2, m 8, 33.6M params: 1f1b 679 vs 585 ms, gpipe 711 vs 598 ms
-        per step — as the allocator then hands every micro-batch's gradients fresh, untouched
-        memory, and it would also have to prove the gradient shares no storage with ``foreign``
-        (the tensors the autograd call was seeded with or returned: for ``y = x + p``, ``dp``
-        *is* the incoming gradient, which may still be in flight to another stage).
-        """
-        del foreign  # kept in the signature: the callers name what a kept gradient must not alias
-        for q, g in zip(self._params[s], grads, strict=True):
-            if g is None:
-                continue
-            acc = st.grad_acc.get(q)
-            if acc is not None:
-                acc.add_(g)
-            else:
-                st.grad_acc[q] = g.detach().to(torch.float32, copy=True)
-
     def _chunks(self, name: str, t: Any) -> list[torch.Tensor] | str:
         m = self.schedule.microbatches
         if not isinstance(t, torch.Tensor) or t.ndim == 0:
@@ -545,23 +458,3 @@ class PipelineParallel:
             self._signature = None  # until the exchange succeeds
             exchange_shapes(self, x_mbs, y_mbs)
             self._signature = sig
-
-
-class _StepState:
-    """Tensors alive during one step, keyed by (stage, micro-batch)."""
-
-    def __init__(self, x_mbs: list | None, y_mbs: list | None, m: int) -> None:
-        self.x_mbs, self.y_mbs = x_mbs, y_mbs
-        self.acts: dict = {}  # (s, i) -> input of stage s, received or handed over
-        self.inputs: dict = {}  # (s, i) -> input kept for backward
-        self.outputs: dict = {}  # (s, i) -> output (or loss sum) kept for backward
-        self.grads: dict = {}  # (s, i) -> gradient of stage s's output
-        self.to_send: dict = {}  # (kind, s, i) -> tensor to post
-        self.w_pending: dict = {}  # (s, i) -> WeightWork for BW
-        self.sends: list = []
-        self.grad_acc: dict = {}  # param -> fp32 sum-form gradient
-        self.stashed: dict = {}  # param -> the caller's .grad, set aside while autograd accumulates
-        self.loss_sums: list = [None] * m  # last stage only: 0-dim tensors
-        self.counts: list = [None] * m
-        self.loss_scale: float | None = None  # S (fp16), or None: see [Note: fp16 loss scaling in the pipeline]
-        self.seed: torch.Tensor | None = None  # S / (m * n_0), set at micro-batch 0's loss
