@@ -276,6 +276,8 @@ def _full_disk(nvme_dir: str, opt_name: str) -> tuple[str, str]:
         assert nvme_dir in message and ".bin" in message, message
     else:
         assert isinstance(info.value, RuntimeError) and "other rank" in message, message
+    with pytest.raises(RuntimeError, match="zero_grad"):  # the new params were staged over the gradients
+        opt.step()
     for p, q in zip(sdp.module.parameters(), params):
         assert torch.equal(p, q), "a failed NVMe write changed the params"
     after = opt.state_dict()

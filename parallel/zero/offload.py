@@ -61,7 +61,9 @@ host staging buffer, and the host epilogue widens them into the fp32 buffer: the
 longer holds an fp32 copy of every shard at the step (4Ψ/N bytes); the host holds 2Ψ/N more.
 The host-to-device write-back of the params is ``non_blocking`` from pinned memory on the
 compute stream; the next backward's copies into the same host buffers (NVMe stages the new
-params there) are queued after it, since the side stream waits for the compute stream first.
+params there) are queued after it, since the side stream waits for the compute stream first,
+and the host waits for those copies (so for the write-back, and for ``offload_params``'
+staging copies out of the host shards) before the optimizer writes the masters again.
 
 Results are bitwise those of ``offload=None``: the wrapped optimizer sees the same shard params
 (views of one fp32 ``[shard]`` tensor per bucket, same groups, same order) and the same fp32

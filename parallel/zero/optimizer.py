@@ -10,8 +10,9 @@ and norms, a different lr per block — and a fused optimizer still takes one la
 for the shard only: 8Ψ/N bytes per rank instead of 8Ψ.
 
 With ``offload="cpu"``/``"nvme"`` the shard params, masters and state live on the CPU / in files
-instead (:mod:`.offload`, :mod:`.nvme`, docs/offload.md); the wrapped optimizer, its groups and
-the state_dict format are the same.
+instead (:mod:`.offload`, :mod:`.nvme`, docs/offload.md); the gradient shards reach the host
+during backward and the epilogue and clip run there; the wrapped optimizer, its groups and the
+state_dict format are the same.
 
 Optimizers whose update of an element depends on more than that element (LAMB's per-tensor
 trust ratio, Adafactor's row/column factors, LBFGS's global history) would compute it over a
@@ -176,7 +177,8 @@ class ZeroOptimizer:
             ``{"cpu": n, "nvme": n, "cpu_buffers": n}``: ``cpu``/``nvme`` the persistent
             masters (4 bytes per shard element) and optimizer state (Adam: 8 per element held,
             plus the ``step`` scalars) in host memory / in files under ``nvme_dir``;
-            ``cpu_buffers`` the host gradient buffers the step reads (4 bytes per shard element).
+            ``cpu_buffers`` the host gradient buffers the step reads (4 bytes per shard element,
+            +2 with bf16 gradients: the staging copy), filled during backward.
         """
         return {} if self._offload is None else self._offload.offloaded_bytes()
 
