@@ -9,7 +9,7 @@ tests/test_zero.py) and with offload, on the same 2 gloo ranks, and requires:
 * results bitwise those of ``offload=None`` over 5 steps, each of 2 micro-batches (``no_sync``
   accumulation) and a clip by the global norm that is active: the returned norm is bitwise the
   device path's (fp32 also within FP32 of one process), fp32 / bf16 params / bf16 gradients,
-  stages 1-3, ``"cpu"`` and ``"nvme"``, a backward that raised in between;
+  stages 1-3, ``"cpu"`` and ``"nvme"``, a backward that raised in between, tp-replicated params;
 * fp16: an inf on one rank skips the step on every rank and halves the scale;
 * the host epilogue's memory: no device fp32 gradient copy (bf16 grads), the bf16 staging on
   the host, as ``plan_memory`` plans them.
@@ -131,8 +131,10 @@ def test_host_copies_are_issued_during_backward(dist_pool, stage) -> None:
 
 
 # ---- bitwise equal to the device epilogue ---------------------------------------------------------
-def _equal(stage: int, offload: str, dtype: torch.dtype, grad_dtype: torch.dtype | None, nvme_dir: str) -> None:
-    ctx = ParallelContext.from_world()
+def _equal(stage: int, offload: str, dtype: torch.dtype, grad_dtype: torch.dtype | None, nvme_dir: str, tp: int = 1) -> None:
+    """``tp`` 2: every param is tp-replicated (plain layers), so the host epilogue's Σg² takes
+    the replicated pieces' squares at weight 1/tp before the all-reduce over tp."""
+    ctx = ParallelContext.from_world(dp=2, tp=tp)
     base, base_opt = _build(ctx, stage, None, dtype, grad_dtype)
     sdp, opt = _build(ctx, stage, offload, dtype, grad_dtype, nvme_dir)
     assert len(sdp.sharded_buckets) >= 3
@@ -182,6 +184,10 @@ CASES = [
 )
 def test_bitwise_equal_to_device_epilogue(dist_pool, tmp_path, stage, offload, dtype, grad_dtype) -> None:
     dist_pool.run(_equal, stage, offload, dtype, grad_dtype, str(tmp_path), world_size=2, timeout=90)
+
+
+def test_bitwise_equal_with_tp_replicated_params(dist_pool, tmp_path) -> None:
+    dist_pool.run(_equal, 2, "cpu", torch.float32, None, str(tmp_path), tp=2, world_size=4, timeout=90)
 
 
 # ---- fp16 overflow on one rank --------------------------------------------------------------------
