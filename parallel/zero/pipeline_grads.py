@@ -167,41 +167,18 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         with record_function("shardkit::reduce_scatter"):
             self._reducer.finalize_backward()
 
-    def finalize_gradients(self, max_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
-        """Average (and, with a loss scaler, unscale) this rank's gradient shards over dp, agree
-        the overflow and the GLOBAL norm over dp, tp and pp (each element counted once), clip.
-        Runs once per step (later calls return the first's result).
-
-        Returns:
-            ``(overflow, norm)``: whether any rank of any stage found inf/nan (always False
-            without a loss scaler), and the global L2 norm before clipping (0-d fp32; ``inf``
-            on an overflow), or None when neither a scaler nor ``max_norm`` asked for it.
-        """
-        if self._step_state is not None:
-            return self._step_state
-        if max_norm is not None and not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0 or None, got {max_norm}")
-        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        found_inf, sumsq = self._shards.epilogue(
-            1.0 / (self._dp * scale), replicated=self._replicated, replicated_weight=1.0 / self._tp
-        )
-        overflow, norm = False, None
-        if self.loss_scaler is not None or max_norm is not None:
-            if self._uncounted:
-                sumsq = sumsq - self._uncounted_sumsq(sumsq.device)
-            both = torch.cat([found_inf, sumsq])
-            ctx = self.pipeline_ctx
-            for axis in ("dp", "tp", "pp"):  # every stage: one overflow decision for the whole model
-                if ctx.size(axis) > 1:
-                    all_reduce(both, group=ctx.group(axis), op="sum", stats=self.comm_stats)
-            sumsq = both[1:2]
-            # the flag is read on the host only with a scaler (a clip-only step stays sync-free)
-            overflow = self.loss_scaler is not None and bool(both[0].item() > 0)
-            norm = torch.full((), float("inf"), device=sumsq.device) if overflow else sumsq.sqrt().reshape(())
-            if max_norm is not None and not overflow:
-                self._shards.clip_(sumsq, max_norm)
-        self._step_state = (overflow, norm)
-        return self._step_state
+    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
+        """``[found_inf, Σg²]`` summed over dp, tp and pp: every stage takes one overflow decision
+        for the whole model, and each element counts once in the GLOBAL norm (this rank's copies
+        of cross-stage-tied params that another rank counts are taken out first)."""
+        if self._uncounted:
+            sumsq = sumsq - self._uncounted_sumsq(sumsq.device)
+        both = torch.cat([found_inf, sumsq])
+        ctx = self.pipeline_ctx
+        for axis in ("dp", "tp", "pp"):
+            if ctx.size(axis) > 1:
+                all_reduce(both, group=ctx.group(axis), op="sum", stats=self.comm_stats)
+        return both
 
     def _uncounted_sumsq(self, device: torch.device) -> torch.Tensor:
         """Σg² (already averaged) of this rank's pieces of :attr:`_uncounted`, with the weight the

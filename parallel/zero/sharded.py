@@ -280,10 +280,7 @@ class ShardedDataParallel(nn.Module):
         )
         overflow, norm = False, None
         if self.loss_scaler is not None or max_norm is not None:
-            both = torch.cat([found_inf, sumsq])
-            all_reduce(both, group=self._group, op="sum", stats=self.comm_stats)
-            if self._tp > 1:  # the other tp ranks' slices (and their overflows)
-                all_reduce(both, group=self.ctx.group("tp"), op="sum", stats=self.comm_stats)
+            both = self._agree(found_inf, sumsq)
             sumsq = both[1:2]
             # Read the flag on the host only with a loss scaler (the step must be skipped): a
             # clip-only step stays free of host syncs, and, as torch's clip_grad_norm_ and our
@@ -294,6 +291,16 @@ class ShardedDataParallel(nn.Module):
                 self._shards.clip_(sumsq, max_norm)
         self._step_state = (overflow, norm)
         return self._step_state
+
+    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
+        """``[found_inf, Σg²]`` of this rank's shards summed over every rank holding a part of the
+        model: dp, then tp (the other tp ranks' slices and their overflows). One 8-byte
+        all-reduce per axis; a pipeline adds its pp axis (PipelineShardedDataParallel)."""
+        both = torch.cat([found_inf, sumsq])
+        all_reduce(both, group=self._group, op="sum", stats=self.comm_stats)
+        if self._tp > 1:
+            all_reduce(both, group=self.ctx.group("tp"), op="sum", stats=self.comm_stats)
+        return both
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the GLOBAL gradient norm (sum of squares over every rank's shard).
