@@ -23,7 +23,16 @@ from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout
 from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
 from .units import select_units
 
-__all__ = ["FlatLayout", "Stage3Layout", "UnitLayout", "flat_layout", "stage3_layout", "stage3_transient"]
+__all__ = [
+    "FlatLayout",
+    "Stage3Layout",
+    "UnitLayout",
+    "ceil_shard",
+    "flat_layout",
+    "stage3_layout",
+    "stage3_transient",
+    "zero12_transient",
+]
 
 
 @dataclass(frozen=True)
@@ -229,3 +238,49 @@ def stage3_transient(
     peak = max(peak, launch(root.totals, 0))
     epilogue = 4 * layout.shards if gb != 4 and not host_epilogue else 0
     return max(peak, epilogue)
+
+
+def ceil_shard(n: int, dp: int) -> int:
+    """Elements of one rank's shard of ``n`` (flat buffers are padded to a multiple of ``dp``)."""
+    return -(-n // dp)  # ceil: flat buffers are padded to a multiple of N, one shard per rank
+
+
+def zero12_transient(
+    layout: FlatLayout | None,
+    psi_t: int,
+    *,
+    dp: int,
+    stage: int,
+    pb: int,
+    gb: int,
+    bucket: int,
+    in_flight: int,
+    host_epilogue: bool = False,
+) -> int:
+    """Peak transient bytes of stages 1-2: the largest of three phases that never overlap.
+
+    Backward: ``in_flight`` consecutive buckets reducing at once, each holding its
+    reduce-scatter input (stage 2: a packed full bucket, G·T) or output (stage 1: G·T/N; the
+    full gradient is persistent). Epilogue: an fp32 copy of every reduced shard when G ≠ 4, on
+    the device unless ``host_epilogue`` (offload: it runs on the host copies). All-gather: ``in_flight`` consecutive buckets' P·T/N input copies (docs/planner.md). Without
+    a model the buckets are the caps (first 1 MiB) and the shards ⌈T/N⌉ of each.
+
+    Example:
+        >>> zero12_transient(None, 10**6, dp=2, stage=2, pb=4, gb=4, bucket=25 * 2**20, in_flight=2)
+        4000000
+    """
+    if layout is not None:
+        totals, shards = list(layout.totals), sum(layout.shards)
+    else:
+        totals, left, cap = [], psi_t, min(FIRST_BUCKET_BYTES, bucket) // gb
+        while left > 0 and len(totals) <= in_flight:  # later windows are never larger
+            totals.append(min(left, max(cap, 1)))
+            left -= totals[-1]
+            cap = bucket // gb
+        shards = ceil_shard(psi_t, dp)
+    held = [gb * (t if stage == 2 else ceil_shard(t, dp)) for t in totals]
+    backward = max((sum(held[i : i + in_flight]) for i in range(len(held))), default=0)
+    epilogue = 4 * shards if gb != 4 and not host_epilogue else 0
+    inputs = [pb * (t // dp) for t in totals] if layout is not None else [pb * ceil_shard(t, dp) for t in totals]
+    gather = max((sum(inputs[i : i + in_flight]) for i in range(len(inputs))), default=0)
+    return max(backward, epilogue, gather)

@@ -37,10 +37,9 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ..buckets import FIRST_BUCKET_BYTES
 from .flat_shards import MAX_IN_FLIGHT
 from .plan_format import _unit, format_gb  # format_gb: MemoryPlan.__str__
-from .plan_layout import FlatLayout, flat_layout, stage3_layout, stage3_transient
+from .plan_layout import ceil_shard, flat_layout, stage3_layout, stage3_transient, zero12_transient
 
 __all__ = [
     "MemoryPlan",
@@ -152,47 +151,6 @@ def unit_sizes(model: nn.Module, wrap: set[type[nn.Module]] | Callable[[nn.Modul
     visit(model)
     sizes.append(take(model))
     return sizes
-
-
-def _shard(n: int, dp: int) -> int:
-    return -(-n // dp)  # ceil: flat buffers are padded to a multiple of N, one shard per rank
-
-
-def _zero12_transient(
-    layout: FlatLayout | None,
-    psi_t: int,
-    *,
-    dp: int,
-    stage: int,
-    pb: int,
-    gb: int,
-    bucket: int,
-    in_flight: int,
-    host_epilogue: bool = False,
-) -> int:
-    """Peak transient bytes of stages 1-2: the largest of three phases that never overlap.
-
-    Backward: ``in_flight`` consecutive buckets reducing at once, each holding its
-    reduce-scatter input (stage 2: a packed full bucket, G·T) or output (stage 1: G·T/N; the
-    full gradient is persistent). Epilogue: an fp32 copy of every reduced shard when G ≠ 4, on
-    the device unless ``host_epilogue`` (offload: it runs on the host copies). All-gather: ``in_flight`` consecutive buckets' P·T/N input copies (docs/planner.md). Without
-    a model the buckets are the caps (first 1 MiB) and the shards ⌈T/N⌉ of each.
-    """
-    if layout is not None:
-        totals, shards = list(layout.totals), sum(layout.shards)
-    else:
-        totals, left, cap = [], psi_t, min(FIRST_BUCKET_BYTES, bucket) // gb
-        while left > 0 and len(totals) <= in_flight:  # later windows are never larger
-            totals.append(min(left, max(cap, 1)))
-            left -= totals[-1]
-            cap = bucket // gb
-        shards = _shard(psi_t, dp)
-    held = [gb * (t if stage == 2 else _shard(t, dp)) for t in totals]
-    backward = max((sum(held[i : i + in_flight]) for i in range(len(held))), default=0)
-    epilogue = 4 * shards if gb != 4 and not host_epilogue else 0
-    inputs = [pb * (t // dp) for t in totals] if layout is not None else [pb * _shard(t, dp) for t in totals]
-    gather = max((sum(inputs[i : i + in_flight]) for i in range(len(inputs))), default=0)
-    return max(backward, epilogue, gather)
 
 
 @dataclass(frozen=True)
@@ -425,7 +383,7 @@ def plan_memory(
         raise ValueError(f"grad_dtype_bytes must be positive, got {grad_dtype_bytes}")
 
     # Model states, §5.1-5.3: each stage shards one more of optimizer state, grads, params.
-    shard, shard_t = _shard(psi, dp), _shard(psi_t, dp)
+    shard, shard_t = ceil_shard(psi, dp), ceil_shard(psi_t, dp)
     params = pb * (shard if stage == 3 else psi)
     grads = gb * (shard_t if stage >= 2 else psi_t)
     opt = k * (shard_t if stage >= 1 else psi_t)
@@ -472,7 +430,7 @@ def plan_memory(
             # DDP allocates every bucket up front: a flat copy of all grads unless grads are views.
             transient = 0 if gradient_as_bucket_view else gb * psi_t
         elif stage in (1, 2):
-            transient = _zero12_transient(
+            transient = zero12_transient(
                 layout,
                 psi_t,
                 dp=dp,
@@ -498,7 +456,7 @@ def plan_memory(
             gathered = psi if not reshard_after_forward else min(psi, (1 + prefetch) * unit)
             transient = pb * gathered + gb * min(unit, psi_t)  # + one unit's unsharded grads
             if offload_params:  # each gather in flight also holds its 1/N device staging buffer
-                transient += pb * _shard(min(psi, (1 + prefetch) * unit), dp)
+                transient += pb * ceil_shard(min(psi, (1 + prefetch) * unit), dp)
 
     # Communication per step (§7): payload elements per collective.
     comm: list[tuple[str, int, int]] = []
