@@ -150,7 +150,8 @@ def test_seed_configs_fp32_equal_one_process(dist_pool, name, stage):
 
 
 def _offload_param_body() -> dict:
-    """Seed 002's ZeRO-3 CPU-offload config with and without its offload_param section."""
+    """Seed 002's ZeRO-3 CPU-offload config with and without its offload_param section (and
+    without prefetch): the same training, bitwise."""
     import shardkit
 
     world = torch.distributed.get_world_size()
@@ -160,8 +161,11 @@ def _offload_param_body() -> dict:
             cfg = _config(ZERO3, fp16=False)
             if not keep:
                 del cfg["zero_optimization"]["offload_param"]
+                cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 0  # DeepSpeed: no prefetch
             model = _gpt2()
             engine, *_ = shardkit.initialize(model=model, model_parameters=_groups(model), config=cfg, ctx=ctx, **AUTO)
+            # stage3_prefetch_bucket_size > 0 ("auto" here: 0.9·hidden²) turns forward prefetch on
+            assert engine._wrapped._units.forward_prefetch == keep
             losses = _train(engine, range(3), ctx.rank("dp"), world)
             runs[keep] = (losses, engine.full_state_dict(), engine.memory_report())
     (losses, state, mem), (losses0, state0, mem0) = runs[True], runs[False]

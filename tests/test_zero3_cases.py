@@ -424,7 +424,8 @@ def _diverged(extra_forward: bool) -> str:
     """Rank 1 runs one more forward (or its units in another order); with check_sync every rank
     raises the same error naming both ranks' positions, instead of mis-pairing the gathers."""
     ctx = ParallelContext.from_world()
-    sdp = ShardedDataParallel(_model(), ctx, 3, check_sync=True)
+    # forward prefetch on: the changed order below changes which unit rank 1 prefetches
+    sdp = ShardedDataParallel(_model(), ctx, 3, check_sync=True, forward_prefetch=True)
     x, y = _batch(0)
     try:
         if ctx.rank("dp") == 1:

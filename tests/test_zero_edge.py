@@ -60,6 +60,7 @@ def _bad_arguments() -> None:
         (dict(stage=2, offload="nvme"), ValueError, "nvme_dir"),
         (dict(stage=2, nvme_dir="/tmp/x"), ValueError, "nvme_dir"),
         (dict(stage=2, check_sync="yes"), ValueError, "check_sync"),
+        (dict(stage=2, forward_prefetch=True), ValueError, "forward_prefetch"),  # stages 1-2 gather nothing
         (dict(stage=2, offload="nvme", nvme_dir="/nonexistent/shardkit"), ValueError, "nvme_dir"),  # before any collective
         (dict(stage=2, wrap={nn.Linear}), ValueError, "wrap"),
         (dict(stage=1, reshard_after_forward=False), ValueError, "reshard_after_forward"),

@@ -5,8 +5,8 @@ One step, top-down (FSDP2's ``FSDPParamGroup`` phases, each under ``shardkit::<p
 1. ``forward`` starts: the root unit (the params no other unit owns: embeddings, final norm,
    head) is all-gathered and stays gathered until the end of backward.
 2. ``pre_forward(unit)`` (a forward pre-hook on the unit's module): all-gather the unit unless
-   it was prefetched, *then* start the all-gather of the unit that followed it in the last
-   forward (prefetch, async), then wait for this unit's. Its params are views of the gathered
+   it was prefetched, *then* (``forward_prefetch=True``) start the all-gather of the unit that
+   followed it in the last forward (prefetch, async), then wait for this unit's. Its params are views of the gathered
    flat buffers ([Note: gathering into autograd's saved tensors]).
 3. ``post_forward(unit)``: free the unit's full buffers (unless ``reshard_after_forward=False``)
    and hook its outputs (``register_multi_grad_hook``) so that its backward is announced.
@@ -110,7 +110,7 @@ class ShardUnits:
         reshard_after_forward: bool,
         bucket_mb: float,
         check_sync: bool = False,
-        forward_prefetch: bool = True,
+        forward_prefetch: bool = False,
         **shard_kwargs: Any,
     ) -> None:
         specs = select_units(module, wrap)

@@ -419,6 +419,8 @@ def _wrap(
         nvme_dir=nvme,
         loss_scaler=scaler,
         offload_params=zero.offload_param.enabled,  # stage 3 only (the config reader checks)
+        # DeepSpeed prefetches stage-3 parameters ahead of use while stage3_prefetch_bucket_size > 0
+        **({"forward_prefetch": zero.prefetch_bucket_size > 0} if zero.stage == 3 else {}),
     )
     cls, kwargs = make(groups)
     return wrapped, ZeroOptimizer(wrapped, cls, groups, **kwargs)
