@@ -417,3 +417,31 @@ def _clip_without_scaler_has_no_host_sync(stage: int) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_clip_without_a_loss_scaler_reads_nothing_on_the_host(dist_pool, stage: int) -> None:
     dist_pool.run(_clip_without_scaler_has_no_host_sync, stage, world_size=2, timeout=60)
+
+
+def _step_without_backward(stage: int) -> None:
+    """``opt.step()`` after ``zero_grad()`` with no backward in between steps on zero gradients
+    (the reduced shards are zeroed lazily, in the epilogue, not in ``zero_grad``): the same
+    parameters as a run whose second backward is of ``0 * loss``."""
+    ctx = ParallelContext.from_world()
+    runs = []
+    for zero_loss in (False, True):
+        torch.manual_seed(0)
+        sdp = ShardedDataParallel(_model(), ctx, stage, bucket_mb=0.001)
+        opt = ZeroOptimizer(sdp, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+        x, y = _batch(0)
+        for step in range(2):
+            opt.zero_grad()
+            if step == 0 or zero_loss:
+                loss = nn.functional.mse_loss(sdp(x[_rows(ctx)]), y[_rows(ctx)])
+                (loss * (0.0 if step else 1.0)).backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in sdp.module.parameters()])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    ctx.destroy()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_step_without_backward_uses_zero_gradients(dist_pool, stage: int) -> None:
+    dist_pool.run(_step_without_backward, stage, world_size=2, timeout=60)

@@ -378,10 +378,10 @@ class FlatShards:
                 sb.grad_full.zero_()
                 for p, v in zip(sb.grad_bucket.params, sb.grad_bucket.views):
                     p.grad = v
-            if sb.grad_shard is not None:
-                sb.grad_shard.zero_()
-            if sb.grad_full is not None:
-                sb.grad_full.narrow(0, sb.start, sb.shard).zero_()
+            # the reduced shard is not zeroed here: the step's first reduction overwrites it
+            # (stage 1 copies into it, stages 2-3 reduce-scatter straight into it while
+            # ``fresh``), and the epilogue zeroes a bucket no backward reduced (saves a memset
+            # of the shard per step: 10 ms of a 700 ms ZeRO-1 step at 20M params on 2 ranks)
             sb.fresh, sb.reduced = True, False
             if self.grad_dtype != torch.float32 and self.host is None:
                 self._bind_opt_grad(sb, None)
@@ -413,6 +413,9 @@ class FlatShards:
         if self.sync is not None:  # the norm/overflow all-reduce (if any) follows on every rank alike
             self.sync.check("gradient epilogue (norm/overflow)")
         device = self.buckets[0].flat_param.device if self.buckets else torch.device("cpu")
+        for sb in self.buckets:  # no backward reduced it since zero_grad: its gradient is zero
+            if (not sb.reduced) if self.stage == 1 else sb.fresh:
+                sb.reduced_shard.zero_()
         host, backend, where = self.host, self.backend, device
         if host is not None:  # the host copies: [Note: gradient copies overlapped with backward]
             backend, where = host.backend, torch.device("cpu")
