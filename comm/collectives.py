@@ -201,14 +201,16 @@ def reduce_scatter(
     same payload either way (the operation asked for is a reduce-scatter).
 
     Args:
-        output: ``[n]`` (any shape with ``n`` elements), contiguous.
+        output: ``[n]`` (any shape with ``n`` elements), contiguous. It may be this rank's
+            own chunk of ``input`` (an in-place reduce-scatter, as NCCL defines it).
         input: ``[N * n]`` (any shape with ``N * n`` elements, ``N = group.size()``), contiguous,
             same dtype and device as ``output``.
         group: the process group (required keyword).
         op: ``"sum"``, ``"avg"``, ``"max"`` or ``"min"`` (see :func:`all_reduce`).
         async_op: see [Note: comm handles and ordering].
         stats: optional :class:`CommStats`; records ``input``'s bytes.
-        input_is_scratch: ``input``'s contents may be overwritten (see above).
+        input_is_scratch: ``input``'s contents may be overwritten (see above); with ``output``
+            its own chunk on gloo, no copy at all.
 
     Returns:
         A :class:`CommHandle` whose ``output`` is ``output``.
@@ -238,7 +240,8 @@ def reduce_scatter(
         chunk = input.view(-1).narrow(0, group.rank() * output.numel(), output.numel())
 
         def post_in_place() -> None:
-            output.view(-1).copy_(chunk)
+            if output.data_ptr() != chunk.data_ptr():  # not already the chunk (in-place caller)
+                output.view(-1).copy_(chunk)
             if divide:
                 output.div_(n)
 

@@ -121,6 +121,24 @@ def test_reduce_scatter_matches_reference(dist_pool, world_size, op, scratch):
     dist_pool.run(_reduce_scatter_body, op, scratch, world_size=world_size)
 
 
+def _reduce_scatter_in_place_body(scratch: bool) -> None:
+    """``output`` = this rank's own chunk of ``input`` (ZeRO-1 reduces its bucket in place)."""
+    with ParallelContext.from_world() as ctx:
+        group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")
+        for numel in NUMELS:
+            inp = _input(me, n * numel, torch.float32)
+            out = inp.narrow(0, me * numel, numel)
+            reduce_scatter(out, inp, group=group, op="sum", async_op=True, input_is_scratch=scratch).wait()
+            full = _reference([_input(r, n * numel, torch.float32) for r in range(n)], "sum", torch.float32)
+            torch.testing.assert_close(out, full[me * numel : (me + 1) * numel], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("scratch", [False, True], ids=["input-kept", "input-is-scratch"])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_reduce_scatter_into_its_own_chunk(dist_pool, world_size, scratch):
+    dist_pool.run(_reduce_scatter_in_place_body, scratch, world_size=world_size)
+
+
 def _all_gather_body() -> None:
     with ParallelContext.from_world() as ctx:
         group, me, n = ctx.group("dp"), ctx.rank("dp"), ctx.size("dp")

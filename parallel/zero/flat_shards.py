@@ -297,9 +297,12 @@ class FlatShards:
             self._pack(gb, full, into_views=False)
         while self.host is not None and self._in_flight:  # offload: start the older buckets' copies now
             self._complete_oldest()  # [Note: gradient copies overlapped with backward] (offload.py)
-        out = sb.grad_shard if (self.stage >= 2 and sb.fresh) else torch.empty_like(full[: sb.shard])
-        if out is not sb.grad_shard:
-            self._hold(out.numel() * out.element_size())
+        if self.stage == 1:  # in place: this rank's chunk of the packed bucket is its shard
+            out = full.narrow(0, sb.start, sb.shard)
+        else:
+            out = sb.grad_shard if sb.fresh else torch.empty_like(full[: sb.shard])
+            if out is not sb.grad_shard:
+                self._hold(out.numel() * out.element_size())
         # the packed bucket is dead once reduced (stage 2: transient; stage 1: only this rank's
         # shard of it is read again), so gloo may reduce it in place (see comm.reduce_scatter)
         work = reduce_scatter(out, full, group=self.group, op="sum", async_op=True, stats=self.stats, input_is_scratch=True)
@@ -333,11 +336,8 @@ class FlatShards:
         work.wait()
         if self.host is not None:  # the last micro-batch's copy may still read the shard
             self.host.device_writable(sb.grad_bucket.index)
-        if self.stage == 1:
-            sb.grad_full.narrow(0, sb.start, sb.shard).copy_(out)
-        elif out is not sb.grad_shard:
+        if self.stage >= 2 and out is not sb.grad_shard:  # stage 1 reduced in place
             sb.grad_shard.add_(out)
-        if out is not sb.grad_shard:
             self._release(out.numel() * out.element_size())
         if full is not None:
             self._release(full.numel() * full.element_size())

@@ -260,8 +260,8 @@ def zero12_transient(
     """Peak transient bytes of stages 1-2: the largest of three phases that never overlap.
 
     Backward: ``in_flight`` consecutive buckets reducing at once, each holding its
-    reduce-scatter input (stage 2: a packed full bucket, G·T) or output (stage 1: G·T/N; the
-    full gradient is persistent). Epilogue: an fp32 copy of every reduced shard when G ≠ 4, on
+    reduce-scatter input (stage 2: a packed full bucket, G·T; stage 1: nothing, the persistent
+    full gradient is reduced in place into this rank's chunk). Epilogue: an fp32 copy of every reduced shard when G ≠ 4, on
     the device unless ``host_epilogue`` (offload: it runs on the host copies). All-gather: ``in_flight`` consecutive buckets' P·T/N input copies (docs/planner.md). Without
     a model the buckets are the caps (first 1 MiB) and the shards ⌈T/N⌉ of each.
 
@@ -278,7 +278,7 @@ def zero12_transient(
             left -= totals[-1]
             cap = bucket // gb
         shards = ceil_shard(psi_t, dp)
-    held = [gb * (t if stage == 2 else ceil_shard(t, dp)) for t in totals]
+    held = [gb * t if stage == 2 else 0 for t in totals]  # stage 1 reduces its bucket in place
     backward = max((sum(held[i : i + in_flight]) for i in range(len(held))), default=0)
     epilogue = 4 * shards if gb != 4 and not host_epilogue else 0
     inputs = [pb * (t // dp) for t in totals] if layout is not None else [pb * ceil_shard(t, dp) for t in totals]
