@@ -95,7 +95,9 @@ class PipelineOptions:
         microbatches: micro-batches per step (any value >= 1).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
         virtual_stages: stages per rank (interleaved only).
-        split: ``"layers"``, ``"params"`` or explicit stage sizes.
+        split: ``"layers"``, ``"params"``, ``"time"`` or explicit stage sizes.
+        split_example: the first block's input for one micro-batch (required with
+            ``split="time"``, which times the blocks on it).
 
     Example:
         >>> PipelineOptions(microbatches=8, schedule="interleaved", virtual_stages=2)
@@ -105,6 +107,7 @@ class PipelineOptions:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     split: Any = "layers"
+    split_example: torch.Tensor | None = None
 
 
 def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -399,6 +402,7 @@ def parallelize(
             loss_fn=loss_fn,
             virtual_stages=opts.virtual_stages,
             split=opts.split,
+            split_example=opts.split_example,
             checkpointing=checkpointing,
             stats=stats,
         )

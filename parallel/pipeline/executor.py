@@ -33,7 +33,7 @@ from ..activation_checkpointing import checkpoint_blocks
 from .p2p import p2p_tag, post
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
 from .shapes import exchange_shapes, signature
-from .split import SplitSpec, split_blocks
+from .split import SplitSpec, as_block_list, measure_block_times, split_blocks
 from .step_state import StepState, accumulate, apply_grads, collect_grads, give_back_grads, set_aside_grads
 from .tied import TiedParameters, TiedSpec, find_ties
 
@@ -59,8 +59,11 @@ class PipelineParallel:
         loss_fn: ``loss_fn(output, target)`` returning the micro-batch's mean loss (scalar), or
             ``(loss_sum, count)``; see [Note: pipeline loss normalization].
         virtual_stages: stages per rank (``> 1`` only with ``"interleaved"``).
-        split: ``"layers"``, ``"params"`` or explicit stage sizes (see
-            :func:`~shardkit.parallel.pipeline.split.partition`).
+        split: ``"layers"``, ``"params"``, ``"time"`` or explicit stage sizes (see
+            :func:`~shardkit.parallel.pipeline.split.partition`); ``"time"`` is collective, see
+            [Note: splitting by measured time].
+        split_example: the first block's input for one micro-batch (required with
+            ``split="time"``, which times the blocks on it; unused otherwise).
         stats: optional :class:`~shardkit.comm.CommStats` for the P2P and broadcast payloads.
         tied: extra tied parameter slots, e.g. ``[("0.weight", "7.weight")]`` (keys of
             ``nn.Sequential(*blocks)``); the same ``nn.Parameter`` in several blocks is tied
@@ -72,7 +75,8 @@ class PipelineParallel:
 
     Raises:
         ValueError: bad schedule/sizes, interleaved with ``m % pp != 0``, more stages than
-            blocks, a bad ``tied`` or ``checkpointing`` — all before any communication.
+            blocks, a bad ``tied`` or ``checkpointing``, ``split="time"`` without
+            ``split_example`` — all before any communication.
 
     The constructor is collective on pp when parameters are tied across ranks (their values are
     broadcast from the lowest block's owner), and on the world when a tie spans only part of the
@@ -98,6 +102,7 @@ class PipelineParallel:
         stats: CommStats | None = None,
         tied: TiedSpec = (),
         checkpointing: bool | str = False,
+        split_example: torch.Tensor | None = None,
     ) -> None:
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
@@ -105,12 +110,18 @@ class PipelineParallel:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (isinstance(checkpointing, bool) or checkpointing == "cpu"):
             raise ValueError(f"checkpointing must be False, True or 'cpu', got {checkpointing!r}")
+        if split == "time" and not isinstance(split_example, torch.Tensor):
+            raise ValueError(
+                f"split='time' needs split_example= (the first block's input for one micro-batch, to time "
+                f"the blocks on), got {type(split_example).__name__}"
+            )
         self.checkpointing = checkpointing
         self.ctx, self.loss_fn, self.stats = ctx, loss_fn, stats
         self.group, self.rank, p = ctx.group("pp"), ctx.rank("pp"), ctx.size("pp")
         self.schedule = build_schedule(schedule, num_ranks=p, microbatches=microbatches, virtual_stages=virtual_stages)
         S = self.schedule.num_stages
-        plan = split_blocks(blocks, S, split)
+        times = self._agreed_block_times(blocks, split_example) if split == "time" else None
+        plan = split_blocks(blocks, S, split, weights=times)
         ties = find_ties([b for _, mod in plan for b in mod], tied)
         #: ``stage_blocks[s]``: indices of the blocks that form stage ``s`` (all stages).
         self.stage_blocks: list[range] = [idx for idx, _ in plan]
@@ -133,6 +144,28 @@ class PipelineParallel:
         self.timeline: list[TimedAction] = []
         #: last step's per-micro-batch losses (same on every pp rank).
         self.microbatch_losses: list[float] = []
+
+    # [Note: splitting by measured time]
+    # split="time" weighs each block by its measured forward + backward seconds on one
+    # micro-batch (measure_block_times) and takes the min-max contiguous partition, as "params"
+    # does with parameter counts. Timings differ between ranks (noise, a busier host), yet every
+    # rank must build the same stages or the P2P pattern deadlocks, and every dp/tp replica too
+    # (the dp reduction pairs the same blocks across replicas). So each rank converts its times
+    # to integer nanoseconds and they are summed over every mesh axis of size > 1 (pp, then dp,
+    # then tp: one all-reduce each, the sum over the whole mesh). Integer sums are exact and
+    # order-independent, so every rank partitions bitwise-identical weights (a float average
+    # could differ in the last bit between ranks and flip a near-tie); the sum is the mean times
+    # the world size, which does not change the argmin. Measuring costs (warmup + repeats)
+    # forward/backward passes of the full model on every rank, once, at construction.
+    def _agreed_block_times(self, blocks: nn.Sequential | Sequence[nn.Module], example: torch.Tensor) -> list[int]:
+        """Per-block nanoseconds summed over the mesh (the same list on every rank); collective
+        over each mesh axis of size > 1. See [Note: splitting by measured time]."""
+        times = measure_block_times(as_block_list(blocks), example)
+        total = torch.tensor([round(t * 1e9) for t in times], dtype=torch.int64, device=self.ctx.device)
+        for axis in ("pp", "dp", "tp"):
+            if self.ctx.size(axis) > 1:
+                all_reduce(total, group=self.ctx.group(axis), op="sum", stats=self.stats)
+        return total.tolist()
 
     # ---- public ------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:

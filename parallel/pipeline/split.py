@@ -4,15 +4,19 @@ A model for pipelining is given as an ordered sequence of blocks — an ``nn.Seq
 list of modules, embedding first and head last — whose composition is the model: block ``j``
 takes block ``j - 1``'s single output tensor. :func:`partition` decides, from per-block weights
 alone, how many consecutive blocks each of ``S`` stages gets; :func:`split_blocks` applies it.
+:func:`measure_block_times` supplies measured seconds as the weights of ``split="time"``.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
-__all__ = ["as_block_list", "partition", "split_blocks"]
+__all__ = ["as_block_list", "measure_block_times", "partition", "split_blocks"]
 
 SplitSpec = str | Sequence[int]
 
@@ -35,7 +39,7 @@ def as_block_list(blocks: nn.Sequential | Sequence[nn.Module]) -> list[nn.Module
     return out
 
 
-def _balanced_min_max(weights: Sequence[int], num_stages: int) -> list[int]:
+def _balanced_min_max(weights: Sequence[float], num_stages: int) -> list[int]:
     """Contiguous partition of ``weights`` into ``num_stages`` non-empty runs minimising the
     heaviest run (the pipeline's throughput is set by its slowest stage); exact, by dynamic
     programming over prefixes. Ties go to the split that puts fewer blocks in earlier stages."""
@@ -62,15 +66,17 @@ def _balanced_min_max(weights: Sequence[int], num_stages: int) -> list[int]:
     return sizes[::-1]
 
 
-def partition(weights: Sequence[int], num_stages: int, split: SplitSpec = "layers") -> list[int]:
+def partition(weights: Sequence[float], num_stages: int, split: SplitSpec = "layers") -> list[int]:
     """How many consecutive blocks each stage gets.
 
     Args:
-        weights: per-block cost, e.g. parameter counts (only used by ``split="params"``).
+        weights: per-block cost, ints or floats >= 0, e.g. parameter counts or measured seconds
+            (only used by ``split="params"`` and ``"time"``).
         num_stages: ``S >= 1``, the number of stages (``p * v``).
         split: ``"layers"`` (equal block counts; the first ``n % S`` stages get one more, as
-            ``numpy.array_split``), ``"params"`` (minimise the largest stage's total weight), or
-            an explicit list of ``S`` positive sizes summing to the number of blocks.
+            ``numpy.array_split``), ``"params"`` or ``"time"`` (both minimise the largest stage's
+            total weight; the names say what the weights are), or an explicit list of ``S``
+            positive sizes summing to the number of blocks.
 
     Returns:
         ``S`` positive block counts summing to ``len(weights)``.
@@ -83,6 +89,8 @@ def partition(weights: Sequence[int], num_stages: int, split: SplitSpec = "layer
         [3, 2]
         >>> partition([10, 1, 1, 1, 10], 3, "params")
         [1, 3, 1]
+        >>> partition([0.5, 0.1, 0.1, 0.2], 2, "time")
+        [1, 3]
     """
     n = len(weights)
     if not isinstance(num_stages, int) or num_stages < 1:
@@ -96,9 +104,12 @@ def partition(weights: Sequence[int], num_stages: int, split: SplitSpec = "layer
         if split == "layers":
             q, rem = divmod(n, num_stages)
             return [q + (s < rem) for s in range(num_stages)]
-        if split == "params":
-            return _balanced_min_max(list(weights), num_stages)
-        raise ValueError(f"split must be 'layers', 'params' or a list of stage sizes, got {split!r}")
+        if split in ("params", "time"):
+            ws = [float(w) for w in weights]
+            if any(not w >= 0 for w in ws):  # also rejects NaN
+                raise ValueError(f"weights must be finite numbers >= 0 for split={split!r}, got {list(weights)}")
+            return _balanced_min_max(ws, num_stages)
+        raise ValueError(f"split must be 'layers', 'params', 'time' or a list of stage sizes, got {split!r}")
     sizes = list(split)
     if len(sizes) != num_stages:
         raise ValueError(f"split lists {len(sizes)} stage sizes but there are {num_stages} stages")
@@ -110,7 +121,11 @@ def partition(weights: Sequence[int], num_stages: int, split: SplitSpec = "layer
 
 
 def split_blocks(
-    blocks: nn.Sequential | Sequence[nn.Module], num_stages: int, split: SplitSpec = "layers"
+    blocks: nn.Sequential | Sequence[nn.Module],
+    num_stages: int,
+    split: SplitSpec = "layers",
+    *,
+    weights: Sequence[float] | None = None,
 ) -> list[tuple[range, nn.Sequential]]:
     """Split ``blocks`` into ``num_stages`` stages of consecutive blocks.
 
@@ -121,6 +136,8 @@ def split_blocks(
         blocks: ``nn.Sequential`` or a sequence of modules, embedding first, head last.
         num_stages: number of stages ``S``.
         split: see :func:`partition`; ``"params"`` weighs each block by its parameter count.
+        weights: per-block weights replacing the parameter counts (``split="time"`` needs
+            them: seconds per block, e.g. from :func:`measure_block_times`).
 
     Returns:
         ``S`` pairs ``(block indices, nn.Sequential of those blocks)``.
@@ -131,7 +148,12 @@ def split_blocks(
         [[0, 1, 2], [3, 4]]
     """
     mods = as_block_list(blocks)
-    weights = [sum(p.numel() for p in m.parameters()) for m in mods]
+    if weights is None:
+        if split == "time":
+            raise ValueError("split='time' needs weights= (seconds per block, see measure_block_times)")
+        weights = [sum(p.numel() for p in m.parameters()) for m in mods]
+    elif len(weights) != len(mods):
+        raise ValueError(f"weights has {len(weights)} entries but there are {len(mods)} blocks")
     sizes = partition(weights, num_stages, split)
     out, start = [], 0
     for size in sizes:
@@ -139,3 +161,78 @@ def split_blocks(
         out.append((idx, nn.Sequential(*(mods[j] for j in idx))))
         start += size
     return out
+
+
+def _sync(t: torch.Tensor) -> None:
+    # CUDA kernels run asynchronously: the clock must wait for them to count them
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+
+
+def measure_block_times(
+    blocks: nn.Sequential | Sequence[nn.Module],
+    example: torch.Tensor,
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> list[float]:
+    """Seconds of forward + backward of each block, run in sequence on ``example``.
+
+    Block ``j`` runs on block ``j - 1``'s output, detached (so each block's backward is timed
+    alone); its backward is seeded with ``ones_like`` of its output (for the last block, the
+    gradient of ``output.sum()``) and computes the input and parameter gradients through
+    ``torch.autograd.grad``, so no ``.grad`` is created or changed. Buffers (e.g. BatchNorm
+    running statistics) and the RNG state are restored afterwards: measuring leaves the model
+    and the random stream as they were. Local: no collectives (see ``PipelineParallel``'s
+    ``split="time"`` for the agreement between ranks).
+
+    Args:
+        blocks: ``nn.Sequential`` or sequence of modules, on the device they will run on.
+        example: the first block's input for one micro-batch, any shape/dtype the first block
+            takes (e.g. int64 token ids ``(b, t)``).
+        repeats: timed runs (``>= 1``); each block's time is the median over them.
+        warmup: untimed runs before (``>= 0``; allocator and kernel caches).
+
+    Returns:
+        ``len(blocks)`` floats, seconds per block.
+
+    Raises:
+        ValueError: ``repeats < 1`` or ``warmup < 0``.
+        TypeError: ``example`` is not a tensor, or ``blocks`` not modules.
+
+    Example:
+        >>> ts = measure_block_times([nn.Linear(64, 64), nn.Linear(64, 2048)], torch.randn(32, 64))
+        >>> ts[1] > ts[0]
+        True
+    """
+    mods = as_block_list(blocks)
+    if not isinstance(example, torch.Tensor):
+        raise TypeError(f"example must be a torch.Tensor (the first block's input), got {type(example).__name__}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    buffers = [(b, b.detach().clone()) for m in mods for b in m.buffers()]
+    devices = [t.device for _, t in buffers] + [example.device]
+    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    runs: list[list[float]] = []
+    with torch.random.fork_rng(devices=cuda), torch.enable_grad():
+        for r in range(warmup + repeats):
+            x, times = example, []
+            for m in mods:
+                x = x.detach().requires_grad_(x.is_floating_point())
+                params = [q for q in m.parameters() if q.requires_grad]
+                _sync(x)
+                t0 = time.perf_counter()
+                out = m(x)
+                wrt = ([x] if x.requires_grad else []) + params
+                if out.requires_grad and wrt:
+                    torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+                _sync(out)
+                times.append(time.perf_counter() - t0)
+                x = out
+            if r >= warmup:
+                runs.append(times)
+    for b, saved in buffers:
+        b.detach().copy_(saved)  # detach: shares storage, and autograd need not see the restore
+    return [statistics.median(ts) for ts in zip(*runs, strict=True)]
