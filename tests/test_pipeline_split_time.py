@@ -189,3 +189,23 @@ def _missing_example_body() -> None:
 
 def test_time_split_without_example_raises_before_communicating(dist_pool):
     dist_pool.run(_missing_example_body, world_size=2, timeout=30)
+
+
+def _parallelize_body() -> list[int]:
+    from shardkit.parallel.compose import parallelize
+
+    with ParallelContext.from_world(pp=2, dp=-1) as ctx:
+        fake = _FAKE[dist.get_rank()]
+        with mock.patch.object(executor, "measure_block_times", lambda *a, **kw: fake):
+            par = parallelize(
+                nn.Sequential(*_blocks()),
+                ctx,
+                loss_fn=_ce,
+                dp="none",
+                pp={"microbatches": 2, "split": "time", "split_example": _batch(0)[0][:4]},
+            )
+        return [len(r) for r in par.pipeline.stage_blocks]
+
+
+def test_parallelize_passes_split_example(dist_pool):
+    assert dist_pool.run(_parallelize_body, world_size=2, timeout=60) == [[3, 3], [3, 3]]
