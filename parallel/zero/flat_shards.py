@@ -470,6 +470,11 @@ class FlatShards:
         """Every rank's updated shard back into every rank's full params (one all-gather per bucket)."""
         works: list[tuple[Any, torch.Tensor]] = []
         for sb in self.buckets:
+            if self.size == 1:  # one rank: the shard is the whole bucket, nothing to gather
+                dst, src = sb.flat_param.narrow(0, sb.start, sb.shard), sb.master_shard()
+                if dst.data_ptr() != src.data_ptr():  # a bf16 param from its fp32 master, or offload
+                    dst.copy_(src)
+                continue
             while len(works) >= MAX_IN_FLIGHT:  # bound transient memory, as the reduce-scatters; oldest first
                 self._finish_gather(*works.pop(0))
             # a separate input: all-gather into the buffer its input lives in is not portable;

@@ -125,8 +125,10 @@ def _loss(engine: nn.Module, hf: bool, x: torch.Tensor, y: torch.Tensor) -> torc
     return lm_loss(engine(x), y)
 
 
-def _plan(model: nn.Module, ecfg: Any) -> dict[str, Any]:
-    """The planner's bytes per rank for the engine's layout, keyed as the summary (see loop.planned_memory)."""
+def _plan(model: nn.Module | int, ecfg: Any) -> dict[str, Any]:
+    """The planner's bytes per rank for the engine's layout, keyed as the summary (see
+    loop.planned_memory). ``model``: the whole model, or with tp/pp the number of parameters
+    this rank holds."""
     z, stage = ecfg.zero, ecfg.zero.stage
     opt = ecfg.optimizer
     name = (
@@ -214,8 +216,14 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
     model = build_model(cfg, corpus.tokenizer.vocab_size).to(device)
     hf = cfg.model != "tinygpt"
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight once
-    plan = _plan(model, ecfg)
     engine, _, _, _ = shardkit.initialize(model=model, model_parameters=_param_groups(model), config=cfg.config, ctx=ctx, **auto)
+    pipelined = ecfg.pipeline.stages > 1
+    if ecfg.tensor_parallel.size * ecfg.pipeline.stages > 1:
+        # this rank's part: its TP slices (the model was converted in place), of its stages
+        held = {id(p): p for p in (engine.parallel.parameters() if pipelined else model.parameters())}
+        plan = _plan(sum(p.numel() for p in held.values()), ecfg)
+    else:
+        plan = _plan(model, ecfg)
     torch.manual_seed(cfg.seed + 1 + rank)  # independent dropout streams per rank
 
     data_gen = torch.Generator().manual_seed(cfg.seed)  # [Note: one global batch whatever the layout]
@@ -226,7 +234,6 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
         get_batch("val", global_rows, cfg.seq_len, eval_gen, corpus=corpus, device=device) for _ in range(cfg.eval_iters)
     ]
     stage, dtype = ecfg.zero.stage, ecfg.precision.dtype
-    pipelined = ecfg.pipeline.stages > 1
     bar = ProgressBar(cfg.steps, enabled=rank == 0)
     bar.write(
         f"{cfg.model} {n_params / 1e6:.2f}M params | {cfg.config}: ZeRO-{stage}"
