@@ -23,7 +23,7 @@ from .schedules import (
     in_flight,
     simulate,
 )
-from .split import partition, split_blocks
+from .split import measure_block_times, partition, split_blocks
 from .tied import find_ties
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "find_ties",
     "in_flight",
     "is_checkpointed",
+    "measure_block_times",
     "partition",
     "simulate",
     "split_blocks",
