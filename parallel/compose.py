@@ -61,11 +61,9 @@ optimizer); autocast inside the stages is not applied.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from torch.profiler import record_function
@@ -79,35 +77,12 @@ from .strategy import Strategy, StrategyReport, make_strategy
 from .tensor import tensor_parallelize, vocab_parallel_cross_entropy
 from .tensor.layers import is_tp_sharded
 from .tensor.plan import VocabParallelLMHead
+from .compose_options import PipelineOptions, axis_size, validate
 
 __all__ = ["ParallelModel", "PipelineOptions", "parallelize"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BlocksFn = Callable[[nn.Module], Sequence[nn.Module]]
-_DP = ("none", "ddp", "zero1", "zero2", "zero3")
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    """How to pipeline (the arguments of :class:`~shardkit.parallel.PipelineParallel`).
-
-    Attributes:
-        microbatches: micro-batches per step (any value >= 1).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
-        virtual_stages: stages per rank (interleaved only).
-        split: ``"layers"``, ``"params"``, ``"time"`` or explicit stage sizes.
-        split_example: the first block's input for one micro-batch (required with
-            ``split="time"``, which times the blocks on it).
-
-    Example:
-        >>> PipelineOptions(microbatches=8, schedule="interleaved", virtual_stages=2)
-    """
-
-    microbatches: int = 4
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    split: Any = "layers"
-    split_example: torch.Tensor | None = None
 
 
 def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -153,7 +128,7 @@ class ParallelModel:
         # pipeline + ddp + scaler: (overflow, norm) of this step once clip/step computed it
         self._pp_state: tuple[bool, torch.Tensor | None] | None = None
         # tp/pp: the norm spans shards and stages, which the dp strategies' clip does not know
-        self._composite = _size(ctx, "tp") > 1 or _size(ctx, "pp") > 1
+        self._composite = axis_size(ctx, "tp") > 1 or axis_size(ctx, "pp") > 1
 
     # ---- the step ------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -187,7 +162,7 @@ class ParallelModel:
                 loss = torch.tensor(self.pipeline.step(inputs, targets, loss_scale=scale))
             if self.strategy is not None:  # ZeRO: reduce-scatter each bucket into this rank's shard
                 self.module.reduce_gradients()
-            elif _size(self.ctx, "dp") > 1:
+            elif axis_size(self.ctx, "dp") > 1:
                 self._reduce_over_dp()
             return loss
         with self._autocast() if self._autocast is not None else _nullcontext():
@@ -255,10 +230,10 @@ class ParallelModel:
         if inv is not None and copies:  # uncounted tie copies: unscaled too, their flag counts
             for grads in _by_dtype([p.grad for p in params if id(p) in copies]):
                 unscale_and_norm_(grads, inv_scale=inv, found_inf=found_inf)
-        sumsq = sharded + replicated / _size(self.ctx, "tp")
+        sumsq = sharded + replicated / axis_size(self.ctx, "tp")
         both = sumsq if scaler is None else torch.cat([found_inf, sumsq])
         for axis in ("tp", "pp"):
-            if _size(self.ctx, axis) > 1:
+            if axis_size(self.ctx, axis) > 1:
                 all_reduce(both, group=self.ctx.group(axis), stats=self.stats)
         sumsq = both[-1:]
         overflow = scaler is not None and bool(both[0].item() > 0)
@@ -378,8 +353,8 @@ def parallelize(
         >>> par = parallelize(TinyGPT(59), ctx, tp_plan=gpt_plan(), pp={"microbatches": 4},
         ...                   blocks=gpt_blocks)
     """
-    opts = _validate(model, ctx, loss_fn, tp_plan, pp, dp, blocks, checkpointing, loss_scaler, autocast)
-    tp, pp_size = _size(ctx, "tp"), _size(ctx, "pp")
+    opts = validate(model, ctx, loss_fn, tp_plan, pp, dp, blocks, checkpointing, loss_scaler, autocast)
+    tp, pp_size = axis_size(ctx, "tp"), axis_size(ctx, "pp")
     stats = CommStats()  # the TP layers', the pipeline's and the norm's collectives (ParallelModel.stats)
     # 1. tensor parallel (the plan names modules of the unsplit model)
     if tp_plan is not None and tp > 1:
@@ -427,7 +402,7 @@ def parallelize(
 
         checkpoint_blocks(list(blocks(model)), offload_to_cpu=checkpointing == "cpu")
     # 4. data parallel
-    if tp > 1 and (dp == "none" or (dp == "ddp" and _size(ctx, "dp") == 1)):  # nothing to replicate over
+    if tp > 1 and (dp == "none" or (dp == "ddp" and axis_size(ctx, "dp") == 1)):  # nothing to replicate over
         par = ParallelModel(ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast)
     else:
         strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
@@ -435,81 +410,6 @@ def parallelize(
         par = ParallelModel(ctx, module=module, loss_fn=loss_fn, strategy=strategy, pipeline=None, dp=dp, autocast=autocast)
     par.stats = stats
     return par
-
-
-def _validate(
-    model: Any,
-    ctx: Any,
-    loss_fn: Any,
-    tp_plan: Any,
-    pp: Any,
-    dp: Any,
-    blocks: Any,
-    checkpointing: Any,
-    loss_scaler: Any,
-    autocast: Any,
-) -> PipelineOptions:
-    """Every check, before any collective (ValueError/TypeError naming the argument)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if ctx is None and dp != "none":
-        raise ValueError(f"dp={dp!r} needs a ParallelContext (ctx=None is one process: dp='none')")
-    if ctx is not None and not isinstance(ctx, ParallelContext):
-        raise TypeError(f"ctx must be a ParallelContext or None, got {type(ctx).__name__}")
-    if dp == "none" and _size(ctx, "dp") > 1:
-        raise ValueError(f"dp='none' but ctx has a dp axis of size {_size(ctx, 'dp')}: pick 'ddp' or a ZeRO stage")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-    if dp not in _DP:
-        raise ValueError(f"dp must be one of {list(_DP)}, got {dp!r}")
-    if checkpointing not in (False, True, "cpu"):
-        raise ValueError(f"checkpointing must be False, True or 'cpu', got {checkpointing!r}")
-    if blocks is not None and not callable(blocks):
-        raise TypeError(f"blocks must be callable (model -> sequence of blocks) or None, got {type(blocks).__name__}")
-    tp, pp_size = _size(ctx, "tp"), _size(ctx, "pp")
-    if tp > 1 and tp_plan is None:
-        raise ValueError(f"tp_plan is required: ctx has a tp axis of size {tp}")
-    if tp_plan is not None and not isinstance(tp_plan, Mapping):
-        raise TypeError(f"tp_plan must be a mapping of module patterns to styles, got {type(tp_plan).__name__}")
-    if pp_size > 1 and pp is None:
-        raise ValueError(f"pp is required (PipelineOptions or a dict): ctx has a pp axis of size {pp_size}")
-    if pp is not None and pp_size == 1:
-        raise ValueError("pp: the context's pp axis has size 1; build it with pp > 1 to pipeline")
-    opts = PipelineOptions()
-    if pp is not None:
-        if isinstance(pp, Mapping):
-            unknown = set(pp) - set(PipelineOptions.__dataclass_fields__)
-            if unknown:
-                raise ValueError(f"pp: unknown option(s) {sorted(unknown)}; known: {list(PipelineOptions.__dataclass_fields__)}")
-            opts = PipelineOptions(**pp)
-        elif isinstance(pp, PipelineOptions):
-            opts = pp
-        else:
-            raise TypeError(f"pp must be PipelineOptions, a dict or None, got {type(pp).__name__}")
-        if blocks is None and not isinstance(model, (nn.Sequential, nn.ModuleList)):
-            raise ValueError(f"blocks is required to pipeline a {type(model).__name__} (model -> [embedding, *blocks, head])")
-    if checkpointing and pp_size == 1 and blocks is None:
-        raise ValueError("checkpointing without a pipeline needs blocks= (which modules to recompute)")
-    if pp_size > 1 and dp == "zero3":
-        raise ValueError(
-            f"dp='zero3' with pp={pp_size}: ZeRO-3's per-unit parameter gathers would have to be issued per "
-            "micro-batch inside the pipeline schedule; use dp='zero1' or 'zero2' (or 'ddp') with pipeline parallelism"
-        )
-    if pp_size > 1 and dp.startswith("zero") and ctx.world_size != dist.get_world_size():
-        raise ValueError(f"ctx: dp={dp!r} with pp needs the context to span the world, got {ctx.world_size} ranks")
-    if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
-        raise TypeError(f"loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler).__name__}")
-    if tp > 1 and loss_scaler is not None and not dp.startswith("zero"):
-        raise ValueError(
-            "loss_scaler (fp16) with tp needs a ZeRO dp strategy (its finalize agrees the overflow over "
-            "dp and tp); use bf16 or fp32, or dp='zero1'/'zero2'/'zero3' with tp"
-        )
-    if pp_size > 1 and autocast is not None:
-        raise ValueError(
-            "autocast is not applied inside pipeline stages yet; pipeline in fp32, bf16 params, or fp16 params "
-            "(model.half()) with loss_scaler= (fp32 masters in the optimizer)"
-        )
-    return opts
 
 
 def _merge(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:
@@ -535,11 +435,6 @@ def _uncounted_tie_copies(pipe: PipelineParallel, ctx: ParallelContext) -> list[
         counted = tie.local[:1] if me == tie.src else []
         out += [q for q in tie.local if not any(q is c for c in counted)]
     return out
-
-
-def _size(ctx: ParallelContext | None, axis: str) -> int:
-    """The size of ``axis`` (1 without a context: one process)."""
-    return 1 if ctx is None else ctx.size(axis)
 
 
 def _vocab_parallel_loss(ctx: ParallelContext, vocab_size: int) -> LossFn:
