@@ -387,10 +387,7 @@ def parallelize(
         if strategy is not None:
             # keyed by block index: state_dict keys are the unsplit nn.Sequential(*blocks)'s,
             # distinct across pp ranks (checkpoints) and equal to pipe.full_state_dict()'s
-            held = nn.ModuleDict(
-                {str(j): blk for s in sorted(pipe.stages) for j, blk in zip(pipe.stage_blocks[s], pipe.stages[s], strict=True)}
-            )
-            stages = strategy.wrap_stages(held, uncounted=_uncounted_tie_copies(pipe, ctx))
+            stages = strategy.wrap_stages(pipe.held_blocks(), uncounted=_uncounted_tie_copies(pipe, ctx))
         par = ParallelModel(
             ctx, module=stages, loss_fn=loss_fn, strategy=strategy, pipeline=pipe, dp=dp, autocast=None, loss_scaler=loss_scaler
         )

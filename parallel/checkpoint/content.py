@@ -118,11 +118,7 @@ def layout_of(model: Any, optimizer: Any) -> Layout:
             # ddp (or no dp) under a pipeline: the stages are a ModuleList whose positional keys
             # repeat on every pp rank; key this rank's blocks by block index instead, as the
             # ZeRO wrapper does (the unsplit nn.Sequential(*blocks)'s keys, disjoint over pp)
-            pipe = model.pipeline
-            held = nn.ModuleDict(
-                {str(j): blk for s in sorted(pipe.stages) for j, blk in zip(pipe.stage_blocks[s], pipe.stages[s], strict=True)}
-            )
-            return _plain(held, optimizer, "module", axes, whole=False)
+            return _plain(model.pipeline.held_blocks(), optimizer, "module", axes, whole=False)
         return layout_of(model.module, optimizer) if axes is None else _with_axes(layout_of(model.module, optimizer), axes)
     if isinstance(model, ShardedDataParallel):
         if not isinstance(optimizer, ZeroOptimizer) or optimizer.sdp is not model:

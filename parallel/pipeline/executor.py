@@ -199,6 +199,18 @@ class PipelineParallel:
         afterwards. Idempotent; local."""
         self.tied.close()
 
+    def held_blocks(self) -> nn.ModuleDict:
+        """This rank's blocks keyed by block index: their ``state_dict`` keys are the unsplit
+        ``nn.Sequential(*blocks)``'s (``"<block>.<name>"``), distinct across pp ranks.
+
+        Example:
+            >>> sorted(pipe.held_blocks())   # pp 2, 4 blocks, rank 1
+            ['2', '3']
+        """
+        return nn.ModuleDict(
+            {str(j): blk for s in sorted(self.stages) for j, blk in zip(self.stage_blocks[s], self.stages[s], strict=True)}
+        )
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state, keyed as ``nn.Sequential(*blocks).state_dict()``
         (``"<block index>.<name>"``), on every pp rank; CPU copies. Collective on pp (an object
