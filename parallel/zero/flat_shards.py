@@ -37,7 +37,6 @@ under ``no_sync`` and accumulate locally in the full gradient), and the epilogue
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +48,7 @@ from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
 from ..reducer import GradBucket
 from .offload import HostGradients
+from .sharded_bucket import ShardedBucket  # re-exported: sharded.py and the stage-3 modules import it from here
 from .sync_check import SyncCheck
 
 __all__ = ["FlatShards", "ShardedBucket", "paper_comm_bytes"]
@@ -87,60 +87,6 @@ def _unwritten(gb: GradBucket, total: int) -> list[tuple[int, int]]:
     if total > end:
         out.append((end, total - end))
     return out
-
-
-@dataclass(eq=False)
-class ShardedBucket:
-    """One bucket's flat parameter buffer and this rank's shard of it.
-
-    Attributes:
-        grad_bucket: what the reducer sees (params, offsets; ``buffer`` is the full gradient in
-            stage 1, a placeholder in stage 2).
-        total, shard, start: bucket length, shard length and this rank's first element.
-        segments: this rank's pieces of the params (:func:`shard_segments`), in param order.
-        flat_param: ``[total]`` in the params' dtype; every param is a view of it.
-        master: ``[shard]`` fp32 master weights, or None when the params are fp32 (the shard of
-            ``flat_param`` is then the master).
-        grad_full: stage 1: ``[total]`` persistent gradient; each ``p.grad`` is a view of it.
-        grad_shard: stage 2: ``[shard]`` persistent reduced gradient.
-        opt_grad: ``[shard]`` fp32 gradient the optimizer reads: a view of the reduced shard when
-            the grads are fp32, else a transient cast made by the epilogue.
-    """
-
-    grad_bucket: GradBucket
-    total: int
-    shard: int
-    start: int
-    segments: list[Segment]
-    flat_param: torch.Tensor
-    master: torch.Tensor | None
-    grad_full: torch.Tensor | None = None
-    grad_shard: torch.Tensor | None = None
-    opt_grad: torch.Tensor | None = None
-    #: the shard holds no reduced gradient yet (since the last zero_grad)
-    fresh: bool = True
-    #: stage 1: this bucket was reduced in a backward since the last zero_grad
-    reduced: bool = False
-    shard_params: list[nn.Parameter] = field(default_factory=list)
-    #: stage 3: ``[shard]`` persistent parameter shard (param dtype); ``flat_param`` is then
-    #: allocated only while its unit is gathered
-    param_shard: torch.Tensor | None = None
-    #: stage 3: each param's view of ``flat_param`` (its ``.data`` while the bucket is gathered)
-    param_views: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def reduced_shard(self) -> torch.Tensor:
-        """This rank's reduced gradient (``[shard]``, grad dtype)."""
-        return self.grad_shard if self.grad_full is None else self.grad_full.narrow(0, self.start, self.shard)
-
-    def master_shard(self) -> torch.Tensor:
-        """The fp32 weights the optimizer updates (``[shard]``)."""
-        return self.local_param_shard() if self.master is None else self.master
-
-    def local_param_shard(self) -> torch.Tensor:
-        """This rank's shard of the parameters (``[shard]``, param dtype, on the params' device):
-        the persistent storage the post-step write-back and all-gather read."""
-        return self.flat_param.narrow(0, self.start, self.shard) if self.param_shard is None else self.param_shard
 
 
 class FlatShards:

@@ -1,0 +1,76 @@
+"""One bucket of the ZeRO data path: its flat parameter buffer and this rank's shard of it.
+
+:class:`ShardedBucket` is the record every stage shares:
+:class:`~shardkit.parallel.zero.flat_shards.FlatShards` (stages 1-2) and
+:class:`~shardkit.parallel.zero.stage3_shards.Stage3Shards` (stage 3) build it, the ZeRO-3 units
+and the optimizer read it. It holds only the buffers and the views into them (the layout is
+described in :mod:`~shardkit.parallel.zero.flat_shards`); what is reduced or gathered, and when,
+is the runtimes' business, so the record lives apart from either runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from shardkit.kernels.flatten import Segment
+
+from ..reducer import GradBucket
+
+__all__ = ["ShardedBucket"]
+
+
+@dataclass(eq=False)
+class ShardedBucket:
+    """One bucket's flat parameter buffer and this rank's shard of it.
+
+    Attributes:
+        grad_bucket: what the reducer sees (params, offsets; ``buffer`` is the full gradient in
+            stage 1, a placeholder in stage 2).
+        total, shard, start: bucket length, shard length and this rank's first element.
+        segments: this rank's pieces of the params (:func:`~shardkit.kernels.flatten.shard_segments`), in param order.
+        flat_param: ``[total]`` in the params' dtype; every param is a view of it.
+        master: ``[shard]`` fp32 master weights, or None when the params are fp32 (the shard of
+            ``flat_param`` is then the master).
+        grad_full: stage 1: ``[total]`` persistent gradient; each ``p.grad`` is a view of it.
+        grad_shard: stage 2: ``[shard]`` persistent reduced gradient.
+        opt_grad: ``[shard]`` fp32 gradient the optimizer reads: a view of the reduced shard when
+            the grads are fp32, else a transient cast made by the epilogue.
+    """
+
+    grad_bucket: GradBucket
+    total: int
+    shard: int
+    start: int
+    segments: list[Segment]
+    flat_param: torch.Tensor
+    master: torch.Tensor | None
+    grad_full: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    opt_grad: torch.Tensor | None = None
+    #: the shard holds no reduced gradient yet (since the last zero_grad)
+    fresh: bool = True
+    #: stage 1: this bucket was reduced in a backward since the last zero_grad
+    reduced: bool = False
+    shard_params: list[nn.Parameter] = field(default_factory=list)
+    #: stage 3: ``[shard]`` persistent parameter shard (param dtype); ``flat_param`` is then
+    #: allocated only while its unit is gathered
+    param_shard: torch.Tensor | None = None
+    #: stage 3: each param's view of ``flat_param`` (its ``.data`` while the bucket is gathered)
+    param_views: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def reduced_shard(self) -> torch.Tensor:
+        """This rank's reduced gradient (``[shard]``, grad dtype)."""
+        return self.grad_shard if self.grad_full is None else self.grad_full.narrow(0, self.start, self.shard)
+
+    def master_shard(self) -> torch.Tensor:
+        """The fp32 weights the optimizer updates (``[shard]``)."""
+        return self.local_param_shard() if self.master is None else self.master
+
+    def local_param_shard(self) -> torch.Tensor:
+        """This rank's shard of the parameters (``[shard]``, param dtype, on the params' device):
+        the persistent storage the post-step write-back and all-gather read."""
+        return self.flat_param.narrow(0, self.start, self.shard) if self.param_shard is None else self.param_shard
