@@ -75,6 +75,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "parallel/tensor/sequence_parallel.py": ["tests/test_tensor_parallel.py"],
     "shardkit/engine/schedulers.py": ["tests/test_engine_schedulers.py"],
     "shardkit/engine/config.py": ["tests/test_engine_config.py"],
+    "shardkit/engine/deepspeed_keys.py": ["tests/test_engine_config.py"],
 }
 #: ``make mutate`` with no MODULE: these, in sequence.
 DEFAULT_MODULES = list(MODULE_TESTS)

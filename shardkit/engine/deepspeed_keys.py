@@ -1,0 +1,94 @@
+"""The DeepSpeed config keys shardkit reads without acting on them: two tables, data only.
+
+:data:`IGNORED_KEYS` are accepted whatever their value (logging, profiling, I/O tuning, or choices
+shardkit makes itself); :data:`UNSUPPORTED_KEYS` name features shardkit does not implement and are
+accepted only at DeepSpeed's default. :func:`~shardkit.engine.config.load_config` consults both,
+section by section (``""`` is the top level). They are long lists that change whenever DeepSpeed
+adds keys, while the parsing logic does not, so they live apart from it; docs/engine.md's key
+table says what each one means here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["IGNORED_KEYS", "UNSUPPORTED_KEYS"]
+
+#: DeepSpeed keys accepted without effect here (logging, profiling, I/O tuning, or choices shardkit
+#: makes itself); each one present is reported in ``EngineConfig.ignored``.
+IGNORED_KEYS: dict[str, tuple[str, ...]] = {
+    "": (
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "dump_state",
+        "memory_breakdown",
+        "tensorboard",
+        "wandb",
+        "csv_monitor",
+        "comet",
+        "flops_profiler",
+        "comms_logger",
+        "activation_checkpointing",
+        "aio",
+        "checkpoint",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+        "prescale_gradients",
+        "gradient_predivide_factor",
+        "communication_data_type",
+        "timers",
+        "autotuning",
+        "disable_allgather",
+    ),  # fmt: skip
+    "zero_optimization": (
+        "reduce_scatter",
+        "allgather_partitions",
+        "use_multi_rank_bucket_allreduce",
+        "load_from_fp32_weights",
+        "elastic_checkpoint",
+        "ignore_unused_parameters",
+        "legacy_stage1",
+        "round_robin_gradients",
+        "memory_efficient_linear",
+        "log_trace_cache_warnings",
+        "compute_grad_norm",
+        "parameter_alignment",
+        "pipeline_loading_checkpoint",
+        "override_module_apply",
+        "enable_sanity_checks",
+        "leaf_module",
+        "save_muon_momentum_buffer_in_memory",
+        "model_persistence_threshold",
+        "stage3_model_persistence_threshold",
+        "module_granularity_threshold",
+        "stage3_module_granularity_threshold",
+        "use_all_reduce_for_fetch_params",
+        "stage3_use_all_reduce_for_fetch_params",
+        "allgather_sequential",
+        "stage3_allgather_sequential",
+    ),  # fmt: skip
+    "offload": ("fast_init", "pipeline_read", "pipeline_write", "buffer_size", "max_in_cpu", "cpuadam_cores_perc"),
+    "bf16": ("immediate_grad_update", "check_grad_overflow"),
+    "adam": ("torch_adam", "fp32_optimizer_states", "foreach", "fused"),
+}
+
+#: DeepSpeed keys shardkit does not implement: accepted (and reported as ignored) only at
+#: DeepSpeed's default, a ValueError otherwise.
+UNSUPPORTED_KEYS: dict[str, dict[str, Any]] = {
+    "": {"sparse_gradients": False},
+    "zero_optimization": {
+        "zero_hpz_partition_size": 1,
+        "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False,
+        "zero_quantized_gradients": False,
+        "mics_shard_size": -1,
+        "mics_hierarchical_params_gather": False,
+        "cpu_offload": False,
+        "cpu_offload_param": False,
+        "cpu_offload_use_pin_memory": False,
+    },  # fmt: skip
+    "offload_optimizer": {"ratio": 1.0, "super_offload": False},
+    "fp16": {"auto_cast": False, "fp16_master_weights_and_grads": False},
+    "bf16": {"bf16_master_weights_and_grads": False, "bf16_optimizer_states": False},
+    "lamb": {"eps_inside_sqrt": False, "max_grad_norm": 0.0},
+}
