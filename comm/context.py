@@ -158,6 +158,8 @@ class ParallelContext:
     mesh: DeviceMesh
     # groups created by from_world/from_mesh for this rank, released by destroy()
     _owned: list[dist.ProcessGroup] = field(default_factory=list, repr=False, compare=False)
+    # True when from_env initialized the default group: destroy() then tears it down too
+    _owns_world: bool = field(default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -283,7 +285,13 @@ class ParallelContext:
                     timeout=timeout,
                     device_id=device_id,
                 )
-        return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout, blocking_wait=blocking_wait)
+        try:
+            ctx = cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout, blocking_wait=blocking_wait)
+        except BaseException:
+            dist.destroy_process_group()  # leave no half-built world behind
+            raise
+        object.__setattr__(ctx, "_owns_world", True)  # frozen dataclass: set once, here
+        return ctx
 
     @classmethod
     def from_world(
@@ -457,12 +465,29 @@ class ParallelContext:
 
     # ---- lifetime ----------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Destroy the process groups this context created (never the default group).
+        """Destroy the process groups this context created, and the default group if
+        :meth:`from_env` initialized it.
 
-        The context (and meshes/groups taken from it) must not be used afterwards. Idempotent.
+        Call it on every rank before the process exits: a gloo group left to interpreter
+        shutdown can abort the process ("terminate called without an active exception": its
+        worker threads still hold work when Python tears down). A default group that existed
+        before the context (``from_world``, ``from_mesh``, or ``from_env`` finding one) is the
+        caller's and is left alone. The context (and meshes/groups taken from it) must not be
+        used afterwards. Idempotent; local (no collective).
+
+        Example:
+            >>> ctx = ParallelContext.from_env(tp=2)
+            >>> try:
+            ...     train(ctx)
+            ... finally:
+            ...     ctx.destroy()          # also destroys the default group from_env created
         """
         while self._owned:
             dist.destroy_process_group(self._owned.pop())
+        if self._owns_world:
+            object.__setattr__(self, "_owns_world", False)
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
     def __enter__(self) -> ParallelContext:
         return self

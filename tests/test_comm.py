@@ -449,6 +449,43 @@ def test_from_env_takes_the_local_rank_from_local_rank_not_rank(monkeypatch):
         ParallelContext.from_env(backend="nccl")
 
 
+def _no_torchrun_env(monkeypatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_destroy_tears_down_the_default_group_only_when_from_env_created_it(monkeypatch):
+    """A gloo world left to interpreter shutdown can abort the process, so ctx.destroy() must
+    release the default group from_env made; one that existed before the context is the caller's."""
+    _no_torchrun_env(monkeypatch)
+    assert not dist.is_initialized()
+    try:
+        ctx = ParallelContext.from_env(backend="gloo")  # a world of one
+        assert dist.is_initialized()
+        ctx.destroy()
+        assert not dist.is_initialized()
+        ctx.destroy()  # idempotent: no second destroy of a group that is gone
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        ctx = ParallelContext.from_env(backend="gloo")  # finds the caller's world: from_world
+        ctx.destroy()
+        assert dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_from_env_leaves_no_world_behind_when_building_the_context_fails(monkeypatch):
+    _no_torchrun_env(monkeypatch)
+    monkeypatch.setattr(ParallelContext, "from_world", mock.Mock(side_effect=RuntimeError("mesh failed")))
+    try:
+        with pytest.raises(RuntimeError, match="mesh failed"):
+            ParallelContext.from_env(backend="gloo")
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _bad_context_body() -> str:
     new_group = mock.Mock(side_effect=AssertionError("no group may be created"))
     with mock.patch.object(dist, "new_group", new_group):

@@ -334,8 +334,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: mp
     finally:
         if rank == 0:
             queue.put(out)
-        ctx.destroy()
-        dist.destroy_process_group()  # join gloo's P2P threads before the interpreter exits
+        ctx.destroy()  # from_env's default group too: gloo's threads joined before exit
 
 
 # ---- driver ------------------------------------------------------------------------------------

@@ -184,15 +184,12 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
     """
     from shardkit.engine.layout import axis_sizes
 
-    owns_world = not dist.is_initialized()
     tp, pp = axis_sizes(cfg.config, auto_values(cfg))  # the config's tensor_parallel / pipeline axes
     ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp)
     try:
         return _train(cfg, ctx, device, t_start)
     finally:
-        ctx.destroy()
-        if owns_world:
-            dist.destroy_process_group()
+        ctx.destroy()  # and the default group, when from_env created it
 
 
 def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start: float) -> dict[str, Any]:

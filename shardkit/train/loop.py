@@ -221,16 +221,13 @@ def train(cfg: TrainConfig) -> TrainResult:
         return TrainResult(**train_from_config(cfg, device, t_start))
     if not get_strategy_class(cfg.strategy).needs_context and world == 1:
         return _train(cfg, None, device, t_start)
-    owns_world = not dist.is_initialized()
     # The backend follows the device, not CUDA's presence: --device cpu trains over gloo even on
     # a GPU machine (from_env's default would pick NCCL there and then fail on CPU tensors).
     ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp)
     try:
         return _train(cfg, ctx, device, t_start)
     finally:
-        ctx.destroy()
-        if owns_world:
-            dist.destroy_process_group()
+        ctx.destroy()  # and the default group, when from_env created it
 
 
 def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, t_start: float) -> TrainResult:
