@@ -107,7 +107,7 @@ ref_losses = []
 for step in range(5):
     x, y = torch.randint(59, (8, 16), generator=gen), torch.randint(59, (8, 16), generator=gen)
     opt.zero_grad(); loss = lm_loss(ref(x), y); loss.backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3); opt.step(); ref_losses.append(float(loss))
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.3); opt.step(); ref_losses.append(loss.item())
 print("dense, 1 process:", [f"{l:.5f}" for l in ref_losses])
 print("tp = 2          :", [f"{l:.5f}" for l in tp["losses"]])
 print(f"parameters per rank: {tp['params_per_rank']:,} of {ref.num_parameters():,}")
