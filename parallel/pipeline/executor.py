@@ -9,7 +9,9 @@ How gradients are normalized, scaled and accumulated over the micro-batches is i
 [Note: fp16 loss scaling in the pipeline], [Note: accumulating in param.grad]).
 
 The shape exchange before the first activation is in :mod:`~shardkit.parallel.pipeline.shapes`;
-tied parameters in :mod:`~shardkit.parallel.pipeline.tied`.
+tied parameters in :mod:`~shardkit.parallel.pipeline.tied`; the P2P transfers of a step (runs
+posted together, receives waited by the compute consuming them) in
+:mod:`~shardkit.parallel.pipeline.transfers`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
 from .backward import WeightWork, backward_input, backward_weight
 from .evaluate import evaluate_pipeline
 from ..activation_checkpointing import checkpoint_blocks
-from .p2p import p2p_tag, post
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
 from .shapes import exchange_shapes, signature
 from .split import SplitSpec, as_block_list, measure_block_times, split_blocks
 from .step_state import StepState, accumulate, apply_grads, collect_grads, give_back_grads, set_aside_grads
+from .p2p import post
 from .tied import TiedParameters, TiedSpec, find_ties
+from .transfers import StepTransfers
 
 __all__ = ["PipelineParallel"]
 
@@ -299,22 +302,35 @@ class PipelineParallel:
             set_aside_grads(state, [q for qs in self._params.values() for q in qs])
         t0 = time.perf_counter()
         self.timeline = []
+        xfer = StepTransfers(
+            self.schedule,
+            self.rank,
+            state,
+            group=self.group,
+            stats=self.stats,
+            in_meta=self._in_meta,
+            out_meta=self._out_meta,
+            device=self.ctx.device,
+            timeline=self.timeline,
+            t0=t0,
+        )
         acts, n = self.schedule.actions[self.rank], 0
         try:
             while n < len(acts):
                 if acts[n].kind in COMPUTE:
+                    xfer.wait_for(acts[n])  # the lazy wait: [Note: posting receives ahead]
                     start = time.perf_counter()
                     self._compute(acts[n], state)
                     self.timeline.append(TimedAction(acts[n], start - t0, time.perf_counter() - t0))
                     n += 1
                     continue
-                end = n  # a run of communication actions is posted together (see communicate)
+                end = n  # a run of communication actions is posted together
                 while end < len(acts) and acts[end].kind not in COMPUTE:
                     end += 1
-                self.timeline += self.communicate(acts[n:end], state, t0)
+                self.communicate(acts[n:end], xfer)
                 n = end
             self._loop_s = time.perf_counter() - t0
-            assert not state.outputs and not state.w_pending, "schedule left work undone"
+            assert not state.outputs and not state.w_pending and not xfer.pending, "schedule left work undone"
             collect_grads(state)
         except BaseException:
             give_back_grads(state)  # nothing of a failed step reaches the caller's grads
@@ -418,40 +434,11 @@ class PipelineParallel:
         if not self._accumulate_in_grad:
             accumulate(self._params[s], grads, st)
 
-    def communicate(self, run: Sequence[Action], st: StepState, t0: float) -> list[TimedAction]:
-        """Post a run of consecutive sends/receives together (one ``batch_isend_irecv`` when
-        there are several, so facing send/recv pairs cannot block each other on NCCL), then
-        wait for the receives; sends are waited in :meth:`finalize`. Returns the run's timed
-        actions: receives with the time blocked as ``wait``."""
-        p, S = self.schedule.num_ranks, self.schedule.num_stages
-        ops: list = []
-        recvs: list = []
-        with record_function("shardkit::pipeline_communicate"):
-            for a in run:
-                back = a.kind in (Kind.SEND_B, Kind.RECV_B)
-                if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                    peer = a.stage + (-1 if back else 1)
-                    tag = p2p_tag(a.stage, a.mb, back, S)
-                    ops.append(("send", st.to_send.pop((a.kind, a.stage, a.mb)), peer % p, tag))
-                else:
-                    peer = a.stage + (1 if back else -1)
-                    shape, dtype = self._out_meta[a.stage] if back else self._in_meta[a.stage]
-                    buf = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-                    ops.append(("recv", buf, peer % p, p2p_tag(peer, a.mb, back, S)))
-            posted = time.perf_counter()
-            handles = post(ops, group=self.group, stats=self.stats)
-            out: list[TimedAction] = [TimedAction(a, posted - t0, posted - t0) for a in run]  # sends
-            for n, (a, h) in enumerate(zip(run, handles, strict=True)):
-                if h.op == "send":
-                    st.sends.append(h)
-                else:
-                    recvs.append((n, a, h))
-            for n, a, h in recvs:
-                h.wait()
-                (st.grads if a.kind is Kind.RECV_B else st.acts)[(a.stage, a.mb)] = h.output
-                done = time.perf_counter()
-                out[n] = TimedAction(a, posted - t0, done - t0, done - posted)
-        return out
+    def communicate(self, run: Sequence[Action], xfer: StepTransfers) -> None:
+        """Post a run of consecutive sends/receives together, without waiting: each receive is
+        waited by the compute consuming it, the sends in :meth:`finalize` (see
+        :class:`~shardkit.parallel.pipeline.transfers.StepTransfers`)."""
+        xfer.post(run, post)
 
     def finalize(self, st: StepState) -> float:
         """Wait for the sends, broadcast the losses and counts from the last stage, and add the

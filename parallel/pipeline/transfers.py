@@ -1,0 +1,111 @@
+"""One pipeline step's point-to-point transfers on this rank: :class:`StepTransfers`.
+
+Runs of consecutive sends/receives are posted together; a receive is waited lazily, right
+before the compute that consumes it, and that blocked time is the receive's ``wait`` in
+``PipelineParallel.timeline`` (see [Note: posting receives ahead] in
+:mod:`~shardkit.parallel.pipeline.schedules`); sends are waited at the end of the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from shardkit.comm import CommHandle, CommStats
+
+from .actions import Action, Kind, Schedule, TimedAction
+from .p2p import p2p_tag, post
+from .step_state import StepState
+
+__all__ = ["StepTransfers"]
+
+Meta = tuple[torch.Size, torch.dtype]
+PostFn = Callable[..., list[CommHandle]]
+
+
+class StepTransfers:
+    """Posts this rank's runs of sends/receives for one step and hands each received tensor to
+    the step state when the compute consuming it asks for it.
+
+    Args:
+        schedule, rank: the schedule and this rank's pp index.
+        st: the step's :class:`~shardkit.parallel.pipeline.step_state.StepState` (``to_send``
+            is read; received tensors land in ``acts``/``grads``; send handles in ``sends``).
+        group, stats: the pp process group and optional :class:`~shardkit.comm.CommStats`.
+        in_meta, out_meta: per stage, ``(shape, dtype)`` of its input and output (from the
+            shape exchange): the receive buffers' layout.
+        device: where receive buffers live.
+        timeline: the step's timeline, appended in action order; a receive's entry is completed
+            when it is waited. ``t0``: the step's start (``time.perf_counter()``).
+
+    Example:
+        >>> xfer = StepTransfers(sched, 1, st, group=g, stats=None, in_meta=im, out_meta=om,
+        ...                      device=dev, timeline=tl, t0=time.perf_counter())
+        >>> xfer.post([Action(Kind.RECV_F, 1, 0)])   # posted, not waited
+        >>> xfer.wait_for(Action(Kind.F, 1, 0))      # st.acts[(1, 0)] now holds the activation
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        st: StepState,
+        *,
+        group: dist.ProcessGroup,
+        stats: CommStats | None,
+        in_meta: dict[int, Meta],
+        out_meta: dict[int, Meta],
+        device: torch.device,
+        timeline: list[TimedAction],
+        t0: float,
+    ) -> None:
+        self.schedule, self.rank, self.st = schedule, rank, st
+        self.group, self.stats, self.device = group, stats, device
+        self.in_meta, self.out_meta = in_meta, out_meta
+        self.timeline, self.t0 = timeline, t0
+        #: posted receives not yet waited: receive -> (handle, index in the timeline)
+        self.pending: dict[Action, tuple[CommHandle, int]] = {}
+
+    def post(self, run: Sequence[Action], post_fn: PostFn = post) -> None:
+        """Post a run of consecutive sends/receives together (one ``batch_isend_irecv`` when
+        there are several, so facing send/recv pairs cannot block each other on NCCL); nothing
+        is waited here. ``post_fn`` posts the ``(op, tensor, peer, tag)`` list
+        (:func:`~shardkit.parallel.pipeline.p2p.post`; the executor passes its own reference)."""
+        p, S, st = self.schedule.num_ranks, self.schedule.num_stages, self.st
+        ops: list[tuple[str, torch.Tensor, int, int]] = []
+        with record_function("shardkit::pipeline_communicate"):
+            for a in run:
+                back = a.kind in (Kind.SEND_B, Kind.RECV_B)
+                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    tag = p2p_tag(a.stage, a.mb, back, S)
+                    ops.append(("send", st.to_send.pop((a.kind, a.stage, a.mb)), (a.stage + (-1 if back else 1)) % p, tag))
+                else:
+                    peer = a.stage + (1 if back else -1)
+                    shape, dtype = self.out_meta[a.stage] if back else self.in_meta[a.stage]
+                    buf = torch.empty(shape, dtype=dtype, device=self.device)
+                    ops.append(("recv", buf, peer % p, p2p_tag(peer, a.mb, back, S)))
+            posted = time.perf_counter() - self.t0
+            for a, h in zip(run, post_fn(ops, group=self.group, stats=self.stats), strict=True):
+                if h.op == "send":
+                    st.sends.append(h)
+                else:
+                    self.pending[a] = (h, len(self.timeline))
+                self.timeline.append(TimedAction(a, posted, posted))
+
+    def wait_for(self, a: Action) -> None:
+        """Before compute ``a``: wait for the receive it consumes, if any, and record the time
+        blocked as that receive's ``wait``."""
+        recv = self.schedule.receive_for(a)
+        if recv is None:
+            return
+        h, n = self.pending.pop(recv)
+        with record_function("shardkit::pipeline_wait"):
+            start = time.perf_counter()
+            h.wait()
+            done = time.perf_counter()
+        (self.st.grads if recv.kind is Kind.RECV_B else self.st.acts)[(recv.stage, recv.mb)] = h.output
+        self.timeline[n] = TimedAction(recv, self.timeline[n].start, done - self.t0, done - start)
