@@ -259,3 +259,78 @@ def test_blocking_sends_and_posting_order():
     assert simulate(late).makespan == simulate(inter).makespan  # gloo: placement costs nothing
     with pytest.raises(DeadlockError, match=r"rank 0's open run \[SEND_B2.0\].*rank 1's open run \[SEND_B3.1, RECV_F1.2\]"):
         simulate(late, rendezvous=True)
+
+
+# ---- receives posted ahead on gloo ([Note: receives ahead on gloo]) -----------------------------
+def _compute_index(acts) -> dict:
+    """Each receive -> (index among computes of the compute it is posted before, of its consumer)."""
+    out, n = {}, 0
+    for a in acts:
+        if a.kind in (Kind.F, Kind.B, Kind.BI, Kind.BW):
+            n += 1
+        elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+            out[a] = n
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs(), st.integers(0, 5))
+def test_recv_ahead_posts_each_receive_k_computes_early_and_changes_nothing_else(cfg, k):
+    name, p, m, v = cfg
+    base = build_schedule(name, num_ranks=p, microbatches=m, virtual_stages=v)
+    s = build_schedule(name, num_ranks=p, microbatches=m, virtual_stages=v, recv_ahead=k)
+    _check_structure(s)
+    _check_matching(s)
+    for r in range(p):
+        drop_recvs = [a for a in s.actions[r] if a.kind not in (Kind.RECV_F, Kind.RECV_B)]
+        assert drop_recvs == [a for a in base.actions[r] if a.kind not in (Kind.RECV_F, Kind.RECV_B)]
+        computes = [a for a in s.actions[r] if a.kind in (Kind.F, Kind.B, Kind.BI, Kind.BW)]
+        for recv, before in _compute_index(s.actions[r]).items():
+            consumer = next(j for j, a in enumerate(computes) if s.receive_for(a) == recv)
+            assert before == max(consumer - k, 0), f"rank {r}: {recv!r} posted before compute {before}, consumer {consumer}"
+    # at zero latency the placement changes no compute time: the bubble formulas still hold
+    res, ref = simulate(s), simulate(base)
+    assert res.makespan == ref.makespan and res.bubble_fraction == ref.bubble_fraction
+
+
+@settings(max_examples=60, deadline=None)
+@given(configs(), st.sampled_from([0.1, 0.5]))
+def test_recv_ahead_takes_gloos_handshake_off_the_critical_path(cfg, t_comm):
+    # gloo's data leaves only after the receiver's "ready" reached the sender. Posted right before
+    # its consumer, every hand-off pays that round trip on the critical path; posted one compute
+    # ahead (t_comm <= half a compute), the handshake overlaps the compute and the step is as fast
+    # as with every receive posted at the start (an eager transport), and strictly faster than
+    # late posting wherever there is a receive to move (p >= 2, m >= 2).
+    name, p, m, v = cfg
+
+    def makespan(k: int) -> float:
+        sched = build_schedule(name, num_ranks=p, microbatches=m, virtual_stages=v, recv_ahead=k)
+        return simulate(sched, t_comm=t_comm).makespan
+
+    late, early, eager = makespan(0), makespan(1), makespan(10**6)
+    assert early == pytest.approx(eager, abs=1e-9)
+    if p >= 2 and m >= 2:
+        assert early < late - 1e-9
+
+    # Worked by hand: gpipe, p = 2, m = 2, F = 1, B = 2, latency c. Ahead, only the two boundary
+    # crossings of the critical path pay c: 9 + 2c. Late, F1.1's receive is posted when F1.0
+    # ends (its data: ready + data, 2c after), B0.0 waits c after B1.0's send and B0.1 2c after
+    # B1.1's, plus the c of the first crossing: 9 + 6c.
+    c = t_comm
+    sched = {k: build_schedule("gpipe", num_ranks=2, microbatches=2, recv_ahead=k) for k in (0, 1)}
+    assert simulate(sched[1], t_comm=c).makespan == pytest.approx(9 + 2 * c)
+    assert simulate(sched[0], t_comm=c).makespan == pytest.approx(9 + 6 * c)
+
+
+def test_recv_ahead_lists_are_for_gloo_only():
+    # NCCL matches in posting order and its sends can block: posted ahead, 1F1B deadlocks there
+    s = build_schedule("1f1b", num_ranks=2, microbatches=4, recv_ahead=1)
+    simulate(s)  # gloo model: fine
+    with pytest.raises(DeadlockError):
+        simulate(s, rendezvous=True)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
+def test_recv_ahead_must_be_a_non_negative_int(bad):
+    with pytest.raises(ValueError, match="recv_ahead must be None or an int >= 0"):
+        build_schedule("1f1b", num_ranks=2, microbatches=4, recv_ahead=bad)

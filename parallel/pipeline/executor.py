@@ -40,6 +40,10 @@ from .p2p import post
 from .tied import TiedParameters, TiedSpec, find_ties
 from .transfers import StepTransfers
 
+#: computes between posting a receive and the compute consuming it, on gloo (one receive buffer
+#: more per direction alive; see [Note: receives ahead on gloo])
+GLOO_RECV_AHEAD = 2
+
 __all__ = ["PipelineParallel"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
@@ -121,7 +125,11 @@ class PipelineParallel:
         self.checkpointing = checkpointing
         self.ctx, self.loss_fn, self.stats = ctx, loss_fn, stats
         self.group, self.rank, p = ctx.group("pp"), ctx.rank("pp"), ctx.size("pp")
-        self.schedule = build_schedule(schedule, num_ranks=p, microbatches=microbatches, virtual_stages=virtual_stages)
+        # [Note: receives ahead on gloo]: gloo matches by tag and its sends never block
+        ahead = GLOO_RECV_AHEAD if p > 1 and dist.get_backend(self.group) == "gloo" else None
+        self.schedule = build_schedule(
+            schedule, num_ranks=p, microbatches=microbatches, virtual_stages=virtual_stages, recv_ahead=ahead
+        )
         S = self.schedule.num_stages
         times = self._agreed_block_times(blocks, split_example) if split == "time" else None
         plan = split_blocks(blocks, S, split, weights=times)

@@ -36,13 +36,28 @@ previous compute of the same direction (the next forward's input with this forwa
 the next backward's gradient with this backward's gradient: Megatron-LM's interleaved schedule
 with ``overlap_p2p_comm``); posted right before its consumer instead, it deadlocks on NCCL for
 ``m > p`` (p = 2, m = 4, v = 2: rank 0 sends B2.0 while rank 1 sends B3.1).
-:func:`simulate` models both transports. gloo: a send completes when posted, a receive
-``t_comm`` after its send is posted, each transfer on its own. NCCL (``rendezvous=True``): each
+:func:`simulate` models both transports. gloo: a send completes when posted; a receive's
+data lands ``t_comm`` after both its send is posted and the receiver's "ready" message has
+reached the sender (see [Note: receives ahead on gloo]), each transfer on its own. NCCL (``rendezvous=True``): each
 rank's runs execute one after another in posting order (one stream), and a run completes only
 once every transfer in it has met its match, i.e. once the peer's run holding the match has
 started; a receive's data is there when its run completes. A cycle of runs waiting on each
 other is a deadlock the simulator reports; the tests check that none exists for every built-in
 schedule, p <= 8, m <= 32, v <= 4.
+
+[Note: receives ahead on gloo]
+gloo is a rendezvous transport too: a send whose receive is not posted yet only announces
+itself, and the bytes leave once the receiver's "ready" message has reached the sender's event
+loop (gloo's tcp ``Pair::send``: it transmits at once only when a remote receive is pending).
+A receive posted right before its consumer therefore puts a round trip between two busy
+processes on the critical path of every hand-off; on the 2-core CI machine that was 2-5 ms of
+visible wait per hand-off, the larger part of the measured bubble's excess over the formula.
+Posted one compute earlier, the handshake and the transfer happen while the receiver computes.
+gloo's sends never block the sender and its P2P matches by tag, so any placement of the
+receives is deadlock-free and correct there; ``build_schedule(..., recv_ahead=k)`` posts each
+receive ``k`` computes before its consumer (``k`` more receive buffers alive per rank), and the
+executor uses it on gloo. NCCL keeps the default placement: it matches in posting order and its
+sends can block (a test shows ahead-posted lists deadlocking under ``rendezvous=True``).
 """
 
 from __future__ import annotations
@@ -125,10 +140,14 @@ def _interleaved(p: int, m: int, v: int, r: int) -> list[Action]:
     return out
 
 
-def _with_comm(compute: list[Action], p: int, num_stages: int, r: int, *, ahead: bool) -> list[Action]:
+def _with_comm(
+    compute: list[Action], p: int, num_stages: int, r: int, *, ahead: bool, recv_ahead: int | None = None
+) -> list[Action]:
     """Insert sends right after the compute that produces them, and each receive right before
     the compute that consumes it or, with ``ahead``, in the run after the previous compute of
-    the same direction (see [Note: posting receives ahead])."""
+    the same direction; with ``recv_ahead = k``, ``k`` computes before its consumer (see
+    [Note: posting receives ahead] and [Note: receives ahead on gloo])."""
+    front: list[Action] = []  # posted before the first compute
     before: list[list[Action]] = [[] for _ in compute]
     after: list[list[Action]] = [[] for _ in compute]
     last: dict[bool, int] = {}  # direction (True: forward) -> index of its latest compute
@@ -136,10 +155,14 @@ def _with_comm(compute: list[Action], p: int, num_stages: int, r: int, *, ahead:
         fwd = a.kind is Kind.F
         recv = receive_for(a, p, num_stages)
         if recv is not None:
-            (after[last[fwd]] if ahead and fwd in last else before[j]).append(recv)
+            if recv_ahead is not None:
+                k = j - recv_ahead - 1  # computes k+1 .. j-1 run between posting and waiting
+                (before[j] if recv_ahead == 0 else after[k] if k >= 0 else front).append(recv)
+            else:
+                (after[last[fwd]] if ahead and fwd in last else before[j]).append(recv)
         if a.kind is not Kind.BW:
             last[fwd] = j
-    out: list[Action] = []
+    out: list[Action] = list(front)
     for j, a in enumerate(compute):
         out += before[j]
         out.append(a)
@@ -156,7 +179,9 @@ def _with_comm(compute: list[Action], p: int, num_stages: int, r: int, *, ahead:
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
-def build_schedule(name: str, *, num_ranks: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+def build_schedule(
+    name: str, *, num_ranks: int, microbatches: int, virtual_stages: int = 1, recv_ahead: int | None = None
+) -> Schedule:
     """Build the per-rank action lists of a named schedule.
 
     Args:
@@ -165,13 +190,18 @@ def build_schedule(name: str, *, num_ranks: int, microbatches: int, virtual_stag
         microbatches: ``m >= 1``; any value for gpipe/1f1b/zb-h1 (``m < p`` included);
             a multiple of ``p`` for interleaved (as Megatron requires).
         virtual_stages: ``v >= 1`` stages per rank; ``v > 1`` only for interleaved.
+        recv_ahead: None (default): each receive where every transport is safe, NCCL included
+            (see [Note: posting receives ahead]). An int ``k >= 0``: each receive posted ``k``
+            computes before the compute consuming it, for transports whose sends never block
+            and match receives by tag (gloo; see [Note: receives ahead on gloo]).
 
     Returns:
         The :class:`Schedule`, communication actions included.
 
     Raises:
         ValueError: unknown name, sizes < 1, ``v > 1`` for a non-interleaved schedule, or
-            interleaved with ``m % p != 0`` (raised before anything runs).
+            interleaved with ``m % p != 0``, ``recv_ahead`` not None or an int ``>= 0``
+            (raised before anything runs).
 
     Example:
         >>> sched = build_schedule("1f1b", num_ranks=2, microbatches=3)
@@ -183,6 +213,8 @@ def build_schedule(name: str, *, num_ranks: int, microbatches: int, virtual_stag
     for arg, val in (("num_ranks", num_ranks), ("microbatches", microbatches), ("virtual_stages", virtual_stages)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 1:
             raise ValueError(f"{arg} must be an int >= 1, got {val!r}")
+    if recv_ahead is not None and (not isinstance(recv_ahead, int) or isinstance(recv_ahead, bool) or recv_ahead < 0):
+        raise ValueError(f"recv_ahead must be None or an int >= 0, got {recv_ahead!r}")
     p, m, v = num_ranks, microbatches, virtual_stages
     if name != "interleaved" and v != 1:
         raise ValueError(f"virtual_stages={v} needs schedule='interleaved'; {name!r} runs one stage per rank")
@@ -196,7 +228,7 @@ def build_schedule(name: str, *, num_ranks: int, microbatches: int, virtual_stag
     lists = []
     for r in range(p):
         compute = _interleaved(p, m, v, r) if name == "interleaved" else gen[name](p, m, r)
-        lists.append(tuple(_with_comm(compute, p, p * v, r, ahead=name == "interleaved")))
+        lists.append(tuple(_with_comm(compute, p, p * v, r, ahead=name == "interleaved", recv_ahead=recv_ahead)))
     return Schedule(name, p, v, m, tuple(lists))
 
 

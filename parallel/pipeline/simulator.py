@@ -62,7 +62,9 @@ def simulate(
         t_comm: latency of one P2P transfer.
         rendezvous: the NCCL model (each rank's runs complete in posting order, a run only once
             every peer of its transfers has started the run holding the matching one); by default
-            the gloo model (a receive completes ``t_comm`` after its send is posted, a send at once).
+            the gloo model: a send completes at once; the data leaves once both the send is
+            posted and the receiver's "ready" message (``t_comm`` after the receive is posted)
+            has arrived, and lands ``t_comm`` later (see [Note: receives ahead on gloo]).
 
     Returns:
         A :class:`SimResult`; a receive's :class:`TimedAction` spans its posting to the end of
@@ -119,8 +121,9 @@ def simulate(
                 send, recv = (key(a), _peer(key(a))) if a.kind in SENDS else (_peer(key(a)), key(a))
                 if a.kind in SENDS:
                     finish(r, send, free[r])
-                if send in posted and recv in posted:
-                    finish(posted[recv][0], recv, max(posted[recv][2], posted[send][2] + t_comm))
+                if send in posted and recv in posted:  # gloo's handshake: the receiver's "ready" first
+                    ready = max(posted[send][2], posted[recv][2] + t_comm)
+                    finish(posted[recv][0], recv, ready + t_comm)
         if rendezvous:
             runs[r].append([[key(a) for a in acts[pc[r] : end]], free[r], None, None])
         pc[r] = end

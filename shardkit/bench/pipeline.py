@@ -236,7 +236,7 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
         res["step0"] = {"loss_ours": ours_loss, "loss_torch": float(t_loss), "grad_max_rel_diff": max_over_ranks(diff)}
     impls = {"ours": pipe} if peer is None else {"ours": pipe, "torch": peer}
     our_clock = _ComputeClock(pipe, ("forward", "backward", "backward_weight"))
-    comm_clock = _ComputeClock(pipe, ("communicate",))  # posting + waiting on P2P
+    comm_clock = _ComputeClock(pipe, ("communicate",))  # posting P2P (receives are waited by their consumer)
     params = {"ours": pipe.parameters(), "torch": peer.parameters() if peer else []}
     times: dict[str, list[float]] = {k: [] for k in impls}
     clocks: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}  # (compute, first, last)
@@ -266,7 +266,7 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
                 tails[k].append(tail)
                 clocks[k].append(clock)
                 if k == "ours":
-                    waits.append((summ["p2p_wait"], comm_clock.total - summ["p2p_wait"]))
+                    waits.append((summ["p2p_wait"], comm_clock.total))
                     loop_bubbles.append(summ["bubble_fraction"])
     rows = _timeline_rows(pipe)  # last timed step
     gathered: list = [None] * p
@@ -292,8 +292,8 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
             "outside_loop_ms_per_rank": [1e3 * statistics.median(g["tail"][k]) for g in gathered],
         }
     res["ours"]["p2p_wait_ms_per_rank"] = [1e3 * statistics.median(w for w, _ in g["wait"]) for g in gathered]
-    # time inside communicate() that is not a receive wait: posting isend/irecv (the timeline
-    # shows sends as instants and receives from their post, so this is the part it leaves out)
+    # time inside communicate(): posting isend/irecv only, the waits are p2p_wait (the timeline
+    # shows posts as instants, so this is the part it leaves out)
     res["ours"]["p2p_post_ms_per_rank"] = [1e3 * statistics.median(q for _, q in g["wait"]) for g in gathered]
     res["ours"]["timeline_summary_bubble_per_rank"] = [statistics.median(g["loop"]) for g in gathered]
     # zb-h1's formula needs T_F, T_B, T_W: from the ranks > 0 (rank 0's BI is empty: no input grad)
