@@ -48,6 +48,9 @@ def test_quick_pipeline_benchmark_writes_consistent_json(tmp_path: Path) -> None
             assert len(res["bubble_per_rank"]) == p and 0 <= res["bubble"] <= min(res["bubble_per_rank"]) + 1e-12
             ref = r["bubble_formula"] if r["bubble_reference"] == "formula" else r["bubble_simulated"]
             assert res["bubble_over_formula"] == pytest.approx(res["bubble"] / ref)
+            # the least disturbed repeat: never above the median
+            assert 0 <= res["bubble_min"] <= res["bubble"]
+            assert res["bubble_min_over_formula"] == pytest.approx(res["bubble_min"] / ref)
         assert r["ratio_median"] == pytest.approx(r["ours"]["median_ms"] / r["torch"]["median_ms"])
         assert r["ratio_min"] == pytest.approx(r["ours"]["min_ms"] / r["torch"]["min_ms"])
         # docs/reference.md, "Pipeline bubbles", written out independently of the script
