@@ -33,7 +33,7 @@ from .backward import WeightWork, backward_input, backward_weight
 from .evaluate import evaluate_pipeline
 from ..activation_checkpointing import checkpoint_blocks
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
-from .shapes import exchange_shapes, signature
+from .shapes import agree_step
 from .split import SplitSpec, as_block_list, measure_block_times, split_blocks
 from .step_state import StepState, accumulate, apply_grads, collect_grads, give_back_grads, set_aside_grads
 from .p2p import post
@@ -147,6 +147,7 @@ class PipelineParallel:
         self.tied = TiedParameters([b for _, mod in plan for b in mod], ties, self.stage_blocks, p, ctx, stats)
         self.tied.broadcast_values()
         self._signature: tuple[int, ...] | None = None
+        self._stale_p2p = 0  # a failed step's transfers still in flight: [Note] in transfers.py
         self._loop_s = 0.0
         self._in_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
         self._out_meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
@@ -303,7 +304,7 @@ class PipelineParallel:
         m = self.schedule.microbatches
         x_mbs = self._chunks("inputs", inputs) if self.is_first else None
         y_mbs = self._chunks("targets", targets) if self.is_last else None
-        self._agree(x_mbs, y_mbs)
+        agree_step(self, x_mbs, y_mbs)
         state = StepState(x_mbs, y_mbs, m)
         state.loss_scale = None if loss_scale is None else float(loss_scale)
         if self._accumulate_in_grad:  # [Note: accumulating in param.grad]: the caller's grads aside
@@ -342,6 +343,7 @@ class PipelineParallel:
             collect_grads(state)
         except BaseException:
             give_back_grads(state)  # nothing of a failed step reaches the caller's grads
+            self._stale_p2p = xfer.in_flight()
             raise
         loss = self.finalize(state)
         assert len(self.microbatch_losses) == m
@@ -477,24 +479,3 @@ class PipelineParallel:
         if t.shape[0] % m:
             return f"{name} batch size {t.shape[0]} must be a multiple of microbatches={m}"
         return list(t.to(self.ctx.device).chunk(m))
-
-    def _agree(self, x_mbs: list | str | None, y_mbs: list | str | None) -> None:
-        """Every rank learns every rank's input problems and micro-batch signatures (one tiny
-        all-reduce); a new signature triggers the shape exchange."""
-        p = self.schedule.num_ranks
-        rows = torch.zeros(p, 3, dtype=torch.int64, device=self.ctx.device)
-        problem = next((v for v in (x_mbs, y_mbs) if isinstance(v, str)), None)
-        rows[self.rank, 0] = problem is not None
-        if problem is None:
-            rows[self.rank, 1] = signature(x_mbs[0]) if x_mbs else 0
-            rows[self.rank, 2] = signature(y_mbs[0]) if y_mbs else 0
-        all_reduce(rows, group=self.group, stats=self.stats)
-        bad = [r for r in range(p) if rows[r, 0]]
-        if bad:
-            here = f": {problem}" if problem else ""
-            raise ValueError(f"pipeline step rejected by pp rank(s) {bad}{here}")
-        sig = tuple(rows[:, 1:].flatten().tolist())
-        if sig != self._signature:
-            self._signature = None  # until the exchange succeeds
-            exchange_shapes(self, x_mbs, y_mbs)
-            self._signature = sig

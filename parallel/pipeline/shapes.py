@@ -20,12 +20,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import ParallelContext, broadcast
+from shardkit.comm import ParallelContext, all_reduce, broadcast
 
 from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag
 from .schedules import Schedule
 
-__all__ = ["describe", "exchange_shapes", "signature"]
+__all__ = ["agree_step", "describe", "exchange_shapes", "signature"]
 
 _MSG_BYTES = 2048
 Meta = tuple[torch.Size, torch.dtype]
@@ -42,8 +42,11 @@ class _Pipe(Protocol):
     stages: dict[int, nn.Module]
     stage_blocks: list[range]
     loss_fn: Callable[..., Any]
+    stats: Any
     _in_meta: dict[int, Meta]
     _out_meta: dict[int, Meta]
+    _signature: tuple[int, ...] | None
+    _stale_p2p: int
 
 
 def signature(t: torch.Tensor | None) -> int:
@@ -127,3 +130,49 @@ def exchange_shapes(pipe: _Pipe, x_mbs: list | None, y_mbs: list | None) -> None
             buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
         broadcast(buf, src=failed % p, group=pipe.group)
         raise ValueError(bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace"))
+
+
+def agree_step(pipe: _Pipe, x_mbs: list | str | None, y_mbs: list | str | None) -> None:
+    """The start of every step, collective on pp: every rank learns every rank's input problems,
+    micro-batch signatures and transfers a failed step left in flight (one tiny all-reduce); a
+    new signature triggers the shape exchange.
+
+    Args:
+        pipe: the pipeline (its ``_signature`` is updated; ``_stale_p2p`` is read).
+        x_mbs, y_mbs: this rank's input / target micro-batches, None where the stage takes none,
+            or a string saying why they are unusable.
+
+    Raises:
+        RuntimeError: on every rank, when any rank has transfers of a failed step in flight
+            (see [Note: a failed step's transfers] in :mod:`~shardkit.parallel.pipeline.transfers`).
+        ValueError: on every rank, when any rank's inputs are unusable or the shape exchange
+            fails (see [Note: the shape exchange]).
+
+    Example:
+        >>> agree_step(pipe, x.chunk(m), None)   # first stage; the last passes y's micro-batches
+    """
+    p = pipe.schedule.num_ranks
+    rows = torch.zeros(p, 4, dtype=torch.int64, device=pipe.ctx.device)
+    problem = next((v for v in (x_mbs, y_mbs) if isinstance(v, str)), None)
+    rows[pipe.rank, 0] = problem is not None
+    if problem is None:
+        rows[pipe.rank, 1] = signature(x_mbs[0]) if x_mbs else 0
+        rows[pipe.rank, 2] = signature(y_mbs[0]) if y_mbs else 0
+    rows[pipe.rank, 3] = pipe._stale_p2p
+    all_reduce(rows, group=pipe.group, stats=pipe.stats)
+    stale = {r: int(rows[r, 3]) for r in range(p) if rows[r, 3]}
+    if stale:  # [Note: a failed step's transfers] in transfers.py
+        raise RuntimeError(
+            f"a failed pipeline step left point-to-point transfers in flight on pp rank(s) {stale} "
+            "(rank: count); they could match this step's transfers. Destroy the ParallelContext and "
+            "build a new one and a new PipelineParallel (the blocks keep their weights) to go on"
+        )
+    bad = [r for r in range(p) if rows[r, 0]]
+    if bad:
+        here = f": {problem}" if problem else ""
+        raise ValueError(f"pipeline step rejected by pp rank(s) {bad}{here}")
+    sig = tuple(rows[:, 1:3].flatten().tolist())
+    if sig != pipe._signature:
+        pipe._signature = None  # until the exchange succeeds
+        exchange_shapes(pipe, x_mbs, y_mbs)
+        pipe._signature = sig

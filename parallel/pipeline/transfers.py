@@ -4,6 +4,18 @@ Runs of consecutive sends/receives are posted together; a receive is waited lazi
 before the compute that consumes it, and that blocked time is the receive's ``wait`` in
 ``PipelineParallel.timeline`` (see [Note: posting receives ahead] in
 :mod:`~shardkit.parallel.pipeline.schedules`); sends are waited at the end of the step.
+
+[Note: a failed step's transfers]
+A step that raises part-way (a stage's exception, a timed-out receive) can leave transfers in
+flight: receives posted ahead and never waited, sends the peer never took. Their tags are
+(stage, micro-batch, direction), the same every step, and NCCL matches by posting order
+anyway, so the next step's transfers would meet them: a stale activation consumed as a fresh
+one, or a receive that never completes. Nothing can withdraw a posted P2P operation, so the
+executor counts them (:meth:`StepTransfers.in_flight`, conservatively: a send not yet known
+complete counts) and the next step's agreement all-reduce, before any P2P, raises the same
+``RuntimeError`` on every rank instead of running; a new ``ParallelContext`` (new process
+groups) starts clean. A failure that leaves nothing in flight (inputs rejected by the
+agreement, a stage failing before it posts anything) does not block the next step.
 """
 
 from __future__ import annotations
@@ -102,10 +114,18 @@ class StepTransfers:
         recv = self.schedule.receive_for(a)
         if recv is None:
             return
-        h, n = self.pending.pop(recv)
+        h, n = self.pending[recv]
         with record_function("shardkit::pipeline_wait"):
             start = time.perf_counter()
-            h.wait()
+            h.wait()  # a receive that times out stays pending: see in_flight
             done = time.perf_counter()
+        del self.pending[recv]
         (self.st.grads if recv.kind is Kind.RECV_B else self.st.acts)[(recv.stage, recv.mb)] = h.output
         self.timeline[n] = TimedAction(recv, self.timeline[n].start, done - self.t0, done - start)
+
+    def in_flight(self) -> int:
+        """Transfers of this step that a later step could still match, after a failure: receives
+        posted and not waited (or whose wait failed) and sends not known to be complete. Their
+        tags repeat every step, and NCCL matches by order, so the pp group must not run another
+        step while any exists (see [Note: a failed step's transfers])."""
+        return len(self.pending) + sum(not h.is_completed() for h in self.st.sends)
