@@ -483,7 +483,9 @@ class ParallelContext:
             ...     ctx.destroy()          # also destroys the default group from_env created
         """
         while self._owned:
-            dist.destroy_process_group(self._owned.pop())
+            group = self._owned.pop()
+            if dist.is_initialized():  # else they went with the world (another context owned it)
+                dist.destroy_process_group(group)
         if self._owns_world:
             object.__setattr__(self, "_owns_world", False)
             if dist.is_initialized():

@@ -240,7 +240,9 @@ class TiedParameters:
     def close(self) -> None:
         """Destroy the process groups created for the ties (never the pp group). Idempotent."""
         while self._owned:
-            dist.destroy_process_group(self._owned.pop())
+            group = self._owned.pop()
+            if dist.is_initialized():  # else they went with the world (ParallelContext.destroy)
+                dist.destroy_process_group(group)
 
 
 def _timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta | None:

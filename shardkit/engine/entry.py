@@ -141,70 +141,79 @@ def initialize(
         # torchrun's environment, or a one-process world: the rendezvous, no collective yet. NCCL
         # when CUDA is available (the model then moves to the rank's GPU, as DeepSpeed moves it),
         # else gloo. The axis sizes are checked against WORLD_SIZE before any group exists.
-        ctx = _context_from_env(*axis_sizes(config, auto_values))
-    world = ctx.world_size if ctx is not None else dist.get_world_size()
-    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    if hidden is not None and "hidden_size" not in auto_values:
-        auto_values["hidden_size"] = hidden
-    cfg = load_config(config, world_size=world, strict=strict, **auto_values)
-    _check_supported(cfg)
-    tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
-    plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
-    blocks = default_blocks(model, blocks) if pp > 1 else None
-    groups = resolve_param_groups(model, model_parameters, arg="model_parameters")
-    if pp > 1:
-        _check_stages_train(model, blocks, cfg, groups)
-    make_optimizer = _optimizer_factory(cfg, optimizer, model)
-    _check_scheduler(lr_scheduler, optimizer)
-    if ctx is None:
-        ctx = ParallelContext.from_world(tp=tp, pp=pp)  # the default group exists
-    want = {"pp": pp, "dp": cfg.dp_size, "tp": tp}
-    if ctx.sizes != want:
-        raise ValueError(
-            f"ctx: axes {ctx.sizes} but the config asks for {want} (tensor_parallel.size, pipeline.stages, "
-            "dp = world / (tp × pp)); build the context with those sizes or pass ctx=None"
-        )
-
-    model = _to_device_and_dtype(model, ctx, cfg)
-    scaler = cfg.precision.loss_scaler.make() if cfg.precision.dtype == "fp16" else None
-    parallel = None
-    if pp > 1:
-        from .pipeline_engine import build_pipeline
-
-        parallel, opt = build_pipeline(
-            model, ctx, cfg, scaler=scaler, groups=groups, make=make_optimizer, tp_plan=plan, blocks=blocks, loss_fn=loss_fn
-        )
-        model = wrapped = parallel.module
+        ctx = made = _context_from_env(*axis_sizes(config, auto_values))
     else:
-        if plan is not None:  # TP replaces the dense Parameters: the groups follow by name
-            named = groups_by_name(model, groups)
-            tensor_parallelize(model, ctx, plan)
-            if cfg.tensor_parallel.gather_logits:
-                gather_head_logits(model, ctx)
-            groups = regroup(model, named)
-        wrapped, opt = _wrap(model, ctx, cfg, scaler, groups, make_optimizer)
-    basic = opt.optimizer if isinstance(opt, ZeroOptimizer) else opt  # the torch optimizer that steps
-    if lr_scheduler is None:
-        sched = cfg.scheduler.build(basic) if cfg.scheduler is not None else None
-    elif _is_scheduler(lr_scheduler):
-        sched = lr_scheduler
-    else:
-        sched = lr_scheduler(basic)
-        if cfg.scheduler is not None:
-            logger.warning("initialize: lr_scheduler= given; the config's scheduler section (%s) is not used", cfg.scheduler.type)
-    common = dict(module=model, wrapped=wrapped, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
-    if parallel is not None:
-        from .pipeline_engine import PipelineEngine
+        made = None
+    try:
+        world = ctx.world_size if ctx is not None else dist.get_world_size()
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        if hidden is not None and "hidden_size" not in auto_values:
+            auto_values["hidden_size"] = hidden
+        cfg = load_config(config, world_size=world, strict=strict, **auto_values)
+        _check_supported(cfg)
+        tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
+        plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
+        blocks = default_blocks(model, blocks) if pp > 1 else None
+        groups = resolve_param_groups(model, model_parameters, arg="model_parameters")
+        if pp > 1:
+            _check_stages_train(model, blocks, cfg, groups)
+        make_optimizer = _optimizer_factory(cfg, optimizer, model)
+        _check_scheduler(lr_scheduler, optimizer)
+        if ctx is None:
+            ctx = ParallelContext.from_world(tp=tp, pp=pp)  # the default group exists
+        want = {"pp": pp, "dp": cfg.dp_size, "tp": tp}
+        if ctx.sizes != want:
+            raise ValueError(
+                f"ctx: axes {ctx.sizes} but the config asks for {want} (tensor_parallel.size, pipeline.stages, "
+                "dp = world / (tp × pp)); build the context with those sizes or pass ctx=None"
+            )
 
-        engine: Engine = PipelineEngine(parallel=parallel, **common)
-    else:
-        tp_state = (plan, vocab_sizes(model)) if plan is not None else None
-        engine = Engine(tp_state=tp_state, **common)
-    loader = _dataloader(training_data, collate_fn, cfg, ctx) if training_data is not None else None
-    if loader is not None and parallel is not None:
-        engine.training_dataloader = loader
-        engine.set_dataiter(_repeat(loader))
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+        model = _to_device_and_dtype(model, ctx, cfg)
+        scaler = cfg.precision.loss_scaler.make() if cfg.precision.dtype == "fp16" else None
+        parallel = None
+        if pp > 1:
+            from .pipeline_engine import build_pipeline
+
+            parallel, opt = build_pipeline(
+                model, ctx, cfg, scaler=scaler, groups=groups, make=make_optimizer, tp_plan=plan, blocks=blocks, loss_fn=loss_fn
+            )
+            model = wrapped = parallel.module
+        else:
+            if plan is not None:  # TP replaces the dense Parameters: the groups follow by name
+                named = groups_by_name(model, groups)
+                tensor_parallelize(model, ctx, plan)
+                if cfg.tensor_parallel.gather_logits:
+                    gather_head_logits(model, ctx)
+                groups = regroup(model, named)
+            wrapped, opt = _wrap(model, ctx, cfg, scaler, groups, make_optimizer)
+        basic = opt.optimizer if isinstance(opt, ZeroOptimizer) else opt  # the torch optimizer that steps
+        if lr_scheduler is None:
+            sched = cfg.scheduler.build(basic) if cfg.scheduler is not None else None
+        elif _is_scheduler(lr_scheduler):
+            sched = lr_scheduler
+        else:
+            sched = lr_scheduler(basic)
+            if cfg.scheduler is not None:
+                logger.warning(
+                    "initialize: lr_scheduler= given; the config's scheduler section (%s) is not used", cfg.scheduler.type
+                )
+        common = dict(module=model, wrapped=wrapped, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
+        if parallel is not None:
+            from .pipeline_engine import PipelineEngine
+
+            engine: Engine = PipelineEngine(parallel=parallel, **common)
+        else:
+            tp_state = (plan, vocab_sizes(model)) if plan is not None else None
+            engine = Engine(tp_state=tp_state, **common)
+        loader = _dataloader(training_data, collate_fn, cfg, ctx) if training_data is not None else None
+        if loader is not None and parallel is not None:
+            engine.training_dataloader = loader
+            engine.set_dataiter(_repeat(loader))
+        return engine, engine.optimizer, loader, engine.lr_scheduler
+    except BaseException:
+        if made is not None:  # the world this call created goes with it: nothing left to abort at exit
+            made.destroy()
+        raise
 
 
 # ---- checks (no collective) --------------------------------------------------------------------
