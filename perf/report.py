@@ -79,6 +79,7 @@ def _pipeline_rows(res: dict) -> list[str]:
             f"| PP step, {name}, {res['params'] / 1e6:.1f}M-param MLP, pp={res['pp']} {res['backend']}, m={res['microbatches']} "
             f"| {ours['median_ms']:.1f} ms, bubble {ours['bubble']:.3f} ({ours['bubble_over_formula']:.2f}× {r['bubble_reference']}"
             + (f"; best repeat {ours['bubble_min_over_formula']:.2f}×" if "bubble_min_over_formula" in ours else "")
+            + (f"; {ours['bubble_over_stage_sim']:.2f}× the stages' simulation" if "bubble_over_stage_sim" in ours else "")
             + ") "
             f"| {theirs} | {ratio} | `{res['command']}` |"
         )

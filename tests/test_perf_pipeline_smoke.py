@@ -51,6 +51,12 @@ def test_quick_pipeline_benchmark_writes_consistent_json(tmp_path: Path) -> None
             # the least disturbed repeat: never above the median
             assert 0 <= res["bubble_min"] <= res["bubble"]
             assert res["bubble_min_over_formula"] == pytest.approx(res["bubble_min"] / ref)
+            assert res["bubble_over_stage_sim"] == pytest.approx(res["bubble"] / r["bubble_simulated_stages"])
+        # every stage's compute kinds were timed: F and B (or BI and BW) on each of the p*v stages
+        kinds = ("F", "BI", "BW") if name == "zb-h1" else ("F", "B")
+        S = p * r["virtual_stages"]
+        assert set(r["stage_action_ms"]) == {f"{k}{st}" for st in range(S) for k in kinds}, r["stage_action_ms"]
+        assert all(ms >= 0 for ms in r["stage_action_ms"].values()) and r["stage_action_ms"]["F0"] > 0
         assert r["ratio_median"] == pytest.approx(r["ours"]["median_ms"] / r["torch"]["median_ms"])
         assert r["ratio_min"] == pytest.approx(r["ours"]["min_ms"] / r["torch"]["min_ms"])
         # docs/reference.md, "Pipeline bubbles", written out independently of the script

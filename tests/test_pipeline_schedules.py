@@ -334,3 +334,22 @@ def test_recv_ahead_lists_are_for_gloo_only():
 def test_recv_ahead_must_be_a_non_negative_int(bad):
     with pytest.raises(ValueError, match="recv_ahead must be None or an int >= 0"):
         build_schedule("1f1b", num_ranks=2, microbatches=4, recv_ahead=bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(configs())
+def test_stage_times_equal_to_the_scalars_change_nothing(cfg):
+    name, p, m, v = cfg
+    s = build_schedule(name, num_ranks=p, microbatches=m, virtual_stages=v)
+    same = {(k, st_): t for st_ in range(s.num_stages) for k, t in ((Kind.F, 1.0), (Kind.B, 3.0), (Kind.BI, 1.5), (Kind.BW, 1.5))}
+    a, b = simulate(s, t_f=1.0, t_b=1.5, t_w=1.5), simulate(s, stage_times=same)
+    assert a.makespan == b.makespan and a.busy == b.busy
+
+
+def test_stage_times_worked_example():
+    # gpipe p=2 m=4, stage 1 twice as slow (F 2, B 4; stage 0: F 1, B 2). Rank 1 runs F1.i over
+    # [1+2i, 3+2i], then B1.0-B1.3 over [9, 25]; rank 0's B0.3 starts when B1.3 ends: 25 + 2 = 27.
+    s = build_schedule("gpipe", num_ranks=2, microbatches=4)
+    res = simulate(s, stage_times={(Kind.F, 1): 2.0, (Kind.B, 1): 4.0})
+    assert res.makespan == 27.0 and res.busy == [12.0, 24.0]
+    assert res.bubble_fraction == pytest.approx((27 - 24) / 24)

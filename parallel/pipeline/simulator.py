@@ -8,6 +8,7 @@ bubble against the formulas in ``docs/reference.md`` ("Pipeline bubbles").
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .actions import COMPUTE, SENDS, Action, Key, Kind, Schedule, TimedAction, receive_for
@@ -45,6 +46,7 @@ def simulate(
     t_w: float = 1.0,
     t_comm: float = 0.0,
     rendezvous: bool = False,
+    stage_times: Mapping[tuple[Kind, int], float] | None = None,
 ) -> SimResult:
     """Run a schedule with fixed action times, as soon as dependencies allow.
 
@@ -60,6 +62,9 @@ def simulate(
         schedule: from :func:`build_schedule` (or hand-made).
         t_f, t_b, t_w: durations; ``t_b`` is the input-gradient part, ``t_w`` the weight part.
         t_comm: latency of one P2P transfer.
+        stage_times: ``{(kind, stage): duration}`` overriding ``t_f``/``t_b``/``t_w`` for the
+            pairs it names (e.g. measured per-stage means: unequal stages; a ``B`` is its own
+            entry, not ``BI`` + ``BW``).
         rendezvous: the NCCL model (each rank's runs complete in posting order, a run only once
             every peer of its transfers has started the run holding the matching one); by default
             the gloo model: a send completes at once; the data leaves once both the send is
@@ -80,6 +85,9 @@ def simulate(
         >>> from shardkit.parallel.pipeline import build_schedule
         >>> simulate(build_schedule("gpipe", num_ranks=4, microbatches=8)).bubble_fraction
         0.375
+        >>> slow_last = {(Kind.F, 1): 2.0, (Kind.B, 1): 4.0}   # stage 1 twice as slow
+        >>> simulate(build_schedule("gpipe", num_ranks=2, microbatches=4), stage_times=slow_last).makespan
+        27.0
     """
     p, S = schedule.num_ranks, schedule.num_stages
     dur = {Kind.F: t_f, Kind.B: t_b + t_w, Kind.BI: t_b, Kind.BW: t_w}
@@ -139,7 +147,8 @@ def simulate(
             slots[r][where[key(recv)]] = TimedAction(recv, posted[key(recv)][2], start, start - free[r])
         if key(a) in done:
             raise ValueError(f"rank {r} runs {a!r} twice")
-        done[key(a)] = free[r] = start + dur[a.kind]
+        took = stage_times.get((a.kind, a.stage)) if stage_times else None
+        done[key(a)] = free[r] = start + (dur[a.kind] if took is None else took)
         slots[r][pc[r]] = TimedAction(a, start, free[r])
         pc[r] += 1
         return True

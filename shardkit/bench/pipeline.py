@@ -20,7 +20,9 @@ ranks, on the host's shared monotonic clock) minus the busiest rank's compute, o
 window, e.g. our finalize, is ``outside_loop_ms_per_rank``), the formula's bubble (docs/reference.md, "Pipeline bubbles"; for zb-h1
 with measured T_F, T_B, T_W, or the simulator's with those times where the formula's T_W <= T_F,
 T_B does not hold) and the ratio measured/formula (median over repeats, and the least disturbed
-repeat's: ``bubble_min``), the ratios ours/torch (< 1 is faster), the step-0 loss of both (must agree) and
+repeat's: ``bubble_min``), the same schedule simulated with each stage's median action times
+(``bubble_simulated_stages``: unequal stages, no latency, no noise) and measured / that
+(``bubble_over_stage_sim``: what the executor and transport add), the ratios ours/torch (< 1 is faster), the step-0 loss of both (must agree) and
 one timeline picture per schedule (per rank: compute bars by kind, P2P wait bars) from our
 ``pipe.timeline``.
 
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardkit.comm import ParallelContext
-from shardkit.parallel.pipeline import PipelineParallel, build_schedule, simulate, split_blocks
+from shardkit.parallel.pipeline import Kind, PipelineParallel, build_schedule, simulate, split_blocks
 
 from .spawn import run_workers, worker_env
 
@@ -185,6 +187,16 @@ def _timeline_rows(pipe: PipelineParallel) -> list[tuple]:
     return [(str(ta.action.kind), ta.action.stage, ta.action.mb, ta.start, ta.end, ta.wait) for ta in pipe.timeline]
 
 
+def _stage_medians(steps: list[list[tuple]]) -> dict[tuple[str, int], float]:
+    """Median duration (ms) of each (kind, stage)'s compute actions over every timed step."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for rows in steps:
+        for kind, stage, _, start, end, _ in rows:
+            if kind in ("F", "B", "BI", "BW"):
+                out.setdefault((kind, stage), []).append(1e3 * (end - start))
+    return {k: statistics.median(v) for k, v in out.items()}
+
+
 def _kind_means(rows: list[tuple]) -> dict[str, float]:
     out: dict[str, list[float]] = {}
     for kind, _, _, start, end, _ in rows:
@@ -242,6 +254,7 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
     times: dict[str, list[float]] = {k: [] for k in impls}
     clocks: dict[str, list[tuple[float, float, float]]] = {k: [] for k in impls}  # (compute, first, last)
     loop_bubbles: list[float] = []
+    step_rows: list[list[tuple]] = []  # our timeline of every timed repeat
     waits: list[float] = []
     tails: dict[str, list[float]] = {k: [] for k in impls}  # step time outside the action loop
     for it in range(args.warmup + args.repeats):
@@ -269,10 +282,20 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
                 if k == "ours":
                     waits.append((summ["p2p_wait"], comm_clock.total))
                     loop_bubbles.append(summ["bubble_fraction"])
+                    step_rows.append(_timeline_rows(pipe))
     rows = _timeline_rows(pipe)  # last timed step
     gathered: list = [None] * p
     dist.all_gather_object(
-        gathered, {"clock": clocks, "loop": loop_bubbles, "wait": waits, "tail": tails, "rows": rows}, group=group
+        gathered,
+        {
+            "clock": clocks,
+            "loop": loop_bubbles,
+            "wait": waits,
+            "tail": tails,
+            "rows": rows,
+            "stage_ms": _stage_medians(step_rows),
+        },
+        group=group,
     )
     if ctx.rank("pp") != 0:
         return {}
@@ -312,12 +335,18 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
     # micro-batch) often take longer than the input-gradient ones, and the closed form can even go
     # negative. The simulator with the measured times is then the reference (it equals the
     # closed form where that holds: tests/test_pipeline_schedules.py).
+    # The same schedule simulated with each stage's own median action times (unequal stages, no
+    # latency, no noise): measured / this isolates what the executor and transport add.
+    stage_ms = {(Kind(kind), stage): ms for g in gathered for (kind, stage), ms in g["stage_ms"].items()}
+    res["stage_action_ms"] = {f"{kind}{stage}": ms for (kind, stage), ms in sorted(stage_ms.items())}
+    res["bubble_simulated_stages"] = simulate(sched, stage_times=stage_ms).bubble_fraction
     zb_ok = name != "zb-h1" or t["BW"] <= min(t["F"], t["BI"])
     res["bubble_reference"] = "formula" if zb_ok else "simulated"
     ref = res["bubble_formula"] if zb_ok else res["bubble_simulated"]
     for k in impls:
         res[k]["bubble_over_formula"] = res[k]["bubble"] / ref
         res[k]["bubble_min_over_formula"] = res[k]["bubble_min"] / ref
+        res[k]["bubble_over_stage_sim"] = res[k]["bubble"] / res["bubble_simulated_stages"]
     if peer is not None:
         res["ratio_median"] = res["ours"]["median_ms"] / res["torch"]["median_ms"]
         res["ratio_min"] = res["ours"]["min_ms"] / res["torch"]["min_ms"]
@@ -396,7 +425,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in raw.items():
         o = r["ours"]
         line = f"  {name:<11} ours {o['median_ms']:8.1f} ms bubble {o['bubble']:.3f} (x{o['bubble_over_formula']:.2f}, "
-        line += f"min x{o['bubble_min_over_formula']:.2f} {r['bubble_reference']} "
+        line += f"min x{o['bubble_min_over_formula']:.2f}, x{o['bubble_over_stage_sim']:.2f} the stages' "
+        line += f"simulation {r['bubble_simulated_stages']:.3f}; {r['bubble_reference']} "
         line += f"{r['bubble_formula'] if r['bubble_reference'] == 'formula' else r['bubble_simulated']:.3f})"
         if "torch" in r:
             tr = r["torch"]
