@@ -209,3 +209,24 @@ def _parallelize_body() -> list[int]:
 
 def test_parallelize_passes_split_example(dist_pool):
     assert dist_pool.run(_parallelize_body, world_size=2, timeout=60) == [[3, 3], [3, 3]]
+
+
+class _Probe(nn.Module):
+    """Records whether the measurement asked for its input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.input_requires_grad: list[bool] = []
+
+    def forward(self, x):
+        self.input_requires_grad.append(x.requires_grad)
+        return x * self.w
+
+
+def test_measure_times_no_input_gradient_for_the_first_block():
+    # the pipeline's first stage never computes its input's gradient (the input is data): timing
+    # it would overweight stage 0 in split="time"; every later block's input gradient is timed
+    probes = [_Probe(), _Probe()]
+    measure_block_times(probes, torch.randn(2, 4), repeats=1, warmup=0)
+    assert [p.input_requires_grad for p in probes] == [[False], [True]]

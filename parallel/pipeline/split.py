@@ -180,7 +180,8 @@ def measure_block_times(
 
     Block ``j`` runs on block ``j - 1``'s output, detached (so each block's backward is timed
     alone); its backward is seeded with ``ones_like`` of its output (for the last block, the
-    gradient of ``output.sum()``) and computes the input and parameter gradients through
+    gradient of ``output.sum()``) and computes the input (not for block 0: its input is data, as
+    in the pipeline) and parameter gradients through
     ``torch.autograd.grad``, so no ``.grad`` is created or changed. Buffers (e.g. BatchNorm
     running statistics) and the RNG state are restored afterwards: measuring leaves the model
     and the random stream as they were. Local: no collectives (see ``PipelineParallel``'s
@@ -219,8 +220,9 @@ def measure_block_times(
     with torch.random.fork_rng(devices=cuda), torch.enable_grad():
         for r in range(warmup + repeats):
             x, times = example, []
-            for m in mods:
-                x = x.detach().requires_grad_(x.is_floating_point())
+            for j, m in enumerate(mods):
+                # the first stage's input is data: no input gradient there, as in the pipeline
+                x = x.detach().requires_grad_(j > 0 and x.is_floating_point())
                 params = [q for q in m.parameters() if q.requires_grad]
                 _sync(x)
                 t0 = time.perf_counter()
