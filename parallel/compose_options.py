@@ -31,7 +31,8 @@ class PipelineOptions:
         virtual_stages: stages per rank (interleaved only).
         split: ``"layers"``, ``"params"``, ``"time"`` or explicit stage sizes.
         split_example: the first block's input for one micro-batch (required with
-            ``split="time"``, which times the blocks on it).
+            ``split="time"``, which times the blocks on it), or ``(input, target)`` to time the
+            loss with the last block.
 
     Example:
         >>> PipelineOptions(microbatches=8, schedule="interleaved", virtual_stages=2)
@@ -41,7 +42,7 @@ class PipelineOptions:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     split: Any = "layers"
-    split_example: torch.Tensor | None = None
+    split_example: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def validate(

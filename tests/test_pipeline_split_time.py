@@ -7,6 +7,7 @@ any collective."""
 from __future__ import annotations
 
 import itertools
+import time
 from unittest import mock
 
 import pytest
@@ -132,15 +133,16 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 _FAKE = {0: [4e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3], 1: [2e-3, 2e-3, 2e-3, 2e-3, 2e-3, 8e-3]}
 
 
-def _time_split_body(fake: bool) -> dict:
+def _time_split_body(fake: bool, with_target: bool) -> dict:
     rank = dist.get_rank()
     with ParallelContext.from_world(pp=2, dp=-1) as ctx:
-        example = _batch(0)[0][:2]  # one micro-batch of 4
+        x0, y0 = _batch(0)
+        example = (x0[:2], y0[:2]) if with_target else x0[:2]  # one micro-batch (of 2 rows)
         seen = []
         real = executor.measure_block_times
 
         def measure(blocks, ex, **kw):
-            seen.append(ex)
+            seen.append((ex, kw))
             times = _FAKE[rank] if fake else real(blocks, ex, **kw)
             return times if fake or rank == 0 else [2 * t for t in times]  # rank 1 perturbed
 
@@ -149,7 +151,12 @@ def _time_split_body(fake: bool) -> dict:
             pipe = PipelineParallel(
                 blocks, ctx, schedule="1f1b", microbatches=4, loss_fn=_ce, split="time", split_example=example
             )
-        assert len(seen) == 1 and seen[0] is example
+        assert len(seen) == 1
+        ex, kw = seen[0]
+        if with_target:  # (input, target): the loss is timed with the last block
+            assert ex is example[0] and kw["target"] is example[1] and kw["loss_fn"] is _ce
+        else:
+            assert ex is example and kw.get("loss_fn") is None and kw.get("target") is None
         ref = nn.Sequential(*_blocks())
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -168,9 +175,9 @@ def _time_split_body(fake: bool) -> dict:
         return {"sizes": [len(r) for r in pipe.stage_blocks]}
 
 
-@pytest.mark.parametrize("fake", [True, False])
-def test_time_split_agrees_across_ranks_and_trains(dist_pool, fake):
-    res = dist_pool.run(_time_split_body, fake, world_size=2, timeout=60)
+@pytest.mark.parametrize("fake, with_target", [(True, False), (False, True)])
+def test_time_split_agrees_across_ranks_and_trains(dist_pool, fake, with_target):
+    res = dist_pool.run(_time_split_body, fake, with_target, world_size=2, timeout=60)
     assert res[0]["sizes"] == res[1]["sizes"], res
     if fake:
         ns = [round(a * 1e9) + round(b * 1e9) for a, b in zip(_FAKE[0], _FAKE[1], strict=True)]
@@ -230,3 +237,19 @@ def test_measure_times_no_input_gradient_for_the_first_block():
     probes = [_Probe(), _Probe()]
     measure_block_times(probes, torch.randn(2, 4), repeats=1, warmup=0)
     assert [p.input_requires_grad for p in probes] == [[False], [True]]
+
+
+def test_measure_times_the_loss_with_the_last_block():
+    # a loss that costs 20 ms lands on the last block only; (loss_sum, count) returns work too
+    def slow_loss(out: torch.Tensor, y: torch.Tensor):
+        time.sleep(0.02)
+        return (out - y).pow(2).sum(), torch.tensor(out.numel())
+
+    blocks = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    plain = measure_block_times(blocks, x, repeats=1, warmup=0)
+    timed = measure_block_times(blocks, x, repeats=1, warmup=0, loss_fn=slow_loss, target=y)
+    assert timed[1] >= 0.02 > plain[1] and timed[0] < 0.02
+    assert all(q.grad is None for b in blocks for q in b.parameters())  # measuring leaves no grads
+    with pytest.raises(ValueError, match="loss_fn and target go together"):
+        measure_block_times(blocks, x, loss_fn=slow_loss)

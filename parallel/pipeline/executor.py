@@ -70,7 +70,8 @@ class PipelineParallel:
             :func:`~shardkit.parallel.pipeline.split.partition`); ``"time"`` is collective, see
             [Note: splitting by measured time].
         split_example: the first block's input for one micro-batch (required with
-            ``split="time"``, which times the blocks on it; unused otherwise).
+            ``split="time"``, which times the blocks on it; unused otherwise), or ``(input,
+            target)``: the last block's time then includes ``loss_fn``, which the last stage runs.
         stats: optional :class:`~shardkit.comm.CommStats` for the P2P and broadcast payloads.
         tied: extra tied parameter slots, e.g. ``[("0.weight", "7.weight")]`` (keys of
             ``nn.Sequential(*blocks)``); the same ``nn.Parameter`` in several blocks is tied
@@ -109,7 +110,7 @@ class PipelineParallel:
         stats: CommStats | None = None,
         tied: TiedSpec = (),
         checkpointing: bool | str = False,
-        split_example: torch.Tensor | None = None,
+        split_example: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
@@ -117,10 +118,11 @@ class PipelineParallel:
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         if not (isinstance(checkpointing, bool) or checkpointing == "cpu"):
             raise ValueError(f"checkpointing must be False, True or 'cpu', got {checkpointing!r}")
-        if split == "time" and not isinstance(split_example, torch.Tensor):
+        example = split_example if isinstance(split_example, tuple) else (split_example,)
+        if split == "time" and not (0 < len(example) <= 2 and all(isinstance(t, torch.Tensor) for t in example)):
             raise ValueError(
                 f"split='time' needs split_example= (the first block's input for one micro-batch, to time "
-                f"the blocks on), got {type(split_example).__name__}"
+                f"the blocks on, or (input, target) to time the loss too), got {type(split_example).__name__}"
             )
         self.checkpointing = checkpointing
         self.ctx, self.loss_fn, self.stats = ctx, loss_fn, stats
@@ -131,7 +133,7 @@ class PipelineParallel:
             schedule, num_ranks=p, microbatches=microbatches, virtual_stages=virtual_stages, recv_ahead=ahead
         )
         S = self.schedule.num_stages
-        times = self._agreed_block_times(blocks, split_example) if split == "time" else None
+        times = self._agreed_block_times(blocks, *example) if split == "time" else None
         plan = split_blocks(blocks, S, split, weights=times)
         ties = find_ties([b for _, mod in plan for b in mod], tied)
         #: ``stage_blocks[s]``: indices of the blocks that form stage ``s`` (all stages).
@@ -169,10 +171,13 @@ class PipelineParallel:
     # could differ in the last bit between ranks and flip a near-tie); the sum is the mean times
     # the world size, which does not change the argmin. Measuring costs (warmup + repeats)
     # forward/backward passes of the full model on every rank, once, at construction.
-    def _agreed_block_times(self, blocks: nn.Sequential | Sequence[nn.Module], example: torch.Tensor) -> list[int]:
+    def _agreed_block_times(
+        self, blocks: nn.Sequential | Sequence[nn.Module], example: torch.Tensor, target: torch.Tensor | None = None
+    ) -> list[int]:
         """Per-block nanoseconds summed over the mesh (the same list on every rank); collective
         over each mesh axis of size > 1. See [Note: splitting by measured time]."""
-        times = measure_block_times(as_block_list(blocks), example)
+        loss_fn = None if target is None else self.loss_fn  # the last block's time includes the loss
+        times = measure_block_times(as_block_list(blocks), example, loss_fn=loss_fn, target=target)
         total = torch.tensor([round(t * 1e9) for t in times], dtype=torch.int64, device=self.ctx.device)
         for axis in ("pp", "dp", "tp"):
             if self.ctx.size(axis) > 1:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -175,6 +176,8 @@ def measure_block_times(
     *,
     repeats: int = 3,
     warmup: int = 1,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+    target: torch.Tensor | None = None,
 ) -> list[float]:
     """Seconds of forward + backward of each block, run in sequence on ``example``.
 
@@ -193,12 +196,16 @@ def measure_block_times(
             takes (e.g. int64 token ids ``(b, t)``).
         repeats: timed runs (``>= 1``); each block's time is the median over them.
         warmup: untimed runs before (``>= 0``; allocator and kernel caches).
+        loss_fn, target: both or neither. With them the last block's time includes
+            ``loss_fn(output, target)`` (the last stage computes it: a large-vocabulary
+            cross-entropy can cost as much as the head) and its backward starts from that loss;
+            a ``(loss_sum, count)`` return is reduced by its first element.
 
     Returns:
         ``len(blocks)`` floats, seconds per block.
 
     Raises:
-        ValueError: ``repeats < 1`` or ``warmup < 0``.
+        ValueError: ``repeats < 1``, ``warmup < 0``, or one of ``loss_fn``/``target`` alone.
         TypeError: ``example`` is not a tensor, or ``blocks`` not modules.
 
     Example:
@@ -213,6 +220,8 @@ def measure_block_times(
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    if (loss_fn is None) != (target is None):
+        raise ValueError("loss_fn and target go together: give both to time the loss with the last block, or neither")
     buffers = [(b, b.detach().clone()) for m in mods for b in m.buffers()]
     devices = [t.device for _, t in buffers] + [example.device]
     cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
@@ -227,9 +236,13 @@ def measure_block_times(
                 _sync(x)
                 t0 = time.perf_counter()
                 out = m(x)
+                seed: torch.Tensor | None = torch.ones_like(out)
+                if loss_fn is not None and j == len(mods) - 1:
+                    loss = loss_fn(out, target)
+                    out, seed = (loss[0] if isinstance(loss, tuple) else loss), None
                 wrt = ([x] if x.requires_grad else []) + params
                 if out.requires_grad and wrt:
-                    torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+                    torch.autograd.grad(out, wrt, seed, allow_unused=True)
                 _sync(out)
                 times.append(time.perf_counter() - t0)
                 x = out
