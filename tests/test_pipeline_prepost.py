@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tolerances import FP32
+from pipeline_checks import assert_stage_grads_match
 
 from shardkit.comm import ParallelContext
 from shardkit.parallel.pipeline import PipelineParallel
@@ -40,10 +40,7 @@ def _body(schedule: str, m: int, v: int) -> dict:
         ref_loss = _ce(ref(x), y)
         ref_loss.backward()
         assert loss == pytest.approx(float(ref_loss), rel=1e-5)
-        for s in pipe.stages:
-            for j in pipe.stage_blocks[s]:
-                for got, want in zip(blocks[j].parameters(), ref[j].parameters(), strict=True):
-                    torch.testing.assert_close(got.grad, want.grad, **FP32, msg=f"block {j}")
+        assert_stage_grads_match(pipe, blocks, ref)
         assert pipe.schedule == build_schedule(
             schedule, num_ranks=p, microbatches=m, virtual_stages=v, recv_ahead=GLOO_RECV_AHEAD
         )

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tolerances import FP32
+from pipeline_checks import assert_stage_grads_match
 
 from shardkit.comm import ParallelContext
 from shardkit.parallel.pipeline import PipelineParallel, build_schedule, executor
@@ -60,10 +60,7 @@ def _reference_check(pipe: PipelineParallel, blocks: list[nn.Module], x: torch.T
     ref_loss = _ce(ref(x), y)
     ref_loss.backward()
     assert loss == pytest.approx(float(ref_loss), rel=1e-5)
-    for s in pipe.stages:
-        for j in pipe.stage_blocks[s]:
-            for got, want in zip(blocks[j].parameters(), ref[j].parameters(), strict=True):
-                torch.testing.assert_close(got.grad, want.grad, **FP32, msg=f"block {j}")
+    assert_stage_grads_match(pipe, blocks, ref)
     return loss
 
 
@@ -124,10 +121,7 @@ def _edge_body(schedule: str, m: int, v: int, checkpointing: bool) -> None:
             ref_loss = _ce(ref(x), y)
             ref_loss.backward()
             assert loss == pytest.approx(float(ref_loss), rel=1e-5)
-            for s in pipe.stages:
-                for j in pipe.stage_blocks[s]:
-                    for got, want in zip(blocks[j].parameters(), ref[j].parameters(), strict=True):
-                        torch.testing.assert_close(got.grad, want.grad, **FP32, msg=f"step {step} block {j}")
+            assert_stage_grads_match(pipe, blocks, ref, f"step {step}")
             xe = torch.randint(0, VOCAB, (3, 3), generator=g)  # another batch size: no step shape
             with torch.no_grad():
                 want = float(_ce(ref(xe), xe))
