@@ -71,3 +71,29 @@ def test_receives_waited_by_their_consumer(dist_pool, schedule, m, v):
     # on gloo every schedule posts its receives GLOO_RECV_AHEAD computes early, on both ranks
     # ([Note: receives ahead on gloo])
     assert all(r["ahead"] > 0 for r in res)
+
+
+class _Handle:
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_in_flight_counts_unwaited_receives_and_incomplete_sends():
+    # [Note: a failed step's transfers]: every posted receive not yet waited counts (even one
+    # whose data arrived: conservative), a send counts until it is known complete
+    from shardkit.parallel.pipeline.step_state import StepState
+    from shardkit.parallel.pipeline.transfers import StepTransfers
+
+    sched = build_schedule("1f1b", num_ranks=2, microbatches=2)
+    st = StepState(None, None, 2)
+    xfer = StepTransfers(
+        sched, 1, st, group=None, stats=None, in_meta={}, out_meta={}, device=torch.device("cpu"), timeline=[], t0=0.0
+    )
+    assert xfer.in_flight() == 0
+    recv = [a for a in sched.actions[1] if a.kind is Kind.RECV_F]
+    xfer.pending = {recv[0]: (_Handle(False), 0), recv[1]: (_Handle(True), 1)}
+    st.sends += [_Handle(False), _Handle(True), _Handle(False)]
+    assert xfer.in_flight() == 2 + 2

@@ -73,7 +73,11 @@ MODULE_TESTS: dict[str, list[str]] = {
     "parallel/pipeline/schedules.py": ["tests/test_pipeline_schedules.py"],
     "parallel/pipeline/simulator.py": ["tests/test_pipeline_schedules.py"],
     "parallel/pipeline/actions.py": ["tests/test_pipeline_schedules.py"],
-    "parallel/pipeline/transfers.py": ["tests/test_pipeline_prepost.py", "tests/test_pipeline.py"],
+    "parallel/pipeline/transfers.py": [
+        "tests/test_pipeline_prepost.py",
+        "tests/test_pipeline.py",
+        "tests/test_review_session.py",
+    ],
     "parallel/zero/sharded_bucket.py": ["tests/test_zero.py", "tests/test_zero3.py"],
     "parallel/pipeline/tied.py": ["tests/test_pipeline_tied.py"],
     "parallel/tensor/sequence_parallel.py": ["tests/test_tensor_parallel.py"],
