@@ -27,6 +27,9 @@ test: $(STAMP)
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
 	$(BIN)/python -m pytest -q tests
+	# The reduction-order guard: the equality tests again, every cross-rank sum moved within the
+	# bound another order of additions allows (tests/reduction_order.py, docs/testing.md).
+	SHARDKIT_TEST_REDUCTION_ORDER=perturb $(BIN)/python -m pytest -q -m reduction_order tests
 
 demo: $(STAMP)
 	$(BIN)/shardkit train --nproc $(NPROC) --strategy zero2 --steps $(STEPS)

@@ -7,6 +7,8 @@ long-lived workers per test session (:class:`DistPool`, the ``dist_pool`` fixtur
 its file) to every worker, runs it, barriers on the default group and returns the per-rank
 results in rank order. Workers run ``torch.set_num_threads(1)`` and an initialized gloo default
 group of ``world_size`` ranks (60 s timeout); bodies build a ``ParallelContext.from_world(...)``.
+With ``SHARDKIT_TEST_REDUCTION_ORDER=perturb`` every worker's cross-rank sums are moved within
+the reduction-order bound (``tests/reduction_order.py``).
 
 [Note: harness failure handling]
 * A body that raises on some rank: the harness waits a short grace period for the other ranks
@@ -81,6 +83,10 @@ def _worker_main(rank: int, world_size: int, store_port: int, pg_timeout_s: floa
     try:
         store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from reduction_order import perturb_reductions_if_requested
+
+        perturb_reductions_if_requested()  # the reduction-order guard, off unless asked for
     except BaseException:  # noqa: BLE001 - the test process reports it
         conn.send_bytes(pickle.dumps(("err", 0, traceback.format_exc())))
         os._exit(1)

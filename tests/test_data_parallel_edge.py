@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 from test_data_parallel import GLOBAL_BATCH, _WithUnused, batches, make_model, max_dev
-from tolerances import FP32
+from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
 from torch import nn
 
 from shardkit.comm import ParallelContext
@@ -25,7 +25,7 @@ def my_rows(ctx: ParallelContext) -> slice:
 
 
 def adamw(params) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS_ACROSS_ORDERS)
 
 
 # ---- default mode: unused params contribute zeros ------------------------------------------------
@@ -109,6 +109,7 @@ def _failed_backward(as_view: bool) -> float:
     return dev
 
 
+@pytest.mark.reduction_order
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
 def test_failed_backward_does_not_wedge_the_reducer(dist_pool, as_view: bool) -> None:
     assert max(dist_pool.run(_failed_backward, as_view, world_size=2, timeout=60)) < 2e-5
@@ -207,6 +208,7 @@ def _channels_last(as_view: bool) -> dict:
     return out
 
 
+@pytest.mark.reduction_order
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
 def test_channels_last_grads(dist_pool, as_view: bool) -> None:
     for r in dist_pool.run(_channels_last, as_view, world_size=2, timeout=60):

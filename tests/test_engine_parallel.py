@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from shardkit.comm import ParallelContext
 from test_zero_edge import _no_collective
-from tolerances import FP32
+from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,6 +99,7 @@ def _tp_body(stage: int) -> dict:
         return {"losses": losses, "vocab_rows": full["lm_head.weight"].shape[0]}
 
 
+@pytest.mark.reduction_order
 @pytest.mark.parametrize("stage", [0, 3], ids=["stage0", "zero3"])
 def test_tensor_parallel_config_trains_like_one_process(dist_pool, stage):
     out = dist_pool.run(_tp_body, stage, world_size=2, timeout=120)
@@ -123,7 +124,7 @@ def _pp_config(stage: int = 0, **pipeline) -> dict:
         "train_micro_batch_size_per_gpu": P_MICRO,
         "gradient_accumulation_steps": P_GAS,
         "gradient_clipping": CLIP,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": ADAM_EPS_ACROSS_ORDERS}},
         "pipeline": {"stages": 2, **pipeline},
     }
 
@@ -136,7 +137,7 @@ def _micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _pp_reference() -> tuple[dict, list[float]]:
     """One process, plain torch: cross-entropy of the global batch (all micro-batches), AdamW."""
     model = _mlp()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=ADAM_EPS_ACROSS_ORDERS)
     losses = []
     for step in range(STEPS):
         x, y = (torch.cat(t) for t in zip(*_micro_batches(step), strict=True))
@@ -181,6 +182,7 @@ def _pp_body(schedule: str, stage: int) -> dict:
         return {"losses": losses}
 
 
+@pytest.mark.reduction_order
 @pytest.mark.parametrize("schedule,stage", [("1f1b", 0), ("gpipe", 1)], ids=["1f1b-stage0", "gpipe-zero1"])
 def test_pipeline_config_train_batch_equals_one_process(dist_pool, schedule, stage):
     out = dist_pool.run(_pp_body, schedule, stage, world_size=2, timeout=120)

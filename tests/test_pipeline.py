@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from tolerances import FP32
+from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
 
 from shardkit.comm import CommStats, ParallelContext
 from shardkit.parallel.pipeline import executor, is_checkpointed
@@ -39,7 +39,7 @@ def _batch(step: int, b: int = 8, t: int = 3) -> tuple[torch.Tensor, torch.Tenso
 def _opt(name: str, params) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS_ACROSS_ORDERS)
 
 
 def _train_equal_body(

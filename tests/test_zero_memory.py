@@ -15,7 +15,7 @@ from shardkit.comm import ParallelContext
 from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DataParallel
 from shardkit.parallel.zero import ShardedDataParallel, ZeroOptimizer, paper_comm_bytes
-from tolerances import FP32
+from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
 
 D = 64
 
@@ -108,12 +108,12 @@ def test_zero_comm_per_step_is_two_psi_like_ddp(dist_pool, world_size: int, stag
 def _bf16_master_vs_fp32(stage: int) -> float:
     ctx = ParallelContext.from_world()
     sdp = ShardedDataParallel(_model(torch.bfloat16), ctx, stage, bucket_mb=0.01)
-    opt = ZeroOptimizer(sdp, FusedAdamW, lr=1e-2, weight_decay=0.1)
+    opt = ZeroOptimizer(sdp, FusedAdamW, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS_ACROSS_ORDERS)
     sb = sdp.sharded_buckets[0]
     assert sb.master is not None and sb.master.dtype == torch.float32  # fp32 master by default
     assert sb.reduced_shard.dtype == torch.float32 or sb.grad_full.dtype == torch.float32  # fp32 reduction
     ref = _model(torch.bfloat16).float()  # the same (bf16-representable) initial weights, in fp32
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS_ACROSS_ORDERS)
     rows = slice(ctx.rank("dp") * 8 // ctx.size("dp"), (ctx.rank("dp") + 1) * 8 // ctx.size("dp"))
     for step in range(10):
         g = torch.Generator().manual_seed(step)
@@ -140,6 +140,7 @@ def _bf16_master_vs_fp32(stage: int) -> float:
     return worst
 
 
+@pytest.mark.reduction_order
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_bf16_params_fp32_master_tracks_fp32_training(dist_pool, stage: int) -> None:
     worst = dist_pool.run(_bf16_master_vs_fp32, stage, world_size=2, timeout=60)
@@ -153,8 +154,8 @@ def _frozen_params(stage: int) -> None:
     sdp = ShardedDataParallel(model, ctx, stage, bucket_mb=0.01)
     ref = _model()
     ref[0].requires_grad_(False)
-    opt = ZeroOptimizer(sdp, torch.optim.AdamW, lr=1e-2)
-    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    opt = ZeroOptimizer(sdp, torch.optim.AdamW, lr=1e-2, eps=ADAM_EPS_ACROSS_ORDERS)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, eps=ADAM_EPS_ACROSS_ORDERS)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(8, D, generator=g)
@@ -179,6 +180,7 @@ def _frozen_params(stage: int) -> None:
     ctx.destroy()
 
 
+@pytest.mark.reduction_order
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_frozen_params_get_no_grad_or_optimizer_memory(dist_pool, stage: int) -> None:
     dist_pool.run(_frozen_params, stage, world_size=2, timeout=60)

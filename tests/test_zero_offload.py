@@ -25,14 +25,14 @@ from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DynamicLossScaler
 from shardkit.parallel.zero import ShardedDataParallel, ZeroOptimizer, nvme
 from test_zero_edge import _no_collective
-from tolerances import FP32
+from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
 
 GLOBAL_BATCH = 8
 IN, HID, OUT = 16, 32, 16
 
 OPTIMIZERS = {
-    "fused_adamw": (FusedAdamW, dict(lr=1e-2, weight_decay=0.1)),
-    "torch_adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "fused_adamw": (FusedAdamW, dict(lr=1e-2, weight_decay=0.1, eps=ADAM_EPS_ACROSS_ORDERS)),
+    "torch_adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, eps=ADAM_EPS_ACROSS_ORDERS)),
     "sgd_momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
 }
 
@@ -109,6 +109,7 @@ def _equal_to_no_offload(
     return len(sdp.sharded_buckets)
 
 
+@pytest.mark.reduction_order
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))

@@ -16,6 +16,17 @@ import torch
 #: step at the learning rates the tests use).
 FP32 = dict(rtol=1e-5, atol=1e-5)
 
+#: Adam/AdamW's ``eps`` for a test that compares training across a change of the order of
+#: additions (dp/tp/pp split vs one process; see "Choosing a tolerance" in docs/testing.md). Adam
+#: moves a param by ``lr * m_hat / (sqrt(v_hat) + eps)``; at the first step that is
+#: ``lr * g / (|g| + eps)``, whose derivative in ``g`` is ``lr * eps / (|g| + eps)**2 <= lr / eps``.
+#: With torch's default ``eps=1e-8`` and ``lr=1e-2``, a gradient that another order of additions
+#: moves by 5e-11 can move the param by 5e-5 (seen on another CPU: 4.9e-5 at dp 4), whatever
+#: tolerance the test picks. With ``eps >= lr`` (this value, for the tests' ``lr <= 1e-2``) the
+#: param moves by at most about the gradient's own spread per step, far below :data:`FP32`, while a
+#: wrong bias correction, decay or group setting still moves it by > 1e-4.
+ADAM_EPS_ACROSS_ORDERS = 1e-2
+
 #: The fp32 *master* copy of an fp16/bf16 param vs an fp32 reference fed the same (rounded)
 #: gradients: the master follows the fp32 math exactly, so this is :data:`FP32`.
 MASTER = FP32
