@@ -13,8 +13,8 @@ One step streams the buckets: a reader thread loads sub-group k+1 while sub-grou
 materialized (shard params pointed at its master, ``.grad`` at its gradient buffer, its state
 put into the one wrapped optimizer), stepped, and handed to a writer thread, which writes it
 into a temp file, fsyncs and renames it — into the *inactive* one of two slot directories,
-``D/rank{r}/slot0`` and ``slot1``. Only when every sub-group's write succeeded on EVERY rank
-(one 4-byte all-reduce agrees on it) is the step committed: ``D/rank{r}/CURRENT`` (written and
+``D/rank{r}/model{k}/slot0`` and ``slot1``. Only when every sub-group's write succeeded on EVERY
+rank (one 4-byte all-reduce agrees on it) is the step committed: ``.../model{k}/CURRENT`` (written and
 fsynced before the agreement, so committing needs no disk space) is renamed over the old
 pointer, the slots swap roles, and the new params (staged in the dead gradient buffers) are
 written into ``sb.local_param_shard()``. A failed write (a full disk) raises ``OSError`` naming
@@ -34,15 +34,25 @@ mapping of the last step is kept alive until the next one replaces it, so no new
 reuse its ``id``. Each element is updated by the same arithmetic as one step over everything,
 so the results are bitwise those of ``offload=None``.
 
+[Note: one directory per model]
+``r`` is the global rank (a tp or pp peer with the same dp rank may share the node and the
+``nvme_dir``), and ``k`` is the first index whose lock file ``D/rank{r}/model{k}.lock`` this
+instance could lock (``flock``, exclusive, held until the optimizer is garbage-collected). Two
+offloaded models in one job (actor and critic, a model and its EMA) given the same ``nvme_dir``
+therefore write ``model0/`` and ``model1/`` instead of each other's files. A lock dies with its
+process, so a crashed run's directory is simply reused by the next run's first model.
+
 Files are raw bytes (``file.write`` of the tensor's buffer, ``readinto`` a preallocated tensor):
 measured against ``torch.save``/``torch.load`` in docs/offload.md.
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import tempfile
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +64,7 @@ from shardkit.comm import all_reduce
 
 from .offload import CpuOffload, _piece, host_param_shards, placeholder
 
-__all__ = ["NvmeOffload", "read_tensors", "validate_nvme_dir", "write_tensors"]
+__all__ = ["NvmeOffload", "claim_model_dir", "read_tensors", "validate_nvme_dir", "write_tensors"]
 
 #: sub-groups whose write may be in flight while the next one steps (bounds host memory)
 MAX_PENDING_WRITES = 2
@@ -93,6 +103,35 @@ def _write_chunk(f: Any, data: memoryview) -> None:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
+def claim_model_dir(rank_root: str) -> tuple[str, int]:
+    """The first ``rank_root/model{k}`` no live model holds; lock it for the caller.
+
+    See [Note: one directory per model].
+
+    Args:
+        rank_root: this rank's directory under ``nvme_dir`` (created if missing).
+
+    Returns:
+        ``(directory, fd)``: the model's directory (not yet created) and the open lock file,
+        whose ``os.close`` releases the claim.
+
+    Example:
+        >>> d0, fd0 = claim_model_dir("/nvme/rank0")   # "/nvme/rank0/model0"
+        >>> d1, fd1 = claim_model_dir("/nvme/rank0")   # "/nvme/rank0/model1" while fd0 is open
+    """
+    os.makedirs(rank_root, exist_ok=True)
+    k = 0
+    while True:
+        fd = os.open(os.path.join(rank_root, f"model{k}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            k += 1
+            continue
+        return os.path.join(rank_root, f"model{k}"), fd
 
 
 def write_tensors(path: str, tensors: list[torch.Tensor], *, nvme_dir: str) -> None:
@@ -169,7 +208,8 @@ class NvmeOffload(CpuOffload):
         self, sdp: Any, optimizer_class: type, groups: list[dict[str, Any]], optimizer_kwargs: Mapping[str, Any]
     ) -> None:
         self.nvme_dir = validate_nvme_dir(sdp.nvme_dir)
-        self.root = os.path.join(self.nvme_dir, f"rank{sdp.ctx.rank('dp')}")
+        self.root, lock_fd = claim_model_dir(os.path.join(self.nvme_dir, f"rank{sdp.ctx.global_rank}"))
+        weakref.finalize(self, os.close, lock_fd)  # closing the file releases the lock
         for slot in (0, 1):
             os.makedirs(os.path.join(self.root, f"slot{slot}"), exist_ok=True)
         self.active = 0  # the slot holding the committed state
