@@ -392,7 +392,7 @@ def test_cli_plan_stage_breakdown_offload_and_suffixes(capsys: pytest.CaptureFix
     out = capsys.readouterr().out
     rows = _rows(out)
     assert rows["2"][:3] == ["4.00", "0.500", "0"]  # fp32: params 4Ψ, grads 4Ψ/8, optimizer on the host
-    assert rows["2"][6] == "0.500"  # host: fp32 grad shard (SGD has no state)
+    assert rows["2"][6] == "1.00"  # host: fp32 grad shard + the fp32 master the host step updates (4Ψ/8 each)
     assert "ZeRO-2 (stage 2)" in out and "cpu (offload)" in out
 
 

@@ -409,14 +409,21 @@ def plan_memory(
     # Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer step runs on the host, on an fp32
     # copy of this rank's gradient shard (copied during backward in the grad dtype: a G-byte
     # staging copy too when G ≠ 4); NVMe keeps the state in files, two sub-groups staged.
+    # The host step needs an fp32 master next to the moments: in mixed precision K counts it
+    # already; with fp32 params K has none (the device step updates the params in place), so the
+    # offloaded state is 4 bytes per shard element more - except a cpu-offloaded fp32 parameter
+    # shard, which is itself the master ([Note: offloaded parameter shards]).
     cpu = nvme = 0
     if offload is not None:
         cpu = 4 * shard_t + (gb * shard_t if gb != 4 else 0)
+        host_is_master = offload == "cpu" and offload_params and precision == "fp32"
+        extra = 4 if (master == 0 and precision == "fp32" and not host_is_master) else 0
+        off_state = opt + extra * (sum(layout.shards) if layout is not None else shard_t)
         if offload == "cpu":
-            cpu += opt
+            cpu += off_state
         else:
-            nvme += opt
-            cpu += 2 * k * min(nvme_subgroup_params, shard_t)
+            nvme += off_state
+            cpu += 2 * (k + extra) * min(nvme_subgroup_params, shard_t)
         opt = master = 0
         if offload_params:  # host memory for both targets ([Note: offloaded parameter shards])
             cpu += params
