@@ -20,7 +20,8 @@ Math, per token ``i`` with target ``t_i`` (fp32 throughout), ``V`` the real voca
 
       loss_i = (1 - ε) (lse_i - x_t,i) + ε (lse_i - Σ_r q_ri / V) + z lse_i²
 
-* gradient pass (:func:`ce_grad_`), in place over the shard, with ``p_ic = exp(x_ic - lse_i)``
+* gradient pass (:func:`ce_grad` into a separate buffer, :func:`ce_grad_` in place over the
+  shard), with ``p_ic = exp(x_ic - lse_i)``
   and ``g_i`` the upstream gradient of ``loss_i`` (already divided by the token count for
   ``reduction="mean"``)::
 
@@ -42,11 +43,12 @@ bytes and emits 128-bit accesses; a mask on an arbitrary width would force scala
 [Note: bounded working memory]
 Neither pass materializes anything of size ``T x Vs`` besides the logits themselves: the
 kernels stream each row in ``BLOCK``-column pieces (one program per token, an online max/sum-exp
-as in Liger-Kernel's cross-entropy), and the gradient overwrites the logits. The torch fast path
-(CPU) works in fp32, so it processes ``chunk_elements // Vs`` tokens at a time, whatever ``T``
-is: the stats pass holds one fp32 temporary of ``chunk_elements`` values (two for bf16 logits:
-the upcast chunk too), the gradient pass none for fp32 logits (it works on the logits in place)
-and one upcast chunk for bf16.
+as in Liger-Kernel's cross-entropy); the gradient goes to ``out`` — the logits themselves for
+:func:`ce_grad_`, one ``[T, Vs]`` buffer of the logits' dtype for :func:`ce_grad`. The torch fast
+path (CPU) works in fp32, so it processes ``chunk_elements // Vs`` tokens at a time, whatever
+``T`` is: the stats pass holds one fp32 temporary of ``chunk_elements`` values (two for bf16
+logits: the upcast chunk too), the gradient pass none for fp32 (it works in ``out``) and one
+upcast chunk for bf16.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import triton.language as tl
 from .runtime import Backend, resolve_backend, triton_helper, triton_kernel
 from .tl_helpers import round_to, widen
 
-__all__ = ["ce_shard_stats", "ce_grad_", "ce_launch_config", "DEFAULT_CHUNK_ELEMENTS", "AOT_CONFIGS"]
+__all__ = ["ce_shard_stats", "ce_grad", "ce_grad_", "ce_launch_config", "DEFAULT_CHUNK_ELEMENTS", "AOT_CONFIGS"]
 
 #: fp32 elements the torch fast path may hold at once (see [Note: bounded working memory]).
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
@@ -124,11 +126,13 @@ def _ce_stats_kernel(
 
 
 def _ce_grad_kernel(
-    x_ptr,  # [n_rows, n_cols] logits shard, overwritten with the gradient; unit column stride
+    x_ptr,  # [n_rows, n_cols] logits shard; unit column stride
+    g_ptr,  # [n_rows, n_cols] out: the gradient, logits' dtype; may be x_ptr itself (in place)
     target_ptr,  # int64 [n_rows]
     lse_ptr,  # fp32 [n_rows]: global log-sum-exp over all ranks' valid columns
     coef_ptr,  # fp32 [n_rows]: upstream gradient of each token's loss (g_i)
     stride_xm: tl.int64,
+    stride_gm: tl.int64,
     n_cols: tl.int32,  # shard width, padding included (pad columns get 0)
     n_valid: tl.int32,
     vocab_start: tl.int64,
@@ -141,8 +145,10 @@ def _ce_grad_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
-    if ALIGNED:
+    g_row = g_ptr + row * stride_gm
+    if ALIGNED:  # both rows: the launcher checks logits and gradient
         x_row = tl.multiple_of(x_row, 16)
+        g_row = tl.multiple_of(g_row, 16)
     t = tl.load(target_ptr + row)
     local = t - vocab_start
     keep = t != ignore_index
@@ -151,18 +157,18 @@ def _ce_grad_kernel(
     p_scale = coef * (1.0 + 2.0 * z_loss * lse)  # d(lse + z lse²)/dx = p (1 + 2 z lse)
     hot = coef * (1.0 - smoothing)
     flat = coef * smooth_per_class
-    dtype = x_ptr.dtype.element_ty
+    dtype = g_ptr.dtype.element_ty
     n_full = (n_cols // BLOCK) * BLOCK  # [Note: full pieces]
     for start in range(0, n_full, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = widen(tl.load(x_row + cols))
         g = _grad_piece(x, cols, local, lse, p_scale, hot, flat, n_valid, keep)
-        tl.store(x_row + cols, round_to(g, dtype))
+        tl.store(g_row + cols, round_to(g, dtype))
     if n_full < n_cols:
         cols = n_full + tl.arange(0, BLOCK)
         x = widen(tl.load(x_row + cols, mask=cols < n_cols, other=0.0))
         g = _grad_piece(x, cols, local, lse, p_scale, hot, flat, n_valid, keep)
-        tl.store(x_row + cols, round_to(g, dtype), mask=cols < n_cols)
+        tl.store(g_row + cols, round_to(g, dtype), mask=cols < n_cols)
 
 
 _STATS = triton_kernel(_ce_stats_kernel)
@@ -281,6 +287,101 @@ def ce_shard_stats(
     return stats
 
 
+def ce_grad(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    coef: torch.Tensor,
+    *,
+    vocab_size: int,
+    vocab_start: int = 0,
+    n_valid: int | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    out: torch.Tensor | None = None,
+    backend: Backend = "auto",
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """The cross-entropy gradient of the logits shard (see the module docstring), into ``out``.
+
+    Reads ``logits`` once and writes ``out`` once; ``logits`` is not modified unless ``out`` is
+    ``logits`` itself (which is :func:`ce_grad_`).
+
+    Args:
+        logits: ``[T, Vs]`` as for :func:`ce_shard_stats`.
+        target: int64 ``[T]``.
+        lse: fp32 ``[T]``: each token's log-sum-exp over the whole (unpadded) vocabulary.
+        coef: fp32 ``[T]``: upstream gradient of each token's loss (``grad_output / n`` for a
+            mean over ``n`` tokens). Ignored tokens get 0 whatever their ``coef``.
+        vocab_size: the real vocabulary size ``V`` (the smoothing term is ``ε / V``).
+        vocab_start, n_valid, ignore_index: as for :func:`ce_shard_stats`.
+        label_smoothing: ``ε`` in ``[0, 1]``, torch's definition.
+        z_loss: weight ``z`` of the ``z * lse²`` term.
+        out: ``[T, Vs]`` of the logits' dtype and device, unit column stride (any row stride);
+            default a new contiguous tensor.
+        backend, chunk_elements: as for :func:`ce_shard_stats`.
+
+    Returns:
+        ``out``, holding the gradient (pad columns 0).
+
+    Example:
+        >>> grad = ce_grad(logits_shard, target, lse, coef, vocab_size=50257, vocab_start=r * Vs)
+    """
+    n_valid = logits.shape[1] if n_valid is None else int(n_valid)
+    _check(logits, target, n_valid)
+    n_rows, n_cols = logits.shape
+    for name, t in (("lse", lse), ("coef", coef)):
+        if t.shape != (n_rows,) or t.dtype != torch.float32 or t.device != logits.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous fp32 [{n_rows}] tensor on {logits.device}")
+    if out is None:
+        out = torch.empty(n_rows, n_cols, dtype=logits.dtype, device=logits.device)
+    elif (
+        out.shape != logits.shape
+        or out.dtype != logits.dtype
+        or out.device != logits.device
+        or (n_cols > 1 and out.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"out must be a {logits.dtype} [{n_rows}, {n_cols}] tensor on {logits.device} with unit column stride, "
+            f"got {out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}"
+        )
+    if n_rows == 0 or n_cols == 0:
+        return out
+    smooth = float(label_smoothing)
+    if resolve_backend(backend, logits.device) == "triton":
+        block, num_warps = ce_launch_config(logits.device, n_cols)
+        args = (logits, out, target, lse, coef, logits.stride(0), out.stride(0), n_cols, n_valid, vocab_start, ignore_index)
+        aligned = _rows_aligned(logits) and _rows_aligned(out)
+        _GRAD[(n_rows,)](*args, smooth, smooth / vocab_size, float(z_loss), ALIGNED=aligned, BLOCK=block, num_warps=num_warps)
+        return out
+    inplace = out.data_ptr() == logits.data_ptr() and out.stride() == logits.stride()
+    keep = target != ignore_index
+    local = target - vocab_start
+    hit = keep & (local >= 0) & (local < n_valid)
+    coef = torch.where(keep, coef, 0.0)
+    step = _rows_per_chunk(n_cols, chunk_elements)
+    for lo in range(0, n_rows, step):
+        hi = min(lo + step, n_rows)
+        c = coef[lo:hi].unsqueeze(1)
+        src, dst = logits[lo:hi, :n_valid], out[lo:hi, :n_valid]
+        # fp32: computed in ``out`` itself (no temporary; a copy of the logits first unless in
+        # place); other dtypes go through one fp32 chunk
+        if dst.dtype == torch.float32:
+            g = dst if inplace else dst.copy_(src)
+        else:
+            g = src.float()
+        g.sub_(lse[lo:hi].unsqueeze(1)).exp_()
+        g.mul_(c * (1.0 + 2.0 * z_loss * lse[lo:hi].unsqueeze(1))).sub_(c * (smooth / vocab_size))
+        rows = hit[lo:hi].nonzero().squeeze(1)
+        g[rows, local[lo:hi][rows]] -= coef[lo:hi][rows] * (1.0 - smooth)
+        if g is not dst:
+            dst.copy_(g)
+        del g  # before the next chunk's copy exists
+        out[lo:hi, n_valid:] = 0
+    return out
+
+
 def ce_grad_(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -296,19 +397,10 @@ def ce_grad_(
     backend: Backend = "auto",
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
-    """Overwrite the logits shard with the cross-entropy gradient (see the module docstring).
+    """Overwrite the logits shard with the cross-entropy gradient: :func:`ce_grad` with
+    ``out=logits`` (no second ``[T, Vs]`` buffer; the logits are gone afterwards).
 
-    Args:
-        logits: ``[T, Vs]`` as for :func:`ce_shard_stats`; overwritten in place.
-        target: int64 ``[T]``.
-        lse: fp32 ``[T]``: each token's log-sum-exp over the whole (unpadded) vocabulary.
-        coef: fp32 ``[T]``: upstream gradient of each token's loss (``grad_output / n`` for a
-            mean over ``n`` tokens). Ignored tokens get 0 whatever their ``coef``.
-        vocab_size: the real vocabulary size ``V`` (the smoothing term is ``ε / V``).
-        vocab_start, n_valid, ignore_index: as for :func:`ce_shard_stats`.
-        label_smoothing: ``ε`` in ``[0, 1]``, torch's definition.
-        z_loss: weight ``z`` of the ``z * lse²`` term.
-        backend, chunk_elements: as for :func:`ce_shard_stats`.
+    Args: as for :func:`ce_grad`; ``logits`` is overwritten.
 
     Returns:
         ``logits``, now holding the gradient (pad columns 0).
@@ -316,42 +408,21 @@ def ce_grad_(
     Example:
         >>> grad = ce_grad_(logits_shard, target, lse, coef, vocab_size=50257, vocab_start=r * Vs)
     """
-    n_valid = logits.shape[1] if n_valid is None else int(n_valid)
-    _check(logits, target, n_valid)
-    n_rows, n_cols = logits.shape
-    for name, t in (("lse", lse), ("coef", coef)):
-        if t.shape != (n_rows,) or t.dtype != torch.float32 or t.device != logits.device or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous fp32 [{n_rows}] tensor on {logits.device}")
-    if n_rows == 0 or n_cols == 0:
-        return logits
-    smooth = float(label_smoothing)
-    if resolve_backend(backend, logits.device) == "triton":
-        block, num_warps = ce_launch_config(logits.device, n_cols)
-        args = (logits, target, lse, coef, logits.stride(0), n_cols, n_valid, vocab_start, ignore_index)
-        _GRAD[(n_rows,)](
-            *args, smooth, smooth / vocab_size, float(z_loss), ALIGNED=_rows_aligned(logits), BLOCK=block, num_warps=num_warps
-        )
-        return logits
-    keep = target != ignore_index
-    local = target - vocab_start
-    hit = keep & (local >= 0) & (local < n_valid)
-    coef = torch.where(keep, coef, 0.0)
-    step = _rows_per_chunk(n_cols, chunk_elements)
-    for lo in range(0, n_rows, step):
-        hi = min(lo + step, n_rows)
-        c = coef[lo:hi].unsqueeze(1)
-        view = logits[lo:hi, :n_valid]
-        # fp32 logits are overwritten in place (no temporary at all); others go through one fp32 chunk
-        g = view if view.dtype == torch.float32 else view.float()
-        g.sub_(lse[lo:hi].unsqueeze(1)).exp_()
-        g.mul_(c * (1.0 + 2.0 * z_loss * lse[lo:hi].unsqueeze(1))).sub_(c * (smooth / vocab_size))
-        rows = hit[lo:hi].nonzero().squeeze(1)
-        g[rows, local[lo:hi][rows]] -= coef[lo:hi][rows] * (1.0 - smooth)
-        if g is not view:
-            view.copy_(g)
-        del g  # before the next chunk's copy exists
-        logits[lo:hi, n_valid:] = 0
-    return logits
+    return ce_grad(
+        logits,
+        target,
+        lse,
+        coef,
+        vocab_size=vocab_size,
+        vocab_start=vocab_start,
+        n_valid=n_valid,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        out=logits,
+        backend=backend,
+        chunk_elements=chunk_elements,
+    )
 
 
 def _aot_configs() -> list[dict]:
@@ -374,11 +445,11 @@ def _aot_configs() -> list[dict]:
             dict(
                 kernel=_GRAD,
                 name=f"ce_grad_{suffix}",
-                pointers=dict(x_ptr=ty, target_ptr="*i64", lse_ptr="*fp32", coef_ptr="*fp32"),
+                pointers=dict(x_ptr=ty, g_ptr=ty, target_ptr="*i64", lse_ptr="*fp32", coef_ptr="*fp32"),
                 num_warps=num_warps,
                 constexprs=dict(ALIGNED=True, BLOCK=block),
                 elements_per_program=block,
-                bytes_per_element=2 * size,  # read the logits, write the gradient over them
+                bytes_per_element=2 * size,  # read the logits, write the gradient
             )
         )
     return out

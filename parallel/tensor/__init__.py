@@ -34,9 +34,11 @@ from .plan import (
 )
 from .hf_plans import hf_gpt2_plan, hf_llama_plan, llama_plan
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_tp_sharded
+from .rng import add_tp_rng_region_, set_tp_rng_stream, tp_rng_region
 from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm, make_sequence_parallel_, share_sequence_parallel_grads
 
 __all__ = [
+    "add_tp_rng_region_",
     "clip_grad_norm_tp_",
     "is_tp_sharded",
     "Colwise",
@@ -69,6 +71,8 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "scatter_to_sequence_region",
     "scatter_to_tp_region",
+    "set_tp_rng_stream",
+    "tp_rng_region",
     "vocab_parallel_cross_entropy",
     "vocab_shard_range",
 ]

@@ -5,12 +5,27 @@ column-parallel LM head); no rank ever holds the full ``[tokens, V]`` logits. Fo
 over the shard gives per-token ``(max, sum-exp, target logit, logit sum)``
 (:func:`shardkit.kernels.cross_entropy.ce_shard_stats`); two all-reduces over tp combine them
 (``max`` of the maxima, then one ``sum`` of ``[3, T]``: the sum-exps rescaled to the global max,
-the target logits — non-zero on exactly one rank — and the logit sums). Backward: the gradient
-is written into the logits shard in place (:func:`~shardkit.kernels.cross_entropy.ce_grad_`), with
-no communication: each rank's gradient is local to its columns.
+the target logits — non-zero on exactly one rank — and the logit sums, plus the count of
+out-of-range targets). Backward: the gradient of the shard, with no communication: each rank's
+gradient is local to its columns (see [Note: where the gradient is written]).
 
-Communication per call, ``T`` tokens: all-reduce ``4T`` bytes (max) + ``12T`` bytes (sums), in
-CommStats' payload unit, vs. ``2 T V`` or more to gather bf16 logits.
+Communication per call, ``T`` tokens: all-reduce ``4T`` bytes (max) + ``12T + 4`` bytes (sums
+and the target check; ``12T`` with ``check_targets=False``), in CommStats' payload unit, vs.
+``2 T V`` or more to gather bf16 logits.
+
+[Note: where the gradient is written]
+By default the backward pass writes the gradient into a new ``[T, Vs]`` buffer of the logits'
+dtype: the logits are an ordinary autograd input that other ops may also have saved (a z-penalty
+``logits.logsumexp(-1)``, a logging op, a soft-cap's ``tanh`` output), and overwriting them would
+hand those ops' backward the gradient instead of the logits. Nothing in autograd tells a node who
+else saved its input, so writing over the logits — which saves that buffer, the largest transient
+of an LM's backward at large vocabularies (``T * Vs`` elements: 1 GiB for 16k tokens of a 32k
+bf16 shard) — is the caller's promise: ``inplace_backward=True``. Even then the write bumps the
+logits' version counter, so a consumer the caller forgot fails autograd's saved-tensor check
+("modified by an inplace operation") instead of computing with the gradient. A leaf is never
+overwritten (the user's tensor), and logits whose layout cannot be flattened to ``[T, Vs]``
+without a copy (HF's ``logits[:, :-1, :]``) are copied in backward anyway: the gradient is then
+written over that private copy whatever the option.
 
 The math, including torch's label-smoothing definition and the z-loss, is in
 :mod:`shardkit.kernels.cross_entropy`.
@@ -24,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce
-from shardkit.kernels.cross_entropy import ce_grad_, ce_shard_stats
+from shardkit.kernels.cross_entropy import ce_grad, ce_shard_stats
 from shardkit.kernels.runtime import Backend
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_shard_range"]
@@ -60,17 +75,26 @@ class _VocabParallelCE(torch.autograd.Function):
         reduction: str,
         backend: Backend,
         stats: CommStats | None,
+        inplace_backward: bool,
+        check_targets: bool,
     ) -> torch.Tensor:
         shard = logits.shape[-1]
-        x = logits.reshape(-1, shard)
+        x = logits.reshape(-1, shard)  # a copy only for a layout that cannot be flattened
         t = target.reshape(-1)
+        n = t.shape[0]
         start, n_valid = vocab_shard_range(vocab_size, shard, group.rank())
         local = ce_shard_stats(x, t, vocab_start=start, n_valid=n_valid, ignore_index=ignore_index, backend=backend)
         m = local[0].clone()
         all_reduce(m, group=group, op="max", stats=stats)
         # A shard with no valid column has m = -inf, s = 0: it contributes 0, not 0 * inf = nan.
-        sums = torch.stack([torch.where(local[1] > 0, local[1] * torch.exp(local[0] - m), 0.0), local[2], local[3]])
+        parts = [torch.where(local[1] > 0, local[1] * torch.exp(local[0] - m), 0.0), local[2], local[3]]
+        if check_targets:  # one more float in the same all-reduce: every rank learns the total
+            parts.append(_out_of_range(t, vocab_size, ignore_index).float().sum().reshape(1))
+        sums = torch.cat(parts)
         all_reduce(sums, group=group, op="sum", stats=stats)
+        if check_targets and sums[3 * n] > 0:  # the same verdict on every rank: all raise, none waits
+            raise IndexError(_target_error(t, vocab_size, ignore_index, int(sums[3 * n])))
+        sums = sums[: 3 * n].view(3, n)
         lse = m + torch.log(sums[0])
         keep = t != ignore_index
         loss = (1.0 - smoothing) * (lse - sums[1]) + z_loss * lse * lse
@@ -79,8 +103,8 @@ class _VocabParallelCE(torch.autograd.Function):
         loss = torch.where(keep, loss, 0.0)
         n_keep = keep.sum()
         ctx.save_for_backward(logits, t, lse.contiguous(), n_keep)
-        # A leaf's storage is the user's tensor: never overwrite it with its own gradient.
-        ctx.copy_first = logits.is_leaf
+        # A leaf's storage is the user's tensor: never overwritten with its own gradient.
+        ctx.inplace = inplace_backward and not logits.is_leaf
         ctx.args = (vocab_size, start, n_valid, ignore_index, smoothing, z_loss, reduction, backend)
         if reduction == "sum":
             return loss.sum()
@@ -96,12 +120,32 @@ class _VocabParallelCE(torch.autograd.Function):
         if reduction == "mean":
             coef = coef / n_keep
         coef = coef.reshape(-1).expand(t.shape[0]).contiguous()
-        if ctx.copy_first:
-            logits = logits.clone()
-        x = logits.view(-1, logits.shape[-1])  # the saved tensor's own storage: written in place
+        x = logits.reshape(-1, logits.shape[-1])
+        # [Note: where the gradient is written]: over a private copy, over the logits when the
+        # caller allows it, else into a new buffer.
+        private = logits.numel() > 0 and x.data_ptr() != logits.data_ptr()
+        out = x if private or ctx.inplace else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         options = dict(vocab_start=start, n_valid=n_valid, ignore_index=ignore_index, backend=backend)
-        ce_grad_(x, t, lse, coef, vocab_size=vocab_size, label_smoothing=smoothing, z_loss=z_loss, **options)
-        return logits, None, None, None, None, None, None, None, None, None
+        ce_grad(x, t, lse, coef, vocab_size=vocab_size, label_smoothing=smoothing, z_loss=z_loss, out=out, **options)
+        if out is x and not private:
+            # The kernel's stores are invisible to autograd: another saved use of the logits must
+            # fail its version check, not read the gradient.
+            torch.autograd.graph.increment_version(logits)
+        return out.view(logits.shape), None, None, None, None, None, None, None, None, None, None, None
+
+
+def _out_of_range(t: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    return (t != ignore_index) & ((t < 0) | (t >= vocab_size))
+
+
+def _target_error(t: torch.Tensor, vocab_size: int, ignore_index: int, total: int) -> str:
+    bad = t[_out_of_range(t, vocab_size, ignore_index)]
+    here = f"e.g. {bad[:4].tolist()} on this rank" if bad.numel() else "none of them on this rank"
+    return (
+        f"vocab_parallel_cross_entropy: targets outside [0, {vocab_size}) that are not ignore_index={ignore_index} "
+        f"({total} counted over the tp ranks' targets; {here}); F.cross_entropy raises IndexError too. "
+        "check_targets=False skips this check (its host sync)"
+    )
 
 
 def vocab_parallel_cross_entropy(
@@ -116,6 +160,8 @@ def vocab_parallel_cross_entropy(
     vocab_size: int | None = None,
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    inplace_backward: bool = False,
+    check_targets: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy over logits split along the vocabulary across the tp ranks.
 
@@ -124,14 +170,17 @@ def vocab_parallel_cross_entropy(
     (PaLM's z-loss, ``lse`` the log-sum-exp of the token's logits). Computed in fp32 whatever
     the logits' dtype; the loss is fp32.
 
-    The backward pass writes the gradient into ``logits_shard``'s storage: do not use the logits
-    after calling backward (a leaf tensor is copied first, so a user's parameter is never
-    overwritten). See [Note: bounded working memory] in :mod:`shardkit.kernels.cross_entropy`.
+    The logits may have other consumers (a z-penalty, a logging op) and any layout with unit
+    stride along the vocabulary (e.g. ``logits[:, :-1, :]``). The backward pass writes the
+    gradient into a new buffer unless ``inplace_backward`` (see [Note: where the gradient is
+    written] and [Note: bounded working memory] in :mod:`shardkit.kernels.cross_entropy`).
 
     Args:
         logits_shard: ``[..., Vs]`` fp32/bf16/fp16: this tp rank's contiguous ``Vs`` columns
-            (rank ``r`` holds classes ``[r Vs, (r+1) Vs)``), the same ``Vs`` on every rank.
-        target: int64 ``[...]`` (the logits' leading shape): global class indices.
+            (rank ``r`` holds classes ``[r Vs, (r+1) Vs)``), the same ``Vs`` on every rank; any
+            strides (a layout that cannot be flattened to ``[T, Vs]`` is copied).
+        target: int64 ``[...]`` (the logits' leading shape): global class indices in ``[0, V)``
+            or ``ignore_index``; the same on every tp rank.
         ctx: the parallel context; the statistics are all-reduced over ``ctx.group("tp")``.
         ignore_index: targets equal to it add nothing to the loss or the gradient, and are not
             counted by ``reduction="mean"``.
@@ -143,16 +192,26 @@ def vocab_parallel_cross_entropy(
             ``V`` are padding and are masked (never win the max, get zero gradient).
         backend: see :func:`shardkit.kernels.runtime.resolve_backend`.
         stats: optional CommStats recording the two all-reduces.
+        inplace_backward: write the gradient over ``logits_shard`` (saves one ``[T, Vs]``
+            buffer in backward). Only when nothing else uses the logits: no other op saved them
+            for its backward (one that did raises autograd's in-place error) and nobody reads
+            them after backward. Leaves are never overwritten.
+        check_targets: raise ``IndexError`` on every tp rank when a target is outside
+            ``[0, V)`` and not ``ignore_index`` (as ``F.cross_entropy``). Costs 4 bytes in the
+            existing all-reduce and one host sync; ``False`` skips it (such a target then has
+            no target logit: a finite, wrong loss).
 
     Returns:
         fp32 loss: a scalar, or ``[...]`` for ``reduction="none"``.
 
     Raises:
         ValueError / TypeError: bad shapes, dtypes or options, before any collective.
+        IndexError: an out-of-range target (``check_targets``), on every tp rank alike.
 
     Example:
-        >>> logits_shard = head(h)                        # ColumnParallelLinear, [b, s, V/tp]
-        >>> loss = vocab_parallel_cross_entropy(logits_shard, targets, ctx=ctx)
+        >>> logits = head(h)                              # VocabParallelLMHead, [b, s, V/tp]
+        >>> loss = vocab_parallel_cross_entropy(logits[:, :-1], ids[:, 1:], ctx=ctx, vocab_size=V)
+        >>> loss = loss + 1e-4 * logits.float().logsumexp(-1).square().mean()   # another consumer: fine
         >>> loss.backward()
     """
     group = ctx.group("tp")
@@ -180,5 +239,16 @@ def vocab_parallel_cross_entropy(
             f"vocab_size={vocab_size} does not fit {tp} shards of {logits_shard.shape[-1]} columns (at most {padded})"
         )
     return _VocabParallelCE.apply(
-        logits_shard, target, group, vocab_size, ignore_index, float(label_smoothing), float(z_loss), reduction, backend, stats
+        logits_shard,
+        target,
+        group,
+        vocab_size,
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        reduction,
+        backend,
+        stats,
+        bool(inplace_backward),
+        bool(check_targets),
     )

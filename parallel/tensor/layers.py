@@ -51,6 +51,7 @@ from .functions import (
     reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
 )
+from .rng import set_tp_rng_stream
 from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "SequenceParallelNorm", "is_tp_sharded"]
@@ -258,9 +259,9 @@ class ColumnParallelLinear(_ShardedLinear):
         if self.sequence_parallel:
             _check_seq(type(self).__name__, x, 1)
         if self.tp == 1:
-            y = F.linear(x, self.weight, self.bias)
-        else:
-            y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel, self.stats)
+            return F.linear(x, self.weight, self.bias)
+        y = _ColumnLinear.apply(x, self.weight, self.bias, self.group, self.sequence_parallel, self.stats)
+        set_tp_rng_stream(sharded=not self.gather_output)  # [Note: tensor-parallel RNG streams]
         if not self.gather_output:
             return y
         y = gather_from_tp_region(y, group=self.group, stats=self.stats)
@@ -362,6 +363,8 @@ class RowParallelLinear(_ShardedLinear):
             # partial is F.linear's fresh output, saved by no backward: summed in place
             y = reduce_from_tp_region(partial, group=self.group, stats=self.stats, inplace=True)
             bias = self.bias
+        if self.tp > 1:  # the output: sequence shards, or replicated ([Note: tensor-parallel RNG streams])
+            set_tp_rng_stream(sharded=self.sequence_parallel)
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
@@ -372,9 +375,15 @@ class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding`` with the vocabulary (rows of ``weight [V, D]``) split over tp.
 
     Rank ``r`` holds rows ``[r Vs, (r+1) Vs)``, ``Vs = ceil(V / tp)``, zero-padded past ``V``.
-    Each rank looks up the ids in its range (others give 0) and the results are all-reduced
-    (reduce-scattered along the sequence with ``sequence_parallel``). The same weight can serve
-    as a tied column-parallel LM head: ``logits_shard = copy_to_tp_region(h) @ emb.weight.t()``.
+    Each rank looks up the ids in its range of real rows (others give 0) and the results are
+    all-reduced (reduce-scattered along the sequence with ``sequence_parallel``). The same weight
+    can serve as a tied column-parallel LM head: ``logits_shard = copy_to_tp_region(h) @
+    emb.weight.t()``.
+
+    Ids outside ``[0, V)`` raise ``IndexError`` as ``nn.Embedding`` does — on every tp rank
+    alike, from one all-reduce of 24 bytes (a rank that raised alone would leave the others
+    waiting in the lookup's collective), at the cost of a host sync. With ``check_ids=False`` they
+    give zero vectors and no gradient; the pad rows past ``V`` never get one either way.
 
     Args:
         num_embeddings: the real vocabulary size ``V`` (any size; padded per rank).
@@ -385,10 +394,13 @@ class VocabParallelEmbedding(nn.Module):
         dtype, device, stats: as for :class:`ColumnParallelLinear`.
         init_method: optional in-place initializer of the full ``[V, D]`` weight (default
             ``nn.Embedding``'s ``normal_``); ``padding_idx``'s row is zeroed after it.
+        check_ids: check that every id is in ``[0, V)`` (the attribute of the same name can be
+            changed later, e.g. off once the data pipeline is trusted).
 
     Raises:
         ValueError: bad ``padding_idx``; non-integer ids or a sequence length not divisible by tp
             (with ``sequence_parallel``), before any collective.
+        IndexError: in ``forward``, an id outside ``[0, V)`` (``check_ids``), on every tp rank.
 
     Example:
         >>> torch.manual_seed(0)
@@ -408,6 +420,7 @@ class VocabParallelEmbedding(nn.Module):
         device: torch.device | str | None = None,
         init_method: Callable[[torch.Tensor], Any] | None = None,
         stats: CommStats | None = None,
+        check_ids: bool = True,
     ) -> None:
         super().__init__()
         if padding_idx is not None:
@@ -417,9 +430,11 @@ class VocabParallelEmbedding(nn.Module):
         self.group = ctx.group("tp")
         self.tp, self.tp_rank = self.group.size(), self.group.rank()
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
-        self.sequence_parallel, self.stats = sequence_parallel, stats
+        self.sequence_parallel, self.stats, self.check_ids = sequence_parallel, stats, check_ids
         self.per_rank = -(-num_embeddings // self.tp)
         self.vocab_start = self.tp_rank * self.per_rank
+        # real rows of this shard: the rest pad V to tp * Vs and must never be looked up
+        self.n_valid = max(0, min(self.per_rank, num_embeddings - self.vocab_start))
         weight = torch.empty(num_embeddings, embedding_dim)
         (init_method or nn.init.normal_)(weight)  # default: nn.Embedding.reset_parameters
         if padding_idx is not None:
@@ -458,18 +473,47 @@ class VocabParallelEmbedding(nn.Module):
                 raise ValueError(
                     f"{name}: sequence length {tuple(idx.shape)[-1:]} (last dim of the ids) is not divisible by the tp size {self.tp}"
                 )
+        if self.check_ids:
+            self._check_ids(idx)
         local_pad = None
         if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < self.per_rank:
             local_pad = self.padding_idx - self.vocab_start
+        local = idx - self.vocab_start
+        outside = (local < 0) | (local >= self.n_valid)  # other ranks' rows, pad rows, bad ids
+        if self.tp == 1 and not self.check_ids:
+            # F.embedding would raise (CPU) or assert on the device (CUDA): unchecked ids give 0
+            out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=local_pad)
+            return out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.tp == 1:
             return F.embedding(idx, self.weight, padding_idx=local_pad)
-        local = idx - self.vocab_start
-        outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return reduce_scatter_to_sequence_region(out, group=self.group, stats=self.stats)
-        return reduce_from_tp_region(out, group=self.group, stats=self.stats, inplace=True)  # masked_fill's own output
+            out = reduce_scatter_to_sequence_region(out, group=self.group, stats=self.stats)
+        else:
+            out = reduce_from_tp_region(out, group=self.group, stats=self.stats, inplace=True)  # masked_fill's own output
+        set_tp_rng_stream(sharded=self.sequence_parallel)  # [Note: tensor-parallel RNG streams]
+        return out
+
+    def _check_ids(self, idx: torch.Tensor) -> None:
+        """Raise ``IndexError`` on every tp rank if any rank's ids leave ``[0, V)``."""
+        if idx.numel() == 0:  # the same shape on every rank: all skip
+            return
+        # [count of bad ids, -min id, max id], max-reduced: the verdict and the message are the
+        # same on every rank, even if some rank's ids differ from the others' (a broken loader)
+        bad = ((idx < 0) | (idx >= self.num_embeddings)).sum()
+        summary = torch.stack([bad, -idx.min().long(), idx.max().long()])
+        if self.tp > 1:
+            all_reduce(summary, group=self.group, op="max", stats=self.stats)
+        n_bad, neg_lo, hi = summary.tolist()
+        if n_bad:
+            raise IndexError(
+                f"{type(self).__name__}: ids must be in [0, {self.num_embeddings}), got ids in [{-neg_lo}, {hi}] "
+                f"({n_bad} out of range on the worst tp rank), as nn.Embedding would raise. "
+                "check_ids=False skips this check (its all-reduce and host sync): such ids then give zero vectors"
+            )
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim} ({self.per_rank} rows/rank), tp={self.tp}"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim} ({self.per_rank} rows/rank), tp={self.tp}, check_ids={self.check_ids}"
+        )

@@ -31,10 +31,12 @@ shards and back, with the same plan.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -42,6 +44,7 @@ from shardkit.comm import CommStats, ParallelContext
 
 from .functions import copy_to_tp_region, gather_along, gather_from_sequence_region, scatter_to_sequence_region
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .rng import add_tp_rng_region_, set_tp_rng_stream
 from .sequence_parallel import make_sequence_parallel_, share_sequence_parallel_grads
 
 __all__ = [
@@ -162,8 +165,12 @@ class VocabParallelLMHead(nn.Module):
                 f"VocabParallelLMHead: input must have last dimension {self.weight.shape[1]}, got shape {tuple(x.shape)}"
             )
         if self.sequence_parallel:  # [b, s/tp, D] -> [b, s, D]; the gradient is reduce-scattered back
-            return F.linear(gather_from_sequence_region(x, group=self.group, stats=self.stats), self.weight)
-        return F.linear(copy_to_tp_region(x, group=self.group, stats=self.stats), self.weight)
+            y = F.linear(gather_from_sequence_region(x, group=self.group, stats=self.stats), self.weight)
+        else:
+            y = F.linear(copy_to_tp_region(x, group=self.group, stats=self.stats), self.weight)
+        if self.group.size() > 1:  # vocabulary shards: [Note: tensor-parallel RNG streams]
+            set_tp_rng_stream(sharded=True)
+        return y
 
 
 def _pattern_regex(pattern: str) -> re.Pattern:
@@ -320,12 +327,8 @@ def tensor_parallelize(
                     setattr(module, a, getattr(module, a) // tp)
             continue
         if isinstance(style, ScatterSequence):
-            group, seq_dim = ctx.group("tp"), style.seq_dim
             module.register_forward_pre_hook(
-                lambda m, args, g=group, d=seq_dim: (
-                    scatter_to_sequence_region(args[0], group=g, seq_dim=d, stats=stats),
-                    *args[1:],
-                )
+                functools.partial(_scatter_sequence, group=ctx.group("tp"), seq_dim=style.seq_dim, stats=stats)
             )
             continue
         if getattr(style, "transposed", False):
@@ -359,9 +362,32 @@ def tensor_parallelize(
         converted[name] = new
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    # dropout between a column- and a row-parallel layer (or on sequence shards) gets a mask per
+    # rank: a region in each module holding such layers ([Note: tensor-parallel RNG streams])
+    if tp > 1:
+        holders: dict[str, list[Style]] = {}
+        for name, (_, style) in matched.items():
+            if isinstance(style, (Colwise, Rowwise)):
+                holders.setdefault(name.rpartition(".")[0], []).append(style)
+        for parent, styles in holders.items():
+            cols = [st for st in styles if isinstance(st, Colwise)]
+            # the holder's input: sequence shards if its column layers gather them; with row
+            # layers only, the shard a column layer elsewhere made
+            sharded_input = any(st.sequence_parallel for st in cols) if cols else any(st.input_is_parallel for st in styles)
+            add_tp_rng_region_(model.get_submodule(parent) if parent else model, ctx=ctx, sharded_input=sharded_input)
     # sequence-parallel layers (built by hand or by the plan): one gradient all-reduce per backward
     share_sequence_parallel_grads(model, stats=stats)
     return model
+
+
+def _scatter_sequence(
+    module: nn.Module, args: tuple, *, group: dist.ProcessGroup, seq_dim: int, stats: CommStats | None
+) -> tuple:
+    """ScatterSequence's forward pre-hook: the first input becomes this rank's sequence chunk."""
+    x = scatter_to_sequence_region(args[0], group=group, seq_dim=seq_dim, stats=stats)
+    if group.size() > 1:  # sequence shards from here: [Note: tensor-parallel RNG streams]
+        set_tp_rng_stream(sharded=True)
+    return (x, *args[1:])
 
 
 def gpt_plan(*, tie_embeddings: bool = True, sequence_parallel: bool = False) -> dict[str, Style]:

@@ -221,7 +221,10 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
         plan = _plan(sum(p.numel() for p in held.values()), ecfg)
     else:
         plan = _plan(model, ecfg)
-    torch.manual_seed(cfg.seed + 1 + rank)  # independent dropout streams per rank
+    # Dropout: one stream per data-parallel replica and pipeline stage, the SAME on every tp rank
+    # (replicated activations must drop the same elements; tp-sharded regions derive their own
+    # per-rank streams from it, parallel/tensor/rng.py).
+    torch.manual_seed(cfg.seed + 1 + ctx.rank("dp") + 100_003 * ctx.rank("pp"))
 
     data_gen = torch.Generator().manual_seed(cfg.seed)  # [Note: one global batch whatever the layout]
     eval_gen = torch.Generator().manual_seed(cfg.seed + 12345)

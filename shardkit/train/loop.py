@@ -261,7 +261,11 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
         dp_options=cfg.strategy_options(),
     )
-    torch.manual_seed(cfg.seed + 1 + rank)  # independent dropout streams per rank
+    # Dropout: one stream per data-parallel replica and pipeline stage, the SAME on every tp rank
+    # (replicated activations must drop the same elements; tp-sharded regions derive their own
+    # per-rank streams from it, parallel/tensor/rng.py).
+    pp_rank = ctx.rank("pp") if ctx is not None else 0
+    torch.manual_seed(cfg.seed + 1 + dp_rank + 100_003 * pp_rank)
     decay = [p for p in par.parameters() if p.dim() >= 2]  # no decay on biases / LayerNorm
     no_decay = [p for p in par.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
