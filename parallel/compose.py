@@ -82,11 +82,19 @@ from .compose_options import PipelineOptions, axis_size, validate
 __all__ = ["ParallelModel", "PipelineOptions", "parallelize"]
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_IGNORE_INDEX = -100  # the default of F.cross_entropy and vocab_parallel_cross_entropy
 BlocksFn = Callable[[nn.Module], Sequence[nn.Module]]
 
 
 def _token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def _token_cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default loss under a pipeline: ``(sum, count)`` over the non-ignored targets, so the
+    micro-batches are weighted by their valid tokens ([Note: pipeline loss normalization])."""
+    t = targets.flatten()
+    return F.cross_entropy(logits.flatten(0, -2).float(), t, reduction="sum"), (t != _IGNORE_INDEX).sum()
 
 
 class ParallelModel:
@@ -359,9 +367,12 @@ def parallelize(
     # 1. tensor parallel (the plan names modules of the unsplit model)
     if tp_plan is not None and tp > 1:
         tensor_parallelize(model, ctx, dict(tp_plan), stats=stats)
+    pipe_loss = loss_fn
     if loss_fn is None:
         heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
         loss_fn = _vocab_parallel_loss(ctx, heads[0].vocab_size) if heads else _token_cross_entropy
+        # a pipeline weights a mean by y.numel(), padding included: its defaults return (sum, count)
+        pipe_loss = _vocab_parallel_loss(ctx, heads[0].vocab_size, pair=True) if heads else _token_cross_entropy_sum
     # 2. pipeline split, 3. activation checkpointing inside the stages
     if pp_size > 1:
         seq = list(blocks(model)) if blocks is not None else list(model)
@@ -374,12 +385,13 @@ def parallelize(
             ctx,
             schedule=opts.schedule,
             microbatches=opts.microbatches,
-            loss_fn=loss_fn,
+            loss_fn=pipe_loss,
             virtual_stages=opts.virtual_stages,
             split=opts.split,
             split_example=opts.split_example,
             checkpointing=checkpointing,
             stats=stats,
+            normalize_over_dp=True,  # ddp and ZeRO average p.grad over dp after the step
         )
         # 4. data parallel after each pipeline step: ddp a coalesced all-reduce (ParallelModel),
         # zero1/zero2 a reduce-scatter per bucket of this rank's stages (the ZeRO wrapper)
@@ -434,11 +446,18 @@ def _uncounted_tie_copies(pipe: PipelineParallel, ctx: ParallelContext) -> list[
     return out
 
 
-def _vocab_parallel_loss(ctx: ParallelContext, vocab_size: int) -> LossFn:
+def _vocab_parallel_loss(ctx: ParallelContext, vocab_size: int, *, pair: bool = False) -> Callable[..., Any]:
+    """The vocab-parallel token cross-entropy: the mean, or (``pair``, for a pipeline) ``(sum,
+    count)`` over the non-ignored targets."""
+
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, ctx=ctx, vocab_size=vocab_size, reduction="mean")
 
-    return loss
+    def loss_and_count(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = vocab_parallel_cross_entropy(logits, targets, ctx=ctx, vocab_size=vocab_size, reduction="sum")
+        return total, (targets != _IGNORE_INDEX).sum()
+
+    return loss_and_count if pair else loss
 
 
 def _by_dtype(grads: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:

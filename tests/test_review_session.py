@@ -22,8 +22,13 @@ from shardkit.parallel.pipeline.executor import GLOO_RECV_AHEAD
 D, VOCAB = 8, 11
 
 
+class _Interrupt(BaseException):
+    """Not an ``Exception``, as ``KeyboardInterrupt``: the executor does not drain the step's
+    transfers for it ([Note: a stage failing mid-step] covers exceptions in compute)."""
+
+
 class _Tripwire(nn.Module):
-    """Identity that raises on the forward calls numbered in ``fail_on`` (0-based)."""
+    """Identity that raises :class:`_Interrupt` on the forward calls numbered in ``fail_on`` (0-based)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -33,7 +38,7 @@ class _Tripwire(nn.Module):
         n, self.calls = self.calls, self.calls + 1
         if n in self.fail_on:
             time.sleep(self.delay)  # let the sends posted before the failure reach their peer
-            raise RuntimeError("tripwire")
+            raise _Interrupt("tripwire")
         return x
 
 
@@ -65,8 +70,9 @@ def _reference_check(pipe: PipelineParallel, blocks: list[nn.Module], x: torch.T
 
 
 def _failed_step_then_good_body(recv_ahead: int) -> float:
-    """gpipe p=2 m=4. Step 1 fails on both ranks: rank 0 in F0.1 (after SEND_F0.0 matched),
-    rank 1 in F1.0 (after waiting RECV_F1.0). With receives posted ahead, rank 1 still has
+    """gpipe p=2 m=4. Step 1 is interrupted on both ranks (not an Exception: nothing is
+    drained): rank 0 in F0.1 (after SEND_F0.0 matched), rank 1 in F1.0 (after waiting
+    RECV_F1.0). With receives posted ahead, rank 1 still has
     RECV_F1.1/RECV_F1.2 posted; their tags are the next step's too ([Note: a failed step's
     transfers]): the next step must raise the same RuntimeError on every rank before any P2P,
     and a new context and pipeline on the same blocks must train like one process."""
@@ -82,7 +88,7 @@ def _failed_step_then_good_body(recv_ahead: int) -> float:
             w.calls = 0
         blocks[1].fail_on, blocks[3].fail_on = {1}, {0}  # F0.1 on rank 0, F1.0 on rank 1
         blocks[1].delay = 1.0  # a send dropped unwaited never arrives: rank 1 must get F0.0 first
-        with pytest.raises(RuntimeError, match="tripwire"):
+        with pytest.raises(_Interrupt, match="tripwire"):
             pipe.step(x, y)
         blocks[1].fail_on, blocks[3].fail_on = set(), set()
         dist.barrier()  # both ranks are past the failed step

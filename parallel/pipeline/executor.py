@@ -27,13 +27,13 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.checkpoint import GraphExecGroup
 
-from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
+from shardkit.comm import CommStats, ParallelContext, all_reduce
 
 from .backward import WeightWork, backward_input, backward_weight
 from .evaluate import evaluate_pipeline
 from ..activation_checkpointing import checkpoint_blocks
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
-from .shapes import agree_step
+from .shapes import agree_step, broadcast_text
 from .split import SplitSpec, as_block_list, measure_block_times, split_blocks
 from .step_state import StepState, accumulate, apply_grads, collect_grads, give_back_grads, set_aside_grads
 from .p2p import post
@@ -63,8 +63,9 @@ class PipelineParallel:
         ctx: the :class:`~shardkit.comm.ParallelContext`; its ``pp`` axis is the pipeline.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zb-h1"``.
         microbatches: ``m >= 1`` (any value; a multiple of pp for interleaved).
-        loss_fn: ``loss_fn(output, target)`` returning the micro-batch's mean loss (scalar), or
-            ``(loss_sum, count)``; see [Note: pipeline loss normalization].
+        loss_fn: ``loss_fn(output, target)`` returning the micro-batch's mean loss (scalar,
+            weighted by ``target.numel()``), or ``(loss_sum, count)``: use the pair when some
+            targets are ignored (padding), see [Note: pipeline loss normalization].
         virtual_stages: stages per rank (``> 1`` only with ``"interleaved"``).
         split: ``"layers"``, ``"params"``, ``"time"`` or explicit stage sizes (see
             :func:`~shardkit.parallel.pipeline.split.partition`); ``"time"`` is collective, see
@@ -80,6 +81,11 @@ class PipelineParallel:
         checkpointing: ``False``, ``True`` (every block of this rank recomputes its forward in
             backward, see :func:`~shardkit.parallel.activation_checkpointing.checkpoint_blocks`)
             or ``"cpu"`` (the same, with the kept block inputs in CPU memory).
+        normalize_over_dp: the caller averages ``param.grad`` over ``ctx``'s dp axis after each
+            step (:func:`~shardkit.parallel.parallelize` does): normalize by the count of every
+            dp replica's batch (one more small all-reduce per step, on dp), so that average is
+            the global batch's token mean (see [Note: pipeline loss normalization]). False:
+            by this replica's own count.
 
     Raises:
         ValueError: bad schedule/sizes, interleaved with ``m % pp != 0``, more stages than
@@ -111,6 +117,7 @@ class PipelineParallel:
         tied: TiedSpec = (),
         checkpointing: bool | str = False,
         split_example: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        normalize_over_dp: bool = False,
     ) -> None:
         if not isinstance(ctx, ParallelContext):
             raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
@@ -125,6 +132,7 @@ class PipelineParallel:
                 f"the blocks on, or (input, target) to time the loss too), got {type(split_example).__name__}"
             )
         self.checkpointing = checkpointing
+        self.normalize_over_dp = bool(normalize_over_dp)
         self.ctx, self.loss_fn, self.stats = ctx, loss_fn, stats
         self.group, self.rank, p = ctx.group("pp"), ctx.rank("pp"), ctx.size("pp")
         # [Note: receives ahead on gloo]: gloo matches by tag and its sends never block
@@ -291,13 +299,20 @@ class PipelineParallel:
                 pipeline]); the returned loss is not scaled.
 
         Returns:
-            The global token-weighted mean loss, on every pp rank. Gradients are *added* to
-            ``param.grad`` of :meth:`parameters` (see [Note: pipeline loss normalization]).
+            The token-weighted mean loss of the batch, on every pp rank. Gradients are *added*
+            to ``param.grad`` of :meth:`parameters`; with ``normalize_over_dp`` and dp > 1 they
+            are normalized by the count of the whole global batch, for the caller's average
+            over dp (see [Note: pipeline loss normalization]).
 
         Raises:
             ValueError: on every rank, when any rank's inputs/targets are unusable or a stage
                 cannot take its predecessor's output (see [Note: the shape exchange]);
                 ``loss_scale`` not a finite number > 0 (before any communication).
+            RuntimeError: on every rank, at the end of the step, when a stage's forward,
+                backward or loss raised on any rank (see [Note: a stage failing mid-step] in
+                :mod:`~shardkit.parallel.pipeline.transfers`); the next step can run. Also at
+                the start of a step after one that failed in a transfer (see [Note: a failed
+                step's transfers]).
 
         Example:
             >>> loss = pipe.step(x, y, loss_scale=scaler.scale)   # grads = scale * dloss/dparam
@@ -334,7 +349,12 @@ class PipelineParallel:
                 if acts[n].kind in COMPUTE:
                     xfer.wait_for(acts[n])  # the lazy wait: [Note: posting receives ahead]
                     start = time.perf_counter()
-                    self._compute(acts[n], state)
+                    try:
+                        self._compute(acts[n], state)
+                    except Exception as exc:  # noqa: BLE001 - every rank raises it from finalize
+                        state.failure, state.cause = self._describe_failure(acts[n], exc), exc
+                        xfer.drain(acts[n + 1 :], post)  # the peers must not wait for this rank
+                        break
                     self.timeline.append(TimedAction(acts[n], start - t0, time.perf_counter() - t0))
                     n += 1
                     continue
@@ -344,8 +364,11 @@ class PipelineParallel:
                 self.communicate(acts[n:end], xfer)
                 n = end
             self._loop_s = time.perf_counter() - t0
-            assert not state.outputs and not state.w_pending and not xfer.pending, "schedule left work undone"
-            collect_grads(state)
+            if state.failure is None:
+                assert not state.outputs and not state.w_pending and not xfer.pending, "schedule left work undone"
+                collect_grads(state)
+            else:
+                give_back_grads(state)
         except BaseException:
             give_back_grads(state)  # nothing of a failed step reaches the caller's grads
             self._stale_p2p = xfer.in_flight()
@@ -353,6 +376,16 @@ class PipelineParallel:
         loss = self.finalize(state)
         assert len(self.microbatch_losses) == m
         return loss
+
+    def _describe_failure(self, a: Action, exc: Exception) -> str:
+        """The error every pp rank raises when compute ``a`` raised ``exc`` on this rank."""
+        blocks = self.stage_blocks[a.stage]
+        return (
+            f"pipeline step failed on pp rank {self.rank}: {a} (stage {a.stage}, blocks "
+            f"{blocks.start}..{blocks.stop - 1}, micro-batch {a.mb}) raised {type(exc).__name__}: {exc}. "
+            "Every pp rank raises this error; no gradient of the step reached param.grad and no "
+            "transfer is left in flight, so the next step can run"
+        )
 
     # ---- phases -------------------------------------------------------------------------------
     def _compute(self, a: Action, st: StepState) -> None:
@@ -456,25 +489,58 @@ class PipelineParallel:
         xfer.post(run, post)
 
     def finalize(self, st: StepState) -> float:
-        """Wait for the sends, broadcast the losses and counts from the last stage, and add the
-        accumulated gradients divided by the global count to ``param.grad``."""
+        """Wait for the sends; agree the step's outcome, per-micro-batch losses and counts over pp
+        (one all-reduce; the losses and counts come from the last stage) and, with
+        ``normalize_over_dp`` and dp > 1, the global count over dp (one more); add the accumulated gradients, normalized by that count
+        (see [Note: pipeline loss normalization]), to ``param.grad``.
+
+        Args:
+            st: the step (``st.failure``: this rank's error message when one of its computes
+                raised and its transfers were drained, else None).
+
+        Raises:
+            RuntimeError: on every rank, when a compute raised on any pp rank (of any dp replica,
+                with ``normalize_over_dp``; see [Note: a stage failing mid-step] in :mod:`~shardkit.parallel.pipeline.transfers`).
+            ValueError: on every rank, when the loss counted no token over the global batch.
+        """
         with record_function("shardkit::pipeline_finalize"):
             for h in st.sends:
                 h.wait()
-            m = self.schedule.microbatches
-            vec = torch.zeros(2 * m, dtype=torch.float64, device=self.ctx.device)
-            if self.is_last:
+            m, p, dev = self.schedule.microbatches, self.schedule.num_ranks, self.ctx.device
+            # [sums (m), counts (m), failed flag per pp rank (p)]: an all-reduce rather than a
+            # broadcast from the last stage, because any rank may have failed
+            vec = torch.zeros(2 * m + p, dtype=torch.float64, device=dev)
+            if st.failure is not None:
+                vec[2 * m + self.rank] = 1
+            elif self.is_last:
                 vec[:m] = torch.stack([t.to(vec) for t in st.loss_sums])
-                vec[m:] = torch.stack([t.to(vec) for t in st.counts])
-            broadcast(vec, src=self.schedule.num_ranks - 1, group=self.group, stats=self.stats)
-            sums, counts = vec[:m].tolist(), vec[m:].tolist()
-            total = sum(counts)
-            if total <= 0:
-                raise ValueError(f"the loss counted {total} tokens over the batch; loss_fn must count >= 1")
+                vec[m : 2 * m] = torch.stack([t.to(vec) for t in st.counts])
+            all_reduce(vec, group=self.group, stats=self.stats)
+            values = vec.tolist()
+            sums, counts = values[:m], values[m : 2 * m]
+            failed = [r for r in range(p) if values[2 * m + r]]
+            total = norm = sum(counts)
+            dp, failed_replicas = self.ctx.size("dp") if self.normalize_over_dp else 1, 0.0
+            if dp > 1:  # [Note: pipeline loss normalization]: the count of every dp replica's batch
+                both = torch.tensor([total, float(bool(failed))], dtype=torch.float64, device=dev)
+                all_reduce(both, group=self.ctx.group("dp"), stats=self.stats)
+                global_total, failed_replicas = both.tolist()
+                norm = global_total / dp  # the caller's average over dp divides by dp once more
+            if failed:  # [Note: a stage failing mid-step]: the first failed rank's message everywhere
+                raise RuntimeError(
+                    broadcast_text(st.failure or "", src=failed[0], rank=self.rank, group=self.group, device=dev)
+                ) from st.cause
+            if failed_replicas:
+                raise RuntimeError(
+                    "pipeline step failed on another dp replica (its pp ranks raise the reason); no gradient "
+                    "of the step reached param.grad"
+                )
+            if norm <= 0:
+                raise ValueError(f"the loss counted {norm * dp:g} tokens over the batch; loss_fn must count >= 1")
             self.tied.sync_grads(st.grad_acc)  # sum-form, before the division: see tied.py
-            apply_grads(st, counts, m)
+            apply_grads(st, counts, m, norm)
             self.microbatch_losses = [a / c if c else float("nan") for a, c in zip(sums, counts, strict=True)]
-            return sum(sums) / total
+            return sum(sums) / total if total else float("nan")
 
     # ---- helpers ------------------------------------------------------------------------------
     def _chunks(self, name: str, t: Any) -> list[torch.Tensor] | str:

@@ -25,7 +25,7 @@ from shardkit.comm import ParallelContext, all_reduce, broadcast
 from .p2p import META_LEN, decode_meta, encode_meta, irecv, isend, p2p_tag
 from .schedules import Schedule
 
-__all__ = ["agree_step", "describe", "exchange_shapes", "signature"]
+__all__ = ["agree_step", "broadcast_text", "describe", "exchange_shapes", "signature"]
 
 _MSG_BYTES = 2048
 Meta = tuple[torch.Size, torch.dtype]
@@ -124,12 +124,22 @@ def exchange_shapes(pipe: _Pipe, x_mbs: list | None, y_mbs: list | None) -> None
     broadcast(status, src=p - 1, group=pipe.group)
     failed = int(status[0])
     if failed >= 0:
-        buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8, device=dev)
-        if failed % p == pipe.rank:
-            raw = message.encode()[:_MSG_BYTES]
-            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(dev)
-        broadcast(buf, src=failed % p, group=pipe.group)
-        raise ValueError(bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace"))
+        raise ValueError(broadcast_text(message, src=failed % p, rank=pipe.rank, group=pipe.group, device=dev))
+
+
+def broadcast_text(text: str, *, src: int, rank: int, group: dist.ProcessGroup, device: torch.device) -> str:
+    """``src``'s ``text`` (its first 2048 UTF-8 bytes) on every rank of ``group``: one broadcast,
+    on the failure paths only, so that every rank raises the same message. Collective on ``group``.
+
+    Example:
+        >>> broadcast_text(message, src=failed_rank, rank=pipe.rank, group=pipe.group, device=dev)
+    """
+    buf = torch.zeros(_MSG_BYTES, dtype=torch.uint8, device=device)  # NCCL carries CUDA tensors only
+    if rank == src:
+        raw = text.encode()[:_MSG_BYTES]
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    broadcast(buf, src=src, group=group)
+    return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def agree_step(pipe: _Pipe, x_mbs: list | str | None, y_mbs: list | str | None) -> None:

@@ -9,9 +9,28 @@ unsplit model for any ``m`` and ``pp``. If ``loss_fn`` returns a pair ``(loss_su
 ``sum_i loss_sum_i / sum_i count_i``, still the global token mean, padding included correctly.
 Backward seeds each micro-batch with its *sum* (``n_i L_i`` or ``loss_sum_i``); parameter
 gradients accumulate in fp32 buffers over the micro-batches, and :meth:`~shardkit.parallel.pipeline.PipelineParallel.finalize`
-divides them by the global count, which the last stage broadcasts with the losses (one small
-broadcast per step), then adds them to ``param.grad``. Gradients therefore never depend on how
-the batch was cut into micro-batches.
+divides them by the global count, which the last stage contributes to the step's closing
+all-reduce over pp with the losses (one small all-reduce per step), then adds them to
+``param.grad``. Gradients therefore never depend on how the batch was cut into micro-batches.
+
+A mean-returning ``loss_fn`` over targets with ignored entries (``F.cross_entropy``'s
+``ignore_index``) is a mean over the *valid* tokens, which ``n_i = y.numel()`` mis-weights:
+micro-batches with more padding count too much, and an all-padding micro-batch's mean is
+``0/0 = nan``, which poisons the step. That is why :func:`~shardkit.parallel.parallelize`'s
+default losses (token cross-entropy, vocab-parallel cross-entropy) take the pair form under a
+pipeline: ``(sum over valid tokens, number of valid tokens)``; an all-padding micro-batch then
+adds ``(0, 0)``.
+
+With data parallelism (``ctx``'s dp axis > 1, ``PipelineParallel(normalize_over_dp=True)`` as
+:func:`~shardkit.parallel.parallelize` builds it) the dp replicas train other rows of the
+global batch and the caller averages ``param.grad`` over dp (``ParallelModel``'s all-reduce,
+ZeRO's reduce-scatter). Each replica's own count differs when the padding does, and an average of
+per-replica means is not the token mean of the global batch. So finalize also sums the count
+over dp (one more 16-byte all-reduce, on the dp group) and divides by ``N / dp``, ``N`` the
+count of the whole global batch: the dp average then gives exactly ``sum of every token's
+gradient / N``, the dense model's gradient on the global batch. The returned loss stays this
+replica's own (its batch's token mean, what :meth:`~shardkit.parallel.pipeline.PipelineParallel.evaluate`
+returns on the same batch).
 
 [Note: fp16 loss scaling in the pipeline]
 With ``step(..., loss_scale=S)`` the backward must see the magnitudes DeepSpeed's fp16 engines
@@ -75,6 +94,10 @@ class StepState:
         self.counts: list = [None] * m
         self.loss_scale: float | None = None  # S (fp16), or None: see [Note: fp16 loss scaling in the pipeline]
         self.seed: torch.Tensor | None = None  # S / (m * n_0), set at micro-batch 0's loss
+        # this rank's compute raised (its transfers drained): the message every rank raises, and
+        # the exception; see [Note: a stage failing mid-step] in transfers.py
+        self.failure: str | None = None
+        self.cause: Exception | None = None
 
 
 def set_aside_grads(st: StepState, params: Sequence[torch.Tensor]) -> None:
@@ -135,7 +158,7 @@ def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | No
             st.grad_acc[q] = g.detach().to(torch.float32, copy=True)
 
 
-def apply_grads(st: StepState, counts: Sequence[float], m: int) -> None:
+def apply_grads(st: StepState, counts: Sequence[float], m: int, norm: float) -> None:
     """Turn the step's sums into the global mean gradient (times the loss scale, if any) and add
     it to each param's ``.grad`` ([Note: pipeline loss normalization], [Note: fp16 loss scaling
     in the pipeline]).
@@ -144,16 +167,17 @@ def apply_grads(st: StepState, counts: Sequence[float], m: int) -> None:
         st: the step, its ``grad_acc`` complete (ties already summed).
         counts: each micro-batch's target count, from the last stage.
         m: the number of micro-batches.
+        norm: what the sums are divided by: this batch's count ``sum(counts)``, or with dp > 1
+            the count over every dp replica's batch divided by dp (the caller averages over dp).
 
     Example:
-        >>> apply_grads(st, counts=[96.0] * 4, m=4)
+        >>> apply_grads(st, counts=[96.0] * 4, m=4, norm=384.0)
     """
-    total = sum(counts)
     # the seed was S / (m * n_0) with a loss scale, 1 (sum form) without
-    factor = None if st.loss_scale is None else m * max(counts[0], 1.0) / total
+    factor = None if st.loss_scale is None else m * max(counts[0], 1.0) / norm
     for q, acc in st.grad_acc.items():
         if factor is None:
-            acc.div_(total)  # acc is this step's own fp32 buffer: divide in place, no new tensor
+            acc.div_(norm)  # acc is this step's own fp32 buffer: divide in place, no new tensor
         elif factor != 1.0:
             acc.mul_(factor)
         g = acc if acc.dtype == q.dtype else acc.to(q.dtype)

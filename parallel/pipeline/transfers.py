@@ -16,6 +16,21 @@ complete counts) and the next step's agreement all-reduce, before any P2P, raise
 ``RuntimeError`` on every rank instead of running; a new ``ParallelContext`` (new process
 groups) starts clean. A failure that leaves nothing in flight (inputs rejected by the
 agreement, a stage failing before it posts anything) does not block the next step.
+
+[Note: a stage failing mid-step]
+An exception in one rank's compute (a block's forward or backward, the loss) must not leave its
+peers blocked in receives that will never complete, until the group's timeout. So the failing
+rank does not stop its transfers: :meth:`StepTransfers.drain` posts the rest of its schedule's
+runs, in order and grouped as the schedule posts them (NCCL's in-order matching is kept), each
+send carrying zeros of the announced shape, and waits for every transfer of the step. Its peers
+see nothing unusual: they finish the step computing on those zeros (the failed step costs one
+step's time; its gradients are dropped everywhere). The outcome travels in the step's closing
+all-reduce (``PipelineParallel.finalize``), which has to run anyway for the losses and counts,
+so a step that succeeds pays nothing per action and no message more: every pp rank then raises
+the same ``RuntimeError`` naming the failed rank, action and exception (broadcast from that
+rank), no gradient of the step reaches ``param.grad``, and since every transfer was matched the
+next step runs as usual. A transfer that fails itself (a receive timing out, a peer gone) cannot
+be drained: that is [Note: a failed step's transfers].
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ from torch.profiler import record_function
 
 from shardkit.comm import CommHandle, CommStats
 
-from .actions import Action, Kind, Schedule, TimedAction
+from .actions import COMPUTE, SENDS, Action, Kind, Schedule, TimedAction
 from .p2p import p2p_tag, post
 from .step_state import StepState
 
@@ -122,6 +137,36 @@ class StepTransfers:
         del self.pending[recv]
         (self.st.grads if recv.kind is Kind.RECV_B else self.st.acts)[(recv.stage, recv.mb)] = h.output
         self.timeline[n] = TimedAction(recv, self.timeline[n].start, done - self.t0, done - start)
+
+    def drain(self, rest: Sequence[Action], post_fn: PostFn) -> None:
+        """After a compute of this rank raised: post the rest of its transfers (``rest``: the
+        actions after the failed compute), in the schedule's runs, every send carrying zeros of
+        the announced shape, then wait for every receive and send of the step, so no peer blocks
+        on this rank and nothing is left in flight (see [Note: a stage failing mid-step]).
+        ``post_fn`` as in :meth:`post`.
+
+        Raises:
+            CommTimeoutError: a transfer did not complete (it then stays counted by :meth:`in_flight`).
+        """
+        n = 0
+        while n < len(rest):
+            if rest[n].kind in COMPUTE:  # skipped: the peers only need this rank's messages
+                n += 1
+                continue
+            end = n
+            while end < len(rest) and rest[end].kind not in COMPUTE:
+                end += 1
+            for a in rest[n:end]:
+                if a.kind in SENDS:  # SEND_F carries stage a's output, SEND_B the gradient of its input
+                    shape, dtype = self.out_meta[a.stage] if a.kind is Kind.SEND_F else self.in_meta[a.stage]
+                    self.st.to_send[(a.kind, a.stage, a.mb)] = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.post(rest[n:end], post_fn)
+            n = end
+        for recv in list(self.pending):
+            self.pending[recv][0].wait()
+            del self.pending[recv]
+        for h in self.st.sends:
+            h.wait()
 
     def in_flight(self) -> int:
         """Transfers of this step that a later step could still match, after a failure: receives
