@@ -71,7 +71,11 @@ def _comm_per_step(reshard: bool) -> int:
     sdp.comm_stats.reset()  # drop the wrap-time checks
     _step(sdp, opt, ctx, *_batch(1))
     summary = sdp.comm_stats.summary()
-    assert set(summary) == {"reduce_scatter", "all_gather"}, summary  # no all-gather after the step either
+    assert set(summary) == {"reduce_scatter", "all_gather", "all_reduce"}, summary  # no all-gather after the step either
+    # the one all-reduce: which params got a gradient on some rank, one fp32 flag per param
+    # ([Note: params without a gradient are not stepped] in zero/flat_shards.py)
+    flags = summary.pop("all_reduce")
+    assert (flags["calls"], flags["bytes"]) == (1, 4 * len(list(sdp.module.parameters()))), flags
     assert summary["reduce_scatter"]["bytes"] == psi_bytes
     assert summary["all_gather"]["bytes"] == (2 if reshard else 1) * psi_bytes  # forward (+ backward)
     ctx.destroy()

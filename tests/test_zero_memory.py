@@ -81,8 +81,12 @@ def _comm_per_step(stage: int) -> tuple[int, int]:
     sdp.comm_stats.reset()  # drop the wrap-time checks and broadcast
     _one_step(sdp, opt, ctx)
     summary = sdp.comm_stats.summary()
-    # one reduce-scatter (payload Ψ) and one all-gather (payload Ψ) per bucket, nothing else
-    assert set(summary) == {"reduce_scatter", "all_gather"}, summary
+    # one reduce-scatter (payload Ψ) and one all-gather (payload Ψ) per bucket, and one fp32
+    # flag per param: which params got a gradient on some rank ([Note: params without a gradient
+    # are not stepped] in zero/flat_shards.py; folded into the norm all-reduce when clipping)
+    assert set(summary) == {"reduce_scatter", "all_gather", "all_reduce"}, summary
+    flags = summary.pop("all_reduce")
+    assert (flags["calls"], flags["bytes"]) == (1, 4 * len(list(sdp.module.parameters()))), flags
     assert summary["reduce_scatter"]["calls"] == summary["all_gather"]["calls"] == len(sdp.sharded_buckets)
     assert summary["reduce_scatter"]["bytes"] == summary["all_gather"]["bytes"] == psi_bytes
     zero = paper_comm_bytes(summary)

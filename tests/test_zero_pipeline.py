@@ -50,6 +50,8 @@ def _body(strategy: str, schedule: str, tie: bool, tp: int) -> dict:
 
         # communication over dp: per step and bucket one reduce-scatter of the full gradient and
         # one all-gather of the params; the only dp all-reduce is the 8-byte norm/overflow pair
+        # with one fp32 flag per param of this stage folded in (which params got a gradient on
+        # some rank: [Note: params without a gradient are not stepped] in zero/flat_shards.py)
         # (dp 1: every collective over dp takes the local path and records nothing)
         buckets = sdp.sharded_buckets
         full_bytes = sum(sb.total * 4 for sb in buckets)
@@ -58,7 +60,8 @@ def _body(strategy: str, schedule: str, tie: bool, tp: int) -> dict:
         assert st.bytes("reduce_scatter", group=dp_group) == n * full_bytes
         assert st.calls("all_gather", group=dp_group) == n * len(buckets)
         assert st.bytes("all_gather", group=dp_group) == n * full_bytes
-        assert st.bytes("all_reduce", group=dp_group) == n * 8
+        flags = 4 * sum(len(sb.grad_bucket.params) for sb in buckets)
+        assert st.bytes("all_reduce", group=dp_group) == n * (8 + flags)
         # not the ddp path's coalesced all-reduce: only the pipeline's 16-byte global token count
         # ([Note: pipeline loss normalization])
         assert par.stats.bytes("all_reduce", group=dp_group) == n * 16

@@ -32,6 +32,21 @@ optimizer step by :meth:`FlatShards.epilogue`, in the same pass that flags inf/n
 of this rank's shard. Backwards between two steps therefore add raw sums (stage 2: every
 backward reduce-scatters and accumulates into the shard; stage 1: earlier micro-batches run
 under ``no_sync`` and accumulate locally in the full gradient), and the epilogue runs once.
+
+[Note: params without a gradient are not stepped]
+``torch.optim`` skips a param whose ``.grad`` is None: no weight decay, no momentum, its state
+untouched. A param that got no gradient on ANY rank since the last ``zero_grad`` (an MoE expert
+no token reached anywhere, a branch not taken) must be skipped too, while one that got a
+gradient on some ranks only is stepped with the average (the others contribute zeros, as
+DataParallel does). Which case it is needs every rank's view: each reduction records, per param,
+whether it had a ``.grad`` on this rank (``sb.got_grad``, OR-ed over the backwards of a step;
+stage 1's ``zero_grad(set_to_none=False)`` keeps zeroed ``.grad`` views, so those params count as
+having one, as in torch); ``ShardedDataParallel.finalize_gradients`` sums the flags over dp in the
+all-reduce it issues anyway for the norm/overflow (one float per param; alone, and as small,
+when neither is asked for); and ``ZeroOptimizer.step`` hides the ``.grad`` of the shard params of
+params nobody had a gradient for (:meth:`FlatShards.unstepped`). The host reads the agreed flags
+only on a rank that missed some gradient itself: a rank that had every gradient steps everything,
+whatever the others had, so a step where all params are used costs no host sync.
 """
 
 from __future__ import annotations
@@ -226,6 +241,9 @@ class FlatShards:
             self.sync.check("gradient reduce-scatter", gb.index)
         while self.host is None and len(self._in_flight) >= MAX_IN_FLIGHT:  # bound transient memory; oldest first
             self._complete_oldest()
+        for j, p in enumerate(gb.params):  # [Note: params without a gradient are not stepped]
+            if p.grad is not None:
+                sb.got_grad[j] = True
         if self.stage == 1:
             if sb.reduced:
                 raise RuntimeError(
@@ -329,6 +347,7 @@ class FlatShards:
             # ``fresh``), and the epilogue zeroes a bucket no backward reduced (saves a memset
             # of the shard per step: 10 ms of a 700 ms ZeRO-1 step at 20M params on 2 ranks)
             sb.fresh, sb.reduced = True, False
+            sb.got_grad, sb.stepped = [False] * len(sb.grad_bucket.params), None
             if self.grad_dtype != torch.float32 and self.host is None:
                 self._bind_opt_grad(sb, None)
         if self.host is not None:
@@ -391,6 +410,30 @@ class FlatShards:
             sumsq.sub_((1.0 - replicated_weight) * rep)
         self.finalized = True
         return found_inf.to(device), sumsq.to(device)  # the all-reduce's device (NCCL: CUDA)
+
+    def got_grad_flags(self) -> list[bool]:
+        """Whether each trainable param (bucket order, then param order) had a gradient on this rank
+        since the last zero_grad ([Note: params without a gradient are not stepped])."""
+        return [g for sb in self.buckets for g in sb.got_grad]
+
+    def set_stepped(self, agreed: list[bool] | None) -> None:
+        """Record which params some rank had a gradient for (``got_grad_flags`` order; None: all)."""
+        at = 0
+        for sb in self.buckets:
+            n = len(sb.got_grad)
+            sb.stepped = None if agreed is None or all(agreed[at : at + n]) else list(agreed[at : at + n])
+            at += n
+
+    def unstepped(self) -> list[tuple[int, int]]:
+        """``(bucket, segment)`` of this rank's shard pieces whose param no rank had a gradient for:
+        the optimizer must not step them ([Note: params without a gradient are not stepped])."""
+        return [
+            (i, k)
+            for i, sb in enumerate(self.buckets)
+            if sb.stepped is not None
+            for k, seg in enumerate(sb.segments)
+            if not sb.stepped[seg.index]
+        ]
 
     @torch.no_grad()
     def clip_(self, sumsq: torch.Tensor, max_norm: float) -> None:

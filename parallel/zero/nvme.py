@@ -336,7 +336,8 @@ class NvmeOffload(CpuOffload):
         sb, sps, grad = self.buckets[b], self.shard_params[b], self.grads[b]
         for seg, sp in zip(sb.segments, sps):
             sp.data = _piece(master, sb, seg)
-            sp.grad = _piece(grad, sb, seg)
+            # no rank had a gradient for it: not stepped (see ZeroOptimizer._hide_unstepped_grads)
+            sp.grad = _piece(grad, sb, seg) if sb.stepped is None or sb.stepped[seg.index] else None
         state: defaultdict = defaultdict(dict)
         for sp, st in zip(sps, states):
             if st:

@@ -140,6 +140,7 @@ class ZeroOptimizer:
         overflow, _ = self.sdp.finalize_gradients()
         shards = self.sdp._shards
         if not overflow:
+            hidden = self._hide_unstepped_grads()
             try:
                 with record_function("shardkit::step"):
                     if self._offload is not None:
@@ -147,6 +148,8 @@ class ZeroOptimizer:
                     else:
                         self.optimizer.step()
             finally:  # an NVMe write that failed leaves params and state as before this step
+                for sp, grad in hidden:
+                    sp.grad = grad
                 shards.release_step_buffers()
             with record_function("shardkit::all_gather"):
                 shards.all_gather_params()
@@ -157,6 +160,24 @@ class ZeroOptimizer:
         if self.sdp.loss_scaler is not None:
             self.sdp.loss_scaler.update(overflow)
         return loss
+
+    def _hide_unstepped_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
+        """Set ``.grad = None`` on the shard params of params that no rank had a gradient for, so
+        that the wrapped optimizer skips them as torch.optim skips a param without a grad ([Note:
+        params without a gradient are not stepped] in ``flat_shards.py``). Returns what to
+        restore after the step. NVMe offload binds each bucket's grads itself and reads
+        ``sb.stepped`` there."""
+        shards = self.sdp._shards
+        if self._offload is not None:
+            shard_params = self._offload.shard_params
+        else:
+            shard_params = [sb.shard_params for sb in shards.buckets]
+        hidden = []
+        for b, k in shards.unstepped():
+            sp = shard_params[b][k]
+            hidden.append((sp, sp.grad))
+            sp.grad = None
+        return hidden
 
     def state_bytes(self) -> int:
         """Bytes of the wrapped optimizer's state tensors (distinct storages) on this rank's

@@ -167,15 +167,17 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         with record_function("shardkit::reduce_scatter"):
             self._reducer.finalize_backward()
 
-    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
+    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
         """``[found_inf, Σg²]`` summed over dp, tp and pp: every stage takes one overflow decision
         for the whole model, and each element counts once in the GLOBAL norm (this rank's copies
-        of cross-stage-tied params that another rank counts are taken out first)."""
+        of cross-stage-tied params that another rank counts are taken out first). The per-param
+        gradient ``flags`` are summed over dp only, in the dp all-reduce (the other axes hold
+        other params)."""
         if self._uncounted:
             sumsq = sumsq - self._uncounted_sumsq(sumsq.device)
-        both = torch.cat([found_inf, sumsq])
+        both = self._agree_dp(found_inf, sumsq, flags)
         ctx = self.pipeline_ctx
-        for axis in ("dp", "tp", "pp"):
+        for axis in ("tp", "pp"):
             if ctx.size(axis) > 1:
                 all_reduce(both, group=ctx.group(axis), op="sum", stats=self.comm_stats)
         return both

@@ -84,12 +84,21 @@ class ShardedDataParallel(nn.Module):
       gradient or optimizer memory. Buffers are broadcast at wrap time only.
     * Stage 1 with ``grad_dtype`` other than the params' dtype sets ``p.grad_dtype`` on the
       params, so that autograd accumulates straight into the full-precision gradient buffer.
+    * A parameter that got no gradient on ANY rank since the last ``zero_grad`` is not stepped
+      (no weight decay, no momentum; as ``torch.optim`` with ``zero_grad(set_to_none=True)``);
+      one that got a gradient on some ranks is stepped with the average, the others
+      contributing zeros. Agreeing on it costs one float per parameter in the step's
+      norm/overflow all-reduce (an all-reduce of its own without clipping or loss scaling).
 
     Args:
         module: the model, on its device, the same on every rank.
         ctx: the parallel context; its ``dp`` axis must span the world.
         stage: 1, 2 or 3 (stage 3: between steps a rank holds only its shard of each parameter;
-            the module's own tensors are freed — read them through :meth:`full_state_dict`).
+            the module's own tensors are freed — read them through :meth:`full_state_dict`;
+            ``state_dict()`` of the model or of any submodule holding sharded params raises
+            outside forward. Calling ``sdp.module`` (or ``sdp.module.generate``) directly
+            gathers like ``sdp(...)``; calling a submodule that is not a unit, outside the
+            model's forward, reads the freed placeholders).
         bucket_mb: bucket capacity in MiB (first bucket capped at 1 MiB, as DataParallel).
         wrap: stage-3 units: None (each child of a ``ModuleList``/``Sequential``, plus the root
             unit for the rest), a set of module classes, or ``callable(name, module) -> bool``.
@@ -209,6 +218,7 @@ class ShardedDataParallel(nn.Module):
                 check_sync=check_sync,
                 forward_prefetch=forward_prefetch,
                 offload_params=offload_params,
+                on_abandon=self._forget_step,
                 **shard_kwargs,
             )
             self._shards: FlatShards = self._units.shards
@@ -229,18 +239,23 @@ class ShardedDataParallel(nn.Module):
 
     # ---- the step ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module (after discarding the reduction of a backward that raised)."""
+        """Run the wrapped module (after discarding the reduction of a backward that raised).
+
+        Stage 3 does both in hooks on the module itself, so ``sdp.module(x)`` and methods that
+        call it (``sdp.module.generate(...)``) gather the parameters too."""
+        if self._units is not None:
+            return self.module(*args, **kwargs)
         if self._reducer.pre_forward():
-            if self._units is not None:
-                self._units.reshard_all()
             self._shards.abandon()
             self._step_state = None
-        if self._units is not None:
-            return self._units.forward(self.module, args, kwargs)
         try:
             return self.module(*args, **kwargs)
         finally:
             self._reducer.post_forward()
+
+    def _forget_step(self) -> None:
+        """A backward that raised was discarded: nothing of this step is finalized."""
+        self._step_state = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -282,8 +297,12 @@ class ShardedDataParallel(nn.Module):
             1.0 / (self._dp * scale), replicated=self._replicated, replicated_weight=1.0 / self._tp
         )
         overflow, norm = False, None
+        # [Note: params without a gradient are not stepped] (flat_shards.py): one float per
+        # param, summed over dp in the norm/overflow all-reduce when there is one
+        local = self._shards.got_grad_flags()
+        flags = torch.tensor(local, dtype=torch.float32).to(sumsq.device)
         if self.loss_scaler is not None or max_norm is not None:
-            both = self._agree(found_inf, sumsq)
+            both = self._agree(found_inf, sumsq, flags)
             sumsq = both[1:2]
             # Read the flag on the host only with a loss scaler (the step must be skipped): a
             # clip-only step stays free of host syncs, and, as torch's clip_grad_norm_ and our
@@ -292,18 +311,31 @@ class ShardedDataParallel(nn.Module):
             norm = torch.full((), float("inf"), device=sumsq.device) if overflow else sumsq.sqrt().reshape(())
             if max_norm is not None and not overflow:
                 self._shards.clip_(sumsq, max_norm)
+        elif flags.numel():
+            all_reduce(flags, group=self._group, op="sum", stats=self.comm_stats)
+        # only a rank that missed a gradient itself needs the others' flags (a host read)
+        self._shards.set_stepped(None if all(local) else (flags > 0).tolist())
         self._step_state = (overflow, norm)
         return self._step_state
 
-    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor) -> torch.Tensor:
+    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
         """``[found_inf, Σg²]`` of this rank's shards summed over every rank holding a part of the
-        model: dp, then tp (the other tp ranks' slices and their overflows). One 8-byte
-        all-reduce per axis; a pipeline adds its pp axis (PipelineShardedDataParallel)."""
-        both = torch.cat([found_inf, sumsq])
-        all_reduce(both, group=self._group, op="sum", stats=self.comm_stats)
+        model: dp, then tp (the other tp ranks' slices and their overflows). One all-reduce per
+        axis; a pipeline adds its pp axis (PipelineShardedDataParallel). The dp one also sums the
+        per-param gradient ``flags`` (in place; [Note: params without a gradient are not
+        stepped] in ``flat_shards.py``): the other axes hold other params, so only 8 bytes."""
+        both = self._agree_dp(found_inf, sumsq, flags)
         if self._tp > 1:
             all_reduce(both, group=self.ctx.group("tp"), op="sum", stats=self.comm_stats)
         return both
+
+    def _agree_dp(self, found_inf: torch.Tensor, sumsq: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+        """``[found_inf, Σg²]`` summed over dp, with ``flags`` summed over dp in the same
+        all-reduce (written back into ``flags``)."""
+        packed = torch.cat([found_inf, sumsq, flags])
+        all_reduce(packed, group=self._group, op="sum", stats=self.comm_stats)
+        flags.copy_(packed[2:])
+        return packed[:2].clone()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the GLOBAL gradient norm (sum of squares over every rank's shard).

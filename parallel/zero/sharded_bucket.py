@@ -60,6 +60,17 @@ class ShardedBucket:
     param_shard: torch.Tensor | None = None
     #: stage 3: each param's view of ``flat_param`` (its ``.data`` while the bucket is gathered)
     param_views: list[torch.Tensor] = field(default_factory=list)
+    #: per param (``grad_bucket.params`` order): it had a ``.grad`` on THIS rank when one of the
+    #: bucket's reductions since the last zero_grad packed it ([Note: params without a gradient
+    #: are not stepped] in ``flat_shards.py``)
+    got_grad: list[bool] = field(default_factory=list)
+    #: per param: some rank had a gradient for it this step (agreed over dp by
+    #: ``ShardedDataParallel.finalize_gradients``); None: not agreed yet this step
+    stepped: list[bool] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.got_grad:
+            self.got_grad = [False] * len(self.grad_bucket.params)
 
     @property
     def reduced_shard(self) -> torch.Tensor:

@@ -2,23 +2,28 @@
 
 One step, top-down (FSDP2's ``FSDPParamGroup`` phases, each under ``shardkit::<phase>``):
 
-1. ``forward`` starts: the root unit (the params no other unit owns: embeddings, final norm,
-   head) is all-gathered and stays gathered until the end of backward.
+1. The root module's forward starts (a forward pre-hook on the model itself, so that
+   ``sdp(x)``, ``sdp.module(x)`` and ``sdp.module.generate(...)`` all take this path): the root
+   unit (the params no other unit owns: embeddings, final norm, head) is all-gathered and stays
+   gathered until the end of backward (under ``no_grad``: until the end of the root's forward).
 2. ``pre_forward(unit)`` (a forward pre-hook on the unit's module): all-gather the unit unless
    it was prefetched, *then* (``forward_prefetch=True``) start the all-gather of the unit that
    followed it in the last forward (prefetch, async), then wait for this unit's. Its params are views of the gathered
-   flat buffers ([Note: gathering into autograd's saved tensors]).
+   flat buffers ([Note: gathering into autograd's saved tensors]). Its inputs that require grad
+   pass through an identity autograd node whose backward is the unit's post-backward.
 3. ``post_forward(unit)``: free the unit's full buffers (unless ``reshard_after_forward=False``)
    and hook its outputs (``register_multi_grad_hook``) so that its backward is announced.
 4. ``pre_backward(unit)`` (the first gradient reaching the unit's outputs): gather it again
    and prefetch the unit that precedes it in the forward order — the next one in backward.
-5. ``post_backward(bucket)`` (the reducer, as each bucket's grads are ready, in launch order):
-   pack the grads, reduce-scatter into the persistent fp32 ``[shard]`` gradient (stage 2's
-   path); once a unit's last bucket is launched its backward is over: free its full buffers.
-6. ``finalize_backward``: launch what is left (unused params), wait, free every unit still
-   gathered (the root, units with frozen params). The step epilogue, clip and optimizer are
-   stage 2's, on the shards; after the step the fp32 masters are written back into the
-   persistent param shards — the next forward's gathers replace stage 1/2's all-gather.
+5. ``post_backward(unit)`` (the identity node on its inputs: every node of the unit ran): pack
+   its grads — zeros for a param that got none on this rank — and reduce-scatter each of its
+   buckets into the persistent fp32 ``[shard]`` gradient (stage 2's path), then free its full
+   buffers ([Note: stage-3 reduce-scatter points]).
+6. ``finalize_backward``: reduce-scatter the buckets of units whose post-backward did not run
+   (the root; units with a call whose inputs need no grad), in bucket order, wait,
+   free every unit still gathered (the root, units with frozen params). The step epilogue, clip
+   and optimizer are stage 2's, on the shards; after the step the fp32 masters are written back
+   into the persistent param shards — the next forward's gathers replace stage 1/2's all-gather.
 
 Communication per step: all-gather Ψ (forward) + all-gather Ψ (backward) + reduce-scatter Ψ =
 3Ψ (docs/reference.md "ZeRO memory and communication"); the root unit is gathered once (its Ψ
@@ -36,8 +41,28 @@ forward, recorded in ``pre_forward`` (forward and backward) and this forward's s
 reversed (backward). The order cannot be taken from registration order (a model may call its
 blocks in another order, or one block twice) nor decided as gathers complete (completion order
 differs per rank). A model whose control flow differs between ranks (a data-dependent skip of a
-block on one rank) is not supported by ZeRO-3 on any framework; the reduce-scatters keep the
-reducer's fixed bucket order ([Note: bucket launch order] in ``parallel/reducer.py``).
+block on one rank) is not supported by ZeRO-3 on any framework (control flow inside a unit is:
+an MoE layer inside a block). The reduce-scatters follow the same rule: [Note: stage-3
+reduce-scatter points].
+
+[Note: stage-3 reduce-scatter points]
+A bucket's reduce-scatter goes on the same group as the unit gathers, so it must be issued at
+the same point of that sequence on every rank. "When the bucket's grads are complete" (the
+reducer's rule for stages 1-2, where nothing else is issued during backward) is not such a
+point: a param that gets no gradient on one rank only (an MoE expert no token reached there)
+leaves its bucket incomplete there until the end of backward, while the other ranks launch it
+between two gathers — the collectives pair up wrongly and every rank times out. As FSDP2 does,
+a unit's buckets are launched at the unit's post-backward instead: an identity autograd node on
+its forward inputs, whose backward runs once every node between the unit's inputs and outputs
+ran (so every gradient of its params was accumulated: ``AccumulateGrad`` runs as soon as its
+inputs are ready). It is a point of the graph, the same on every rank; a param without a
+gradient there contributes zeros. Units whose post-backward is not exact — no input requires
+grad, or a call whose inputs did not (a unit called twice, once on the raw input), or a
+backward over a graph kept from before — and the root (gathered throughout) are launched at
+the end of backward, in bucket order. A gradient that still arrives after its unit's launch
+(a param the unit owns but that a node outside the unit's input-to-output path uses) raises a
+``RuntimeError`` instead of being silently dropped; leave that module out of the units (``wrap``)
+so that its params live in the root unit.
 
 [Note: why the forward order is recorded]
 A prefetch must be issued *before* the unit that needs it starts, i.e. before the hooks know
@@ -49,6 +74,7 @@ is this forward's sequence reversed, so its prefetches are exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -56,7 +82,6 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
-
 
 from ..buckets import plan_buckets
 from ..reducer import GradBucket, GradReducer
@@ -72,11 +97,56 @@ class _Unit:
 
     def __init__(self, spec: UnitSpec, buckets: list[ShardedBucket], frozen: list[ShardedBucket], root: bool) -> None:
         self.name, self.module, self.root = spec.name, spec.module, root
+        self.trainable = buckets
         self.buckets = buckets + frozen
         self.last_bucket = max((sb.grad_bucket.index for sb in buckets), default=None)
         self.has_frozen = bool(frozen)
         self.gathered = False  # full buffers allocated (gathered or being gathered)
         self.works: list[Any] = []
+        # since the last backward ended: forward calls whose inputs carry the post-backward node
+        # (minus the nodes that ran), and grad-mode calls whose inputs could not carry it
+        self.post_pending = 0
+        self.unhooked = 0
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward is the unit's post-backward
+    ([Note: stage-3 reduce-scatter points])."""
+
+    @staticmethod
+    def forward(ctx: Any, units: ShardUnits, unit: _Unit, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.units, ctx.unit = units, unit
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.units._post_backward(ctx.unit)
+        return (None, None, *grads)
+
+
+def _grad_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors requiring grad in ``obj``, looking into plain tuples, lists and dicts only (a
+    custom container, e.g. a KV cache, is never rebuilt; its tensors are simply not hooked)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            yield obj
+    elif type(obj) in (tuple, list):
+        for x in obj:
+            yield from _grad_tensors(x)
+    elif type(obj) is dict:
+        for x in obj.values():
+            yield from _grad_tensors(x)
+
+
+def _replace_grad_tensors(obj: Any, new: Iterator[torch.Tensor]) -> Any:
+    """``obj`` with each tensor :func:`_grad_tensors` yields replaced by the next of ``new``."""
+    if isinstance(obj, torch.Tensor):
+        return next(new) if obj.requires_grad else obj
+    if type(obj) in (tuple, list):
+        return type(obj)(_replace_grad_tensors(x, new) for x in obj)
+    if type(obj) is dict:
+        return {k: _replace_grad_tensors(x, new) for k, x in obj.items()}
+    return obj
 
 
 class ShardUnits:
@@ -99,7 +169,7 @@ class ShardUnits:
         >>> units = ShardUnits(model, wrap=None, reshard_after_forward=True, bucket_mb=25,
         ...                    group=dp, rank=r, size=n, stage=3, grad_dtype=torch.float32,
         ...                    stats=CommStats())
-        >>> out = units.forward(model, (x,), {})     # gathers per unit, frees after
+        >>> out = model(x)     # the hooks gather each unit around its forward, free it after
     """
 
     def __init__(
@@ -111,9 +181,11 @@ class ShardUnits:
         bucket_mb: float,
         check_sync: bool = False,
         forward_prefetch: bool = False,
+        on_abandon: Callable[[], None] | None = None,
         **shard_kwargs: Any,
     ) -> None:
         specs = select_units(module, wrap)
+        self._on_abandon = on_abandon
         self.check_sync = check_sync
         self.forward_prefetch = forward_prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -145,21 +217,37 @@ class ShardUnits:
         ]
         self.root = self.units[0]
         self._unit_of = {sb.grad_bucket.index: u for u in self.units for sb in u.buckets if sb.grad_bucket.index >= 0}
+        # the reducer watches the grads and ends backward; the reduce-scatters are issued at the
+        # units' post-backward or by the first finish ([Note: stage-3 reduce-scatter points])
         self.reducer = GradReducer(
             [sb.grad_bucket for sb in self.shards.buckets],
-            launch=self._post_backward,
-            finish=self.shards.finish,
+            launch=lambda gb: None,
+            finish=self._finish,
+            on_ready=self._grad_ready,
             on_finalize=self._finalize_backward,
         )
+        self._launched: set[int] = set()  # buckets reduce-scattered in this backward
         if self.shards.sync is not None:  # name units in the error; frozen-only models: their device
             self.shards.sync.name_of = self._sync_name
             any_sb = (self.shards.buckets or self.shards.frozen)[:1]
             self.shards.sync.device = any_sb[0].flat_param.device if any_sb else self.shards.sync.device
-        self._handles = []
+        self._handles = [
+            module.register_forward_pre_hook(lambda m, a: self._root_pre_forward(), prepend=True),
+            module.register_forward_hook(lambda m, a, out: self._root_post_forward(out)),
+        ]
         for u in self.units[1:]:
-            self._handles.append(u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+            self._handles.append(
+                u.module.register_forward_pre_hook(
+                    lambda m, a, kw, u=u: self._unit_pre_forward(u, a, kw), prepend=True, with_kwargs=True
+                )
+            )
             self._handles.append(u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
-        self._handles.append(module.register_state_dict_pre_hook(self._guard_state_dict))
+        self._owner = owner = self.unit_of_param()
+        for m in module.modules():  # every module holding a sharded param directly, at any depth
+            held = [p for p in m.parameters(recurse=False) if p in owner]
+            if held:
+                hook = lambda m, prefix, keep_vars, held=held: self._guard_state_dict(m, held, keep_vars)  # noqa: E731
+                self._handles.append(m.register_state_dict_pre_hook(hook))
         self._last_order: list[_Unit] = []  # the previous forward's unit sequence ([Note: why ...])
         self._order: list[_Unit] = []  # this forward's
         self._bwd_cursor = 0
@@ -203,18 +291,37 @@ class ShardUnits:
             self._reshard(unit)
 
     # ---- phases ------------------------------------------------------------------------------
-    def forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        """Run ``module`` with the units gathered around their forwards (the reducer's
-        ``pre_forward`` must have run; :meth:`ShardedDataParallel.forward` does it)."""
+    def _root_pre_forward(self) -> None:
+        """The model's forward starts (a hook on the root module: ``sdp(x)`` and direct calls of
+        ``sdp.module`` alike): discard a backward that raised, gather the root unit."""
+        raised = self.reducer.pending  # [Note: a backward that raised] in parallel/reducer.py
+        self.reducer.pre_forward()
+        if raised:  # collectives may have been issued whatever the reducer launched itself
+            self.reshard_all()
+            self.shards.abandon()
+            self._end_backward()
+            if self._on_abandon is not None:
+                self._on_abandon()
         self.reshard_all()  # a forward without backward (reshard_after_forward=False) left some
         self._last_order, self._order = self._order or self._last_order, []
         self._pre_forward(self.root)
-        try:
-            out = module(*args, **kwargs)
-        finally:
-            self.reducer.post_forward()
+
+    def _root_post_forward(self, out: Any) -> None:
+        self.reducer.post_forward()
         self._post_forward(self.root, out)
-        return out
+
+    def _unit_pre_forward(self, unit: _Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Gather the unit, and route its inputs through its post-backward node (grad mode, not
+        an activation-checkpoint recompute inside backward)."""
+        self._pre_forward(unit)
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return None
+        tensors = list(_grad_tensors((args, kwargs)))
+        if not tensors:  # nothing to hook: this call's backward is over only at the end of backward
+            unit.unhooked += 1
+            return None
+        unit.post_pending += 1
+        return _replace_grad_tensors((args, kwargs), iter(_PostBackward.apply(self, unit, *tensors)))
 
     def _pre_forward(self, unit: _Unit) -> None:
         with record_function("shardkit::pre_forward"):
@@ -266,34 +373,67 @@ class ShardUnits:
                 self._unshard(order[nxt], "prefetch")
             self._wait(unit)
 
-    def _post_backward(self, gb: GradBucket) -> Any:
-        """The reducer's launch: reduce-scatter the bucket; free its unit after its last one."""
-        with record_function("shardkit::reduce_scatter"):
-            work = self.shards.launch(gb)
-        unit = self._unit_of[gb.index]
-        # its last bucket launched: every trainable param of the unit has its grad, so autograd
-        # ran every node that used them. Frozen params may still be read by a later node: such
-        # units (and the root) stay gathered until finalize_backward
-        if gb.index == unit.last_bucket and not unit.root and not unit.has_frozen:
-            self._reshard(unit)
-        return work
+    def _post_backward(self, unit: _Unit) -> None:
+        """One of the unit's post-backward nodes ran; after the last one (of every call since the
+        last backward) reduce-scatter its buckets and free it ([Note: stage-3 reduce-scatter points])."""
+        with record_function("shardkit::post_backward"):
+            unit.post_pending -= 1
+            if unit.post_pending != 0 or unit.unhooked:  # another call's backward is still to run
+                return
+            self._launch(unit.trainable)
+            # Frozen params may still be read by a later node: such units (and the root) stay
+            # gathered until finalize_backward
+            if not unit.root and not unit.has_frozen:
+                self._reshard(unit)
+
+    def _launch(self, buckets: list[ShardedBucket]) -> None:
+        for sb in buckets:
+            if sb.grad_bucket.index not in self._launched:
+                self._launched.add(sb.grad_bucket.index)
+                with record_function("shardkit::reduce_scatter"):
+                    self.shards.launch(sb.grad_bucket)
+
+    def _grad_ready(self, gb: GradBucket, j: int) -> None:
+        """The reducer's per-grad callback: a grad after its bucket's reduce-scatter would be lost."""
+        if gb.index in self._launched:
+            unit = self._unit_of[gb.index]
+            raise RuntimeError(
+                f"ShardedDataParallel(stage=3): a parameter of unit {unit.name!r} got its gradient after the "
+                "unit's backward ended and its gradients were reduce-scattered (a node outside the unit's "
+                "input-to-output path uses it). Exclude that module from the units (wrap=...) so that its "
+                "params live in the root unit"
+            )
+
+    def _finish(self, gb: GradBucket, work: Any) -> None:
+        """The reducer's finish (end of backward, bucket order): the first call reduce-scatters
+        every bucket no post-backward launched, in bucket order, then each waits for its bucket."""
+        if len(self._launched) < len(self.shards.buckets):
+            self._launch(self.shards.buckets)
+        self.shards.finish(gb, work)
 
     def _finalize_backward(self) -> None:
         self.reshard_all()
+        self._end_backward()
+
+    def _end_backward(self) -> None:
+        self._launched.clear()
+        for unit in self.units:
+            unit.post_pending = unit.unhooked = 0
 
     # ---- state -------------------------------------------------------------------------------
-    def _guard_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        """``module.state_dict()`` between steps would copy the freed params' placeholders (zeros
-        of the right shapes, which load without complaint): refuse it and point at the gather.
-        ``keep_vars=True`` (the Parameter objects themselves, as the gather and the checkpoint
-        code read them) stays allowed."""
-        if keep_vars or all(u.gathered or not u.buckets for u in self.units):
+    def _guard_state_dict(self, module: nn.Module, held: list[nn.Parameter], keep_vars: bool) -> None:
+        """``state_dict()`` of the model or of any submodule, outside its forward, would copy the
+        freed params' placeholders (zeros of the right shapes, which load without complaint):
+        refuse it and point at the gather. Gathering here instead would be a collective that a
+        rank-0-only save never completes. ``keep_vars=True`` (the Parameter objects themselves,
+        as the gather and the checkpoint code read them) stays allowed."""
+        if keep_vars or all(self._owner[p].gathered for p in held):
             return
         raise RuntimeError(
-            "ShardedDataParallel(stage=3): module.state_dict() would read parameters that are freed "
-            "between steps (only this rank's shard is kept). Use sdp.full_state_dict() (collective: "
-            "every rank calls it; rank0_only=True to keep the copy on rank 0 only) or "
-            "shardkit.parallel.save_checkpoint"
+            f"ShardedDataParallel(stage=3): {type(module).__name__}.state_dict() would read parameters "
+            "that are freed outside forward (only this rank's shard is kept). Use sdp.full_state_dict() "
+            "(collective: every rank calls it; rank0_only=True to keep the copy on rank 0 only; select a "
+            "submodule's entries by their key prefix) or shardkit.parallel.save_checkpoint"
         )
 
     def unit_of_param(self) -> dict[nn.Parameter, _Unit]:
