@@ -450,7 +450,7 @@ class PipelineParallel:
         gx = None
         if split:
             if want_x:
-                gx, work = backward_input(y, x, g, params)
+                gx, work = backward_input(y, x, g, params, accumulate=self._accumulate_in_grad)
             else:  # nothing to send upstream: all of the backward is W
                 work = WeightWork(list(params), output=y, grad_output=g)
             st.w_pending[(s, i)] = work

@@ -15,10 +15,22 @@ Function node, no collective. The sequence dimension is ``seq_dim`` (default ``-
 hidden]`` covers both ``[batch, seq, hidden]`` and flattened ``[tokens, hidden]``). Split and
 gather follow Megatron's and DTensor ``Shard(dim)``'s convention: rank ``r`` holds the ``r``-th
 contiguous chunk.
+
+[Note: only the gradients this backward pass uses]
+``ctx.needs_input_grad`` is fixed when the forward runs: it says which inputs *can* take a
+gradient, not which ones the running backward pass asks for. Autograd's own nodes compute only
+the outputs the running pass uses, so a backward split into an input pass and a weight pass
+(ZB-H1's BI and W, :mod:`~shardkit.parallel.pipeline.backward`) runs each half of a matmul's
+backward once. A Function computing several gradients in one node must ask the engine itself,
+or each pass computes both halves: :func:`wanted_input_grads` does (for the column-parallel
+linear: BI computes ``dX`` and its all-reduce / reduce-scatter, W ``dW`` and ``db`` from the
+saved input and the gradient BI captured, with no collective). Outside a split pass it returns
+``ctx.needs_input_grad``: a plain backward computes every gradient, as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -27,6 +39,7 @@ import torch.distributed as dist
 from shardkit.comm import CommStats, all_gather, all_reduce, reduce_scatter
 
 __all__ = [
+    "wanted_input_grads",
     "copy_to_tp_region",
     "reduce_from_tp_region",
     "scatter_to_tp_region",
@@ -38,6 +51,39 @@ __all__ = [
     "gather_along",
     "reduce_scatter_along",
 ]
+
+
+def wanted_input_grads(ctx: Any, is_tensor: Sequence[bool]) -> tuple[bool, ...]:
+    """Which inputs of a custom Function the running backward pass uses, called in ``backward``.
+
+    See [Note: only the gradients this backward pass uses].
+
+    Args:
+        ctx: the Function's ``ctx`` in ``backward`` (the autograd node itself).
+        is_tensor: per forward argument, whether it was a tensor (``ctx.next_functions`` holds
+            one edge per tensor argument only, so a ``None`` bias shifts the others).
+
+    Returns:
+        One bool per forward argument: ``ctx.needs_input_grad[i]`` and the engine consumes that
+        gradient in this pass (its next node runs, or it is an input the pass returns).
+
+    Example:
+        >>> need_x, need_w, need_b = wanted_input_grads(ctx, (True, True, ctx.has_bias, False))[:3]
+    """
+    edges = iter(ctx.next_functions)
+    wanted = []
+    for needs, tensor in zip(ctx.needs_input_grad, is_tensor, strict=True):
+        node = next(edges)[0] if tensor else None
+        if not needs or node is None:
+            wanted.append(False)
+            continue
+        try:
+            wanted.append(bool(torch._C._will_engine_execute_node(node)))
+        except RuntimeError:
+            # raised only for a leaf that torch.autograd.grad returns (it is captured, not
+            # executed): that gradient is wanted
+            wanted.append(True)
+    return tuple(wanted)
 
 
 def split_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -20,7 +20,10 @@ A column-parallel linear's input gradient ``dX = dY W_r`` is a partial sum over 
 output columns and must be all-reduced (reduce-scattered under sequence parallelism) before it
 flows on. As in Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``, backward issues
 that collective asynchronously, computes ``dW = dYᵀ X`` and ``db`` while it is in flight, then
-waits: the weight-gradient matmul hides the communication.
+waits: the weight-gradient matmul hides the communication. In a backward split into an input
+and a weight pass (ZB-H1) each pass computes only its half ([Note: only the gradients this
+backward pass uses] in :mod:`~shardkit.parallel.tensor.functions`): the input pass has no
+``dW`` to hide the collective behind, which the pipeline's schedule hides instead.
 
 Communication per Column → Row pair on activations of ``T`` tokens of width ``h`` (element size
 ``e``), CommStats' payload unit (see ``docs/reference.md``, "Tensor parallel"): forward one
@@ -50,6 +53,7 @@ from .functions import (
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
     scatter_to_tp_region,
+    wanted_input_grads,
 )
 from .rng import set_tp_rng_stream
 from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm
@@ -139,7 +143,10 @@ class _ColumnLinear(torch.autograd.Function):
         total, weight = ctx.saved_tensors
         group, n = ctx.group, ctx.group.size()
         grad_input = handle = None
-        if ctx.needs_input_grad[0]:
+        # BI of a split backward wants dX only, W dW and db only: [Note: only the gradients this
+        # backward pass uses] (a plain backward wants all three, overlapped as the Note above says)
+        need_x, need_w, need_b = wanted_input_grads(ctx, (True, True, ctx.has_bias, False, False, False))[:3]
+        if need_x:
             grad_input = torch.matmul(grad, weight).contiguous()
             if ctx.sp:
                 dim = grad_input.dim() - 2
@@ -149,8 +156,8 @@ class _ColumnLinear(torch.autograd.Function):
             else:
                 handle = all_reduce(grad_input, group=group, async_op=True, stats=ctx.stats)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_weight = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
-        grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_weight = torch.matmul(g2.t(), total.reshape(-1, total.shape[-1])) if need_w else None
+        grad_bias = g2.sum(0) if ctx.has_bias and need_b else None
         if handle is not None:
             handle.wait()  # after the weight-gradient matmul: it ran while the collective flew
         return grad_input, grad_weight, grad_bias, None, None, None
