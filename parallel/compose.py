@@ -74,10 +74,11 @@ from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 from .loss_scaler import DynamicLossScaler
 from .pipeline import PipelineParallel
 from .strategy import Strategy, StrategyReport, make_strategy
-from .tensor import tensor_parallelize, vocab_parallel_cross_entropy
+from .tensor import share_sequence_parallel_grads, tensor_parallelize, vocab_parallel_cross_entropy
 from .tensor.layers import is_tp_sharded
 from .tensor.plan import VocabParallelLMHead
 from .compose_options import PipelineOptions, axis_size, validate
+from .zero.units import select_units
 
 __all__ = ["ParallelModel", "PipelineOptions", "parallelize"]
 
@@ -393,6 +394,10 @@ def parallelize(
             stats=stats,
             normalize_over_dp=True,  # ddp and ZeRO average p.grad over dp after the step
         )
+        if tp > 1:  # sum only this rank's stages' norm grads, each stage on its own ([Note:
+            # sequence-parallel grads under ZeRO-3 and pipelines] in parallel/tensor/sequence_parallel.py)
+            for s in sorted(pipe.stages):
+                share_sequence_parallel_grads(pipe.stages[s])
         # 4. data parallel after each pipeline step: ddp a coalesced all-reduce (ParallelModel),
         # zero1/zero2 a reduce-scatter per bucket of this rank's stages (the ZeRO wrapper)
         stages = nn.ModuleList(pipe.stages[s] for s in sorted(pipe.stages))
@@ -415,6 +420,9 @@ def parallelize(
         par = ParallelModel(ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast)
     else:
         strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
+        if dp == "zero3" and tp > 1:  # a node per stage-3 unit (the strategy's default units): [Note:
+            # sequence-parallel grads under ZeRO-3 and pipelines] in parallel/tensor/sequence_parallel.py
+            share_sequence_parallel_grads(model, scopes=[spec.module for spec in select_units(model, None)[1:]])
         module = strategy.wrap(model)
         par = ParallelModel(ctx, module=module, loss_fn=loss_fn, strategy=strategy, pipeline=None, dp=dp, autocast=autocast)
     par.stats = stats

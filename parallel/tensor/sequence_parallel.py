@@ -30,6 +30,28 @@ Each layer gets its own :class:`SequenceParallelGrads` when built (one all-reduc
 :func:`share_sequence_parallel_grads` — called by
 :func:`~shardkit.parallel.tensor.tensor_parallelize` — gives all the layers of a model one, so
 the whole model costs one all-reduce per backward of the summed bytes.
+
+[Note: sequence-parallel grads under ZeRO-3 and pipelines]
+One node over the whole model assumes every parameter is materialized, in place, from the first
+use to the end of backward. Two compositions break that, and get one node per *scope* instead
+(``share_sequence_parallel_grads(..., scopes=...)``; ``parallelize`` does both):
+
+* **ZeRO-3** re-points ``p.data`` at its gathered buffer just before each unit's forward and
+  reduce-scatters the unit's gradients at the unit's post-backward. A model-wide node built at
+  the first norm took views of the later units' placeholders, so their norms computed with
+  stale values (issue 17, item 11), and it delivered their gradients at the end of backward,
+  after their reduce-scatter. With one scope per unit, a unit's node is built inside its forward
+  (its params gathered) and runs in its backward before the unit's post-backward (it becomes ready
+  with the unit's first layer's backward, like the unit's input node, and was created after it:
+  the engine runs the later-created node first). Cost: one all-reduce per unit.
+* **A pipeline** splits a model that ``tensor_parallelize`` converted whole: one node over every
+  block made each pp rank all-reduce every stage's norms (zeros for the other stages') and kept
+  the other stages' parameters alive (item 18). One scope per held stage sums this rank's
+  parameters only, one all-reduce per stage and micro-batch.
+
+Independently, :meth:`SequenceParallelGrads.use` starts a new node when a parameter no longer
+points where the node's view does (``p.data`` replaced after the node was built): a view is
+never handed out with values other than the parameter's.
 """
 
 from __future__ import annotations
@@ -142,7 +164,9 @@ class SequenceParallelGrads:
             return p
         self.register([p])
         i = self._index[id(p)]
-        if self._views is None or i in self._used:  # a new forward pass: a new node
+        # a new forward pass, or p.data re-pointed since the node took its view (ZeRO-3's gather):
+        # a new node ([Note: sequence-parallel grads under ZeRO-3 and pipelines])
+        if self._views is None or i in self._used or not self._views[i].is_set_to(p):
             self._round += 1
             self._views = _CoalescedCopyToTP.apply(self, self._round, *self._params)
             self._used = set()
@@ -254,10 +278,17 @@ def make_sequence_parallel_(
     return module
 
 
-def share_sequence_parallel_grads(model: nn.Module, *, stats: CommStats | None = None) -> list[SequenceParallelGrads]:
+def share_sequence_parallel_grads(
+    model: nn.Module, *, stats: CommStats | None = None, scopes: Iterable[nn.Module] = ()
+) -> list[SequenceParallelGrads]:
     """Give every sequence-parallel layer of ``model`` one :class:`SequenceParallelGrads` per tp
     group, so a backward pass costs one all-reduce (per dtype) for all their replicated
     parameters instead of one per layer. Idempotent; ``tensor_parallelize`` calls it.
+
+    With ``scopes``, the layers inside each scope share one of their own instead (the innermost
+    scope that holds a layer wins), registering only that scope's parameters: one all-reduce per
+    scope and backward. ZeRO-3 units and pipeline stages need it: see [Note: sequence-parallel
+    grads under ZeRO-3 and pipelines]. Calling it again regroups from scratch.
 
     A layer takes part if it has a ``grad_sync`` attribute and a ``replicated_parameters()``
     method (:class:`SequenceParallelNorm`, ``RowParallelLinear(sequence_parallel=True)``).
@@ -265,21 +296,40 @@ def share_sequence_parallel_grads(model: nn.Module, *, stats: CommStats | None =
     Args:
         model: the model (modified in place; call it before the first forward pass).
         stats: CommStats for the shared all-reduce (default: the first layer's).
+        scopes: submodules of ``model`` whose layers get their own shared object (default: none).
 
     Returns:
-        The shared objects (empty when the model has no sequence-parallel layer).
+        The shared objects (empty when the model has no sequence-parallel layer), in the module
+        order of their first layer.
+
+    Raises:
+        ValueError: a scope is not a submodule of ``model`` (before anything is changed).
 
     Example:
         >>> share_sequence_parallel_grads(block)      # 2 LayerNorms + 2 row biases: 1 all-reduce
+        >>> share_sequence_parallel_grads(model, scopes=model.blocks)   # one per block
     """
-    shared: dict[int, SequenceParallelGrads] = {}
-    for module in model.modules():
+    scope_ids = {id(s) for s in scopes}
+    missing = scope_ids - {id(m) for m in model.modules()}
+    if missing:
+        raise ValueError(f"scopes must be submodules of the model; {len(missing)} of them are not")
+    shared: dict[tuple[int, int], SequenceParallelGrads] = {}
+    seen: set[int] = set()
+
+    def visit(module: nn.Module, scope: int) -> None:
+        if id(module) in seen:  # a module reachable twice is grouped once, by its first path
+            return
+        seen.add(id(module))
+        scope = id(module) if id(module) in scope_ids else scope
         sync = getattr(module, "grad_sync", None)
-        if not isinstance(sync, SequenceParallelGrads):
-            continue
-        key = id(sync.group)
-        if key not in shared:
-            shared[key] = SequenceParallelGrads(group=sync.group, stats=stats or sync.stats)
-        module.grad_sync = shared[key]
-        shared[key].register(module.replicated_parameters())
+        if isinstance(sync, SequenceParallelGrads):
+            key = (scope, id(sync.group))
+            if key not in shared:
+                shared[key] = SequenceParallelGrads(group=sync.group, stats=stats or sync.stats)
+            module.grad_sync = shared[key]
+            shared[key].register(module.replicated_parameters())
+        for child in module.children():
+            visit(child, scope)
+
+    visit(model, id(model))
     return list(shared.values())
