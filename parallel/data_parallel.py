@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
@@ -79,12 +80,24 @@ def _flat_alias(g: torch.Tensor, slot: torch.Tensor) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def check_same_model(module: nn.Module, *, group: Any, device: torch.device, stats: CommStats | None, who: str) -> None:
-    """Raise ``ValueError`` on every rank if the ranks of ``group`` built different models.
+def check_same_model(
+    module: nn.Module,
+    *,
+    group: Any,
+    device: torch.device,
+    stats: CommStats | None,
+    who: str,
+    local_error: Exception | None = None,
+) -> None:
+    """Raise ``ValueError`` on every rank if the ranks of ``group`` built different models, or if
+    a check that depends on the rank's own machine (``local_error``) failed on any rank.
 
-    One all-reduce (max) of ``[n, numel, hash, -n, -numel, -hash]`` (48 bytes) gives every rank
-    both the max and the min of the parameter count, the element count and a hash of the shapes,
-    dtypes, ``requires_grad`` and grad dtypes. Shared by DataParallel and ShardedDataParallel.
+    One all-reduce (max) of ``[n, numel, hash, -n, -numel, -hash, failed_0 .. failed_{N-1}]``
+    (8 bytes each) gives every rank both the max and the min of the parameter count, the element
+    count and a hash of the shapes, dtypes, ``requires_grad`` and grad dtypes, and which ranks
+    failed a local check (a directory missing on one node): the rank that failed raises its own
+    error, every other rank a ``ValueError`` naming it, instead of entering the next collective
+    alone and waiting for the timeout. Shared by DataParallel and ShardedDataParallel.
 
     Example:
         >>> check_same_model(model, group=ctx.group("dp"), device=ctx.device, stats=None, who="DataParallel")
@@ -94,9 +107,19 @@ def check_same_model(module: nn.Module, *, group: Any, device: torch.device, sta
     layout = ";".join(f"{tuple(t.shape)}{t.dtype}" for t in tensors)
     layout += "|" + ";".join(f"{p.requires_grad}{_grad_dtype(p)}" for p in params)
     mine = [len(params), sum(t.numel() for t in tensors), zlib.crc32(layout.encode())]
-    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    failed = [int(local_error is not None and r == rank) for r in range(size)]
+    both = torch.tensor(mine + [-v for v in mine] + failed, dtype=torch.int64, device=device)
     all_reduce(both, group=group, op="max", stats=stats)
-    hi, lo = both[:3].tolist(), [-v for v in both[3:].tolist()]
+    bad_ranks = [r for r, f in enumerate(both[6:].tolist()) if f]
+    if local_error is not None:
+        raise local_error
+    if bad_ranks:
+        raise ValueError(
+            f"{who}: dp rank(s) {bad_ranks} failed a check of their own machine (their error names the "
+            "argument, e.g. an nvme_dir missing on that node); every rank stops here, before any other collective"
+        )
+    hi, lo = both[:3].tolist(), [-v for v in both[3:6].tolist()]
     problems = [
         f"{what}: from {lo[i]} to {hi[i]}"
         for i, what in enumerate(("number of parameters", "number of parameter and buffer elements"))

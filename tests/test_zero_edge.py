@@ -61,7 +61,6 @@ def _bad_arguments() -> None:
         (dict(stage=2, nvme_dir="/tmp/x"), ValueError, "nvme_dir"),
         (dict(stage=2, check_sync="yes"), ValueError, "check_sync"),
         (dict(stage=2, forward_prefetch=True), ValueError, "forward_prefetch"),  # stages 1-2 gather nothing
-        (dict(stage=2, offload="nvme", nvme_dir="/nonexistent/shardkit"), ValueError, "nvme_dir"),  # before any collective
         (dict(stage=2, wrap={nn.Linear}), ValueError, "wrap"),
         (dict(stage=1, reshard_after_forward=False), ValueError, "reshard_after_forward"),
         (dict(stage=2, bucket_mb=0), ValueError, "bucket_mb"),
@@ -70,6 +69,8 @@ def _bad_arguments() -> None:
         (dict(stage=3, wrap={nn.Linear, 3}), TypeError, "wrap"),
         (dict(stage=3, reshard_after_forward="yes"), TypeError, "reshard_after_forward"),
     ]
+    # (an nvme_dir missing on this machine is agreed in the first collective instead, so a rank
+    # whose node lacks it cannot strand the others: test_zero_offload / test_zero_user_state)
     patch = _no_collective()
     try:
         for kwargs, exc, word in cases:

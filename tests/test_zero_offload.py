@@ -20,11 +20,10 @@ import pytest
 import torch
 from torch import nn
 
-from shardkit.comm import ParallelContext
+from shardkit.comm import CommStats, ParallelContext
 from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DynamicLossScaler
 from shardkit.parallel.zero import ShardedDataParallel, ZeroOptimizer, nvme
-from test_zero_edge import _no_collective
 from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
 
 GLOBAL_BATCH = 8
@@ -345,18 +344,20 @@ def _bad_nvme_dir(tmp: str) -> None:
         (a_file, "not a directory"),
         ("/proc", "not writable"),  # a read-only directory, even for root
     ]
-    patch = _no_collective()  # the wrapper checks nvme_dir before check_same_model's collective
-    try:
-        for bad, words in cases:
-            with pytest.raises(ValueError, match=f"nvme_dir .*{words}"):
-                ShardedDataParallel(_model(), ctx, 2, offload="nvme", nvme_dir=bad)
-    finally:
-        patch.stop()
+    for bad, words in cases:
+        # the check depends on this rank's machine: it is agreed over dp in the wrapper's first
+        # collective (check_same_model's all-reduce) and nothing else runs
+        stats = CommStats()
+        with pytest.raises(ValueError, match=f"nvme_dir .*{words}"):
+            ShardedDataParallel(_model(), ctx, 2, offload="nvme", nvme_dir=bad, stats=stats)
+        summary = stats.summary()
+        assert set(summary) == {"all_reduce"} and summary["all_reduce"]["calls"] == 1, summary
+        assert summary["all_reduce"]["bytes"] == 8 * (6 + ctx.size("dp"))  # the model check + one flag per rank
     ctx.destroy()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="uses /proc as a read-only directory")
-def test_nvme_dir_validated_before_any_collective(dist_pool, tmp_path) -> None:
+def test_nvme_dir_validated_in_the_first_collective_only(dist_pool, tmp_path) -> None:
     dist_pool.run(_bad_nvme_dir, str(tmp_path), world_size=2, timeout=60)
 
 

@@ -287,8 +287,10 @@ def _zero_content(layout: Layout, opt: ZeroOptimizer, names: dict[nn.Parameter, 
                 out.elementwise.setdefault(name, []).append(k)
             else:
                 out.scalars.setdefault(name, {})[k] = _scalar(v)
-    for g in inner["param_groups"]:
-        out.groups.append(({k: v for k, v in g.items() if k != "params"}, [slots[i][0] for i in g["params"]]))
+    # members from the optimizer's resolved groups, not from this rank's shard slots: a zero-size
+    # param holds no slot anywhere, yet torch.optim (and so a load without ZeRO) has it in its group
+    for g, members in zip(inner["param_groups"], opt.group_members(), strict=True):
+        out.groups.append(({k: v for k, v in g.items() if k != "params"}, [names[p] for p in members]))
 
 
 def _plain_content(layout: Layout, opt: torch.optim.Optimizer, names: dict[nn.Parameter, str], out: Local) -> None:

@@ -96,7 +96,8 @@ def plan_load(
     names = layout.names
     groups = meta["optim"]["groups"]
     if layout.sdp is not None:
-        mine = [(g, [s[0] for s in _zero_group_slots(optimizer, gi)]) for gi, g in enumerate(optimizer.param_groups)]
+        members = optimizer.group_members()
+        mine = [(g, [names[p] for p in members[gi]]) for gi, g in enumerate(optimizer.param_groups)]
     else:
         mine = [(g, [names.get(p, "?") for p in g["params"]]) for g in optimizer.param_groups]
     if len(mine) != len(groups):
@@ -124,13 +125,6 @@ def plan_load(
     else:
         _plan_plain(layout, optimizer, meta, saved, names, plan)
     return plan
-
-
-def _zero_group_slots(opt: Any, gi: int) -> list[tuple[str, int, int]]:
-    slots = opt.shard_slots()
-    sizes = [len(g["params"]) for g in opt.param_groups]
-    start = sum(sizes[:gi])
-    return slots[start : start + sizes[gi]]
 
 
 def _request(plan: LoadPlan, layout: Layout, p: torch.Tensor, key: str, offset: int, t: torch.Tensor) -> None:

@@ -162,6 +162,7 @@ class FlatShards:
         self._transient = 0
         self.peak_transient_bytes = 0
         self.finalized = False  # the epilogue ran since the last zero_grad
+        self._versions = self._param_versions()  # [Note: params written between steps]
         self.sync: SyncCheck | None = None
         if check_sync:
             device = self.buckets[0].flat_param.device if self.buckets else torch.device("cpu")
@@ -333,6 +334,10 @@ class FlatShards:
     # ---- step --------------------------------------------------------------------------------
     def zero_grad(self, *, set_to_none: bool = True) -> None:
         """Forget the gradients of this step (the persistent buffers are kept, zeroed)."""
+        # a step skipped after the epilogue (clip_grad_norm_ then zero_grad, no opt.step()) left
+        # the transient fp32 copies of bf16/fp16 grads bound: release them through the same path
+        # as after a step, so the transient accounting does not drift up by one copy per skip
+        self.release_step_buffers()
         for sb in self.buckets:
             if self.host is not None:  # a copy may still read the shard zeroed here
                 self.host.device_writable(sb.grad_bucket.index)
@@ -348,8 +353,6 @@ class FlatShards:
             # of the shard per step: 10 ms of a 700 ms ZeRO-1 step at 20M params on 2 ranks)
             sb.fresh, sb.reduced = True, False
             sb.got_grad, sb.stepped = [False] * len(sb.grad_bucket.params), None
-            if self.grad_dtype != torch.float32 and self.host is None:
-                self._bind_opt_grad(sb, None)
         if self.host is not None:
             self.host.reset()
         self.finalized = False
@@ -487,6 +490,53 @@ class FlatShards:
         for sb in self.buckets:
             if sb.master is not None:
                 sb.master.copy_(sb.flat_param.narrow(0, sb.start, sb.shard))
+        self.record_param_versions()
+
+    # [Note: params written between steps]
+    # With bf16/fp16 params (stages 1-2, no offload) the optimizer steps an fp32 master shard and
+    # the params are its rounded copy, all-gathered after each step. A user who writes the
+    # params between steps (``module.load_state_dict``, ``p.copy_`` under no_grad: loading
+    # pretrained weights after wrapping, an EMA swap, a re-initialisation) writes only the
+    # rounded copy: the next step would update the stale master and all-gather it over the
+    # write. Each param's ``_version`` tells: it moves on the user's in-place writes to ``p``,
+    # and not on the all-gather's writes into the flat buffer ``p`` is a view of (``p.data`` was
+    # set to the view: it keeps its own counter). So each step first re-reads the master pieces
+    # of the params written since the last record, exactly (bf16/fp16 widen to fp32 exactly),
+    # as the offloaded optimizer does for its host masters (``offload.py``); the unwritten
+    # elements keep their extra precision. Stage 3 frees the params between steps (a write
+    # raises), and the fp32 case has no master: both are skipped.
+    def _param_versions(self) -> list[int]:
+        return [p._version for sb in self.buckets for p in sb.grad_bucket.params]
+
+    def record_param_versions(self) -> None:
+        """Take the params as they are now as the masters' source (after a step or a load)."""
+        self._versions = self._param_versions()
+
+    @torch.no_grad()
+    def refresh_written_masters(self) -> None:
+        """Re-read the fp32 master pieces of params written since the last record ([Note: params
+        written between steps]); a no-op without masters, at stage 3, and when nothing was written.
+
+        Example:
+            >>> sdp.module.load_state_dict(sd)        # bf16 params, ZeRO-2
+            >>> shards.refresh_written_masters()      # ZeroOptimizer.step does this first
+        """
+        if self.stage == 3 or all(sb.master is None for sb in self.buckets):
+            return
+        now = self._param_versions()
+        if now == self._versions:
+            return
+        params = [p for sb in self.buckets for p in sb.grad_bucket.params]
+        written = {id(p) for p, a, b in zip(params, now, self._versions, strict=True) if a != b}
+        for sb in self.buckets:
+            if sb.master is None:
+                continue
+            local = sb.local_param_shard()
+            for seg in sb.segments:
+                if id(sb.grad_bucket.params[seg.index]) in written:
+                    at = seg.flat_offset - sb.start
+                    sb.master.narrow(0, at, seg.numel).copy_(local.narrow(0, at, seg.numel))
+        self._versions = now
 
     # ---- memory ------------------------------------------------------------------------------
     def persistent_bytes(self) -> dict[str, int]:

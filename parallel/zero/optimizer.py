@@ -93,6 +93,10 @@ class ZeroOptimizer:
         if sdp.offload == "nvme":
             validate_nvme_dir(sdp.nvme_dir)
         groups = resolve_param_groups(sdp.module, params)
+        # each group's original params as the user gave them (zero-size ones and those with no
+        # element on this rank included): a checkpoint records these, the same on every rank
+        self._members = [list(g["params"]) for g in groups]
+        self._grouped = {p for g in groups for p in g["params"]}
         self.sdp = sdp
         self._offload: Any = None
         if sdp.offload is not None:
@@ -121,6 +125,53 @@ class ZeroOptimizer:
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of original parameters (or names), as ``torch.optim.Optimizer.add_param_group``.
+
+        Every rank must add the same group (groups line up across ranks, as the shards do). The
+        params must be trainable params of ``sdp.module`` that are in no group yet: ZeRO lays
+        out every param that was trainable when ``ShardedDataParallel`` was built, so a param
+        unfrozen later (progressive unfreezing) needs the model wrapped again.
+
+        Args:
+            param_group: a dict with ``"params"`` (original params or names) and per-group
+                options (``lr``, ``weight_decay``, ...); missing options take the defaults.
+
+        Raises:
+            ValueError: a param already in a group, frozen, or not in the module (before any
+                change); with offload, which builds its host optimizer once.
+
+        Example:
+            >>> opt = ZeroOptimizer(sdp, FusedAdamW, list(model.head.parameters()), lr=1e-3)
+            >>> opt.add_param_group({"params": list(model.body.parameters()), "lr": 1e-4})
+        """
+        if self._offload is not None:
+            raise ValueError(
+                f"add_param_group: offload={self.sdp.offload!r} builds its host optimizer once; pass every "
+                "group to ZeroOptimizer(...) instead"
+            )
+        (group,) = resolve_param_groups(self.sdp.module, [param_group], arg="param_group")
+        again = [p for p in group["params"] if p in self._grouped]
+        if again:
+            names = {p: n for n, p in self.sdp.module.named_parameters()}
+            raise ValueError(f"add_param_group: {[names[p] for p in again][:3]} already in a parameter group")
+        shard_of = self.sdp._shards.shard_param_of()
+        self.optimizer.add_param_group({**group, "params": [shard_of[p] for p in group["params"] if p in shard_of]})
+        self._members.append(list(group["params"]))
+        self._grouped.update(group["params"])
+
+    def group_members(self) -> list[list[torch.nn.Parameter]]:
+        """Each param group's original parameters, as resolved from what the user passed.
+
+        Unlike :attr:`param_groups` (this rank's shard views), the same on every rank and
+        including zero-size parameters, which hold no shard: what ``torch.optim`` would hold, so
+        what a checkpoint records as the group's members.
+
+        Example:
+            >>> [len(ps) for ps in opt.group_members()]   # e.g. [4, 2]: decay and no-decay
+        """
+        return [list(ps) for ps in self._members]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget this step's gradients (module params and the reduced shards)."""
         self.sdp.zero_grad(set_to_none=set_to_none)
@@ -140,6 +191,8 @@ class ZeroOptimizer:
         overflow, _ = self.sdp.finalize_gradients()
         shards = self.sdp._shards
         if not overflow:
+            if self._offload is None and self.sdp.stage < 3:  # offload re-reads its own masters
+                shards.refresh_written_masters()  # [Note: params written between steps]
             hidden = self._hide_unstepped_grads()
             try:
                 with record_function("shardkit::step"):
@@ -265,6 +318,9 @@ class ZeroOptimizer:
             for sb, m in zip(self.sdp.sharded_buckets, state["master"]):
                 if sb.master is not None and m is not None:
                     sb.master.copy_(m)
+        # the loaded masters win over the params written before them ([Note: params written
+        # between steps] in flat_shards.py): they are the source the next step starts from
+        self.sdp._shards.record_param_versions()
 
 
 def _offload_class(offload: str) -> type[CpuOffload]:

@@ -48,6 +48,7 @@ from ..loss_scaler import DynamicLossScaler
 from ..tensor.layers import is_tp_sharded
 from ..reducer import GradReducer
 from .flat_shards import FlatShards, ShardedBucket
+from .nvme import validate_nvme_dir
 from .stage3 import ShardUnits
 from .units import check_wrap
 
@@ -194,7 +195,21 @@ class ShardedDataParallel(nn.Module):
         self._replicated = {p for p in params if not is_tp_sharded(p)} if self._tp > 1 else set()
         self._optimizer: Any = None  # weakref to the ZeroOptimizer, set by it
         self._step_state: tuple[bool, torch.Tensor | None] | None = None
-        check_same_model(module, group=self._group, device=ctx.device, stats=self.comm_stats, who="ShardedDataParallel")
+        # the one check that depends on this rank's machine, agreed in the first collective
+        local_error = None
+        if offload == "nvme":
+            try:
+                validate_nvme_dir(nvme_dir)
+            except ValueError as e:
+                local_error = e
+        check_same_model(
+            module,
+            group=self._group,
+            device=ctx.device,
+            stats=self.comm_stats,
+            who="ShardedDataParallel",
+            local_error=local_error,
+        )
         broadcast_module_state(module, group=self._group, stats=self.comm_stats)
         shard_kwargs = dict(
             group=self._group,
@@ -453,9 +468,8 @@ def _validate(
         raise ValueError("nvme_dir is required with offload='nvme' (the directory for the optimizer state files)")
     if offload != "nvme" and nvme_dir is not None:
         raise ValueError(f"nvme_dir is only used with offload='nvme', got offload={offload!r}")
-    if offload == "nvme":
-        from .nvme import validate_nvme_dir  # exists, is a directory, is writable
-
+    if offload == "nvme" and pipeline:  # exists, is a directory, is writable
+        # (ShardedDataParallel itself checks it in its first collective, agreed over dp)
         validate_nvme_dir(nvme_dir)
     if stage != 3 and wrap is not None:
         raise ValueError(f"wrap chooses stage-3 units; it has no meaning for stage={stage}")
