@@ -10,7 +10,7 @@ NPROC  ?= 2
 PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py notebooks/_src
 STEPS  ?= 200
 
-.PHONY: all test demo bench install clean test-gpu mutate
+.PHONY: all test test-matrix demo bench install clean test-gpu mutate
 
 all: test
 
@@ -26,10 +26,15 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not slow_matrix" tests
 	# The reduction-order guard: the equality tests again, every cross-rank sum moved within the
 	# bound another order of additions allows (tests/reduction_order.py, docs/testing.md).
-	SHARDKIT_TEST_REDUCTION_ORDER=perturb $(BIN)/python -m pytest -q -m reduction_order tests
+	SHARDKIT_TEST_REDUCTION_ORDER=perturb $(BIN)/python -m pytest -q -m "reduction_order and not slow_matrix" tests
+
+# The full product of the usage matrix (tests/test_usage_matrix.py; make test runs its pairwise
+# cover): every model family x usage pattern x layout against the dense model (docs/testing.md).
+test-matrix: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow_matrix tests/test_usage_matrix.py
 
 demo: $(STAMP)
 	$(BIN)/shardkit train --nproc $(NPROC) --strategy zero2 --steps $(STEPS)
