@@ -69,6 +69,21 @@ def _load_fn(module: str, path: str | None, qualname: str) -> Callable[..., Any]
     return obj
 
 
+def _thread_count() -> int:
+    """This process's OS threads (Linux: /proc/self/task), gloo's C++ threads included; 0 elsewhere."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+#: a worker past this many threads is restarted before the next call: gloo keeps a tcp loop
+#: thread per process group until the group is freed, and a test body that leaves a group
+#: referenced (a module's hook, a cycle) leaks one. Hundreds of them in a long-lived worker
+#: polled the 2-core machine to a load average of 450 and made the suite's subprocess tests time out.
+MAX_WORKER_THREADS = 128
+
+
 def _worker_main(rank: int, world_size: int, store_port: int, pg_timeout_s: float, dump_path: str, conn: Any) -> None:
     import torch
     import torch.distributed as dist
@@ -103,7 +118,7 @@ def _worker_main(rank: int, world_size: int, store_port: int, pg_timeout_s: floa
             fn = _load_fn(module, path, qualname)
             args, kwargs = pickle.loads(payload)
             result = fn(*args, **kwargs)
-            conn.send_bytes(pickle.dumps(("body_done", call_id, None)))
+            conn.send_bytes(pickle.dumps(("body_done", call_id, _thread_count())))
             dist.barrier()  # every rank done: the next call starts in step
             reply = pickle.dumps(("ok", call_id, result))
         except BaseException:  # noqa: BLE001 - reported to the test process, which fails the test
@@ -151,6 +166,7 @@ class WorkerPool:
         self._tmpdir: tempfile.TemporaryDirectory | None = None
         self._call_id = 0
         self._bodies_done: set[int] = set()  # ranks of the current call past the body
+        self._threads = 0  # the most OS threads a worker reported since the workers started
 
     # -- lifecycle --
     @property
@@ -162,6 +178,7 @@ class WorkerPool:
         import torch.distributed as dist
 
         self.kill()
+        self._threads = 0
         # forkserver, with torch preloaded once, instead of paying the torch import per worker;
         # the children still start from a clean, thread-free process (unlike fork).
         ctx = mp.get_context("forkserver")
@@ -239,6 +256,8 @@ class WorkerPool:
             payload = pickle.dumps((args, kwargs))
         except Exception as exc:
             raise TypeError(f"arguments of {ref[2]} must be picklable: {exc}") from exc
+        if self.alive and self._threads > MAX_WORKER_THREADS:
+            self.kill()  # leaked process-group threads: a fresh set of workers (see MAX_WORKER_THREADS)
         if not self.alive:
             self.start()
         self._call_id += 1
@@ -290,6 +309,7 @@ class WorkerPool:
                         continue  # stale reply of an earlier call
                     if kind == "body_done":
                         self._bodies_done.add(rank)
+                        self._threads = max(self._threads, value or 0)
                         continue
                 else:
                     self._procs[rank].join(timeout=1)
