@@ -76,7 +76,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "parallel/pipeline/transfers.py": [
         "tests/test_pipeline_prepost.py",
         "tests/test_pipeline.py",
-        "tests/test_review_session.py",
+        "tests/test_pipeline_receives_ahead_and_teardown.py",
     ],
     "parallel/zero/sharded_bucket.py": ["tests/test_zero.py", "tests/test_zero3.py"],
     "parallel/pipeline/tied.py": ["tests/test_pipeline_tied.py"],

@@ -1,4 +1,4 @@
-"""Review of the session's pipeline commits: receives posted ahead on gloo ([Note: receives ahead
+"""Pipeline edges: receives posted ahead on gloo ([Note: receives ahead
 on gloo]) at the edges (m < p, m = 1, interleaved m = p, checkpointing, evaluate between steps);
 a step that fails mid-schedule; contexts destroyed after the world; initialize failing."""
 

@@ -1,4 +1,4 @@
-"""Coverage found missing in the review of ZeRO under a pipeline (parallelize(dp="zero2", pp=...)).
+"""ZeRO under a pipeline with offload (parallelize(dp="zero2", pp=...)).
 
 ``offload="cpu"`` claims results bitwise those of the device optimizer (docs/offload.md); the
 pipeline tests only ran without offload. Here dp 2 x pp 2 with a tied embedding (a cross-stage
