@@ -7,6 +7,11 @@ STAMP  := $(VENV)/.shardkit-installed
 export TRITON_DEFAULT_FP_FUSION ?= 1
 export PYTHONUNBUFFERED := 1
 NPROC  ?= 2
+# DeepSpeed (the peer the tests and notebook 06 drive) JIT-builds a C++ op on its first
+# init_distributed. Built here once, in the install step, into a directory of this venv: a build
+# that a test timeout kills leaves a `lock` file behind, and in the shared ~/.cache every later
+# run on the machine would wait on that lock forever.
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py notebooks/_src
 STEPS  ?= 200
 
@@ -19,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	# CPU torch, pinned: a looser requirement would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
+	@echo "building DeepSpeed's CPU shared-memory op once (about a minute on 2 cores)"
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
+		get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
 	@touch $@
 
 install: $(STAMP)
