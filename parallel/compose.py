@@ -60,7 +60,8 @@ optimizer); autocast inside the stages is not applied.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -138,6 +139,7 @@ class ParallelModel:
         self._pp_state: tuple[bool, torch.Tensor | None] | None = None
         # tp/pp: the norm spans shards and stages, which the dp strategies' clip does not know
         self._composite = axis_size(ctx, "tp") > 1 or axis_size(ctx, "pp") > 1
+        self._accumulating = False  # inside no_sync() with a pipeline and dp="ddp"
 
     # ---- the step ------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -170,17 +172,46 @@ class ParallelModel:
             with record_function("shardkit::pipeline_step"):
                 loss = torch.tensor(self.pipeline.step(inputs, targets, loss_scale=scale))
             if self.strategy is not None:  # ZeRO: reduce-scatter each bucket into this rank's shard
-                self.module.reduce_gradients()
-            elif axis_size(self.ctx, "dp") > 1:
+                self.module.reduce_gradients()  # (nothing inside no_sync: see there)
+            elif axis_size(self.ctx, "dp") > 1 and not self._accumulating:
                 self._reduce_over_dp()
             return loss
-        with self._autocast() if self._autocast is not None else _nullcontext():
+        with self._autocast() if self._autocast is not None else contextlib.nullcontext():
             loss = self.loss_fn(self.module(inputs), targets)
         if self.strategy is not None:
             self.strategy.backward(loss)
         else:
             loss.backward()
         return loss.detach()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: ``forward_backward`` calls inside the block add to the gradients
+        without the dp reduction where the layout allows it, and the first call outside reduces
+        their sum — as torch DDP's ``no_sync``, for every layout.
+
+        * no pipeline: the dp wrapper's own ``no_sync`` (DataParallel and ZeRO-1 skip the
+          communication; ZeRO-2/3, which never hold a full gradient, still reduce-scatter each
+          backward into the shard); nothing to skip with ``dp="none"``.
+        * with a pipeline: the dp reduction after each pipeline step is skipped (each step adds
+          its gradients to ``p.grad``), for ``"ddp"``, ``"zero1"`` and ``"zero2"`` alike.
+
+        Example:
+            >>> opt.zero_grad()
+            >>> with par.no_sync():
+            ...     par.forward_backward(x1, y1)        # no dp collective
+            >>> par.forward_backward(x2, y2)            # reduces the sum of both
+            >>> par.clip(1.0); par.step(opt)
+        """
+        if self.pipeline is not None and self.strategy is None:
+            previous, self._accumulating = self._accumulating, True
+            try:
+                yield
+            finally:
+                self._accumulating = previous
+            return
+        with self.module.no_sync() if hasattr(self.module, "no_sync") else contextlib.nullcontext():
+            yield
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -193,7 +224,7 @@ class ParallelModel:
         was = self.module.training
         self.module.eval()
         try:
-            with self._autocast() if self._autocast is not None else _nullcontext():
+            with self._autocast() if self._autocast is not None else contextlib.nullcontext():
                 return float(self.loss_fn(self.module(inputs), targets))
         finally:
             self.module.train(was)
@@ -303,16 +334,39 @@ class ParallelModel:
 
     @torch.no_grad()
     def _reduce_over_dp(self) -> None:
-        """Average the stage gradients over dp: one all-reduce of a flat buffer per dtype."""
+        """Average the stage gradients over dp: one all-reduce of a flat buffer per grad dtype.
+
+        Every trainable parameter has its place in the buffer (zeros where this rank has no
+        grad), so the buffers agree in size on every dp rank, and one used flag per parameter
+        follows the grads: a parameter no dp rank got a grad for (an MoE expert no token
+        reached) keeps ``grad=None``, as in single-process training; one used on some ranks
+        gets the sum over those ranks divided by the dp size.
+        """
+        dp = self.ctx.size("dp")
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in self.parameters():
+            by_dtype.setdefault(getattr(p, "grad_dtype", None) or p.dtype, []).append(p)
         with record_function("shardkit::all_reduce"):
-            for grads in _by_dtype([p.grad for p in self.parameters() if p.grad is not None]):
-                flat = torch.cat([g.reshape(-1) for g in grads])
+            for dtype, params in by_dtype.items():
+                has = [p.grad is not None for p in params]
+                parts = [
+                    p.grad.reshape(-1).to(dtype) if p.grad is not None else p.new_zeros(p.numel(), dtype=dtype) for p in params
+                ]
+                parts.append(torch.tensor(has, dtype=dtype, device=params[0].device))
+                flat = torch.cat(parts)
                 all_reduce(flat, group=self.ctx.group("dp"), stats=self.stats)
-                flat.div_(self.ctx.size("dp"))
+                total = flat.numel() - len(params)
+                used = flat[total:].tolist() if not all(has) else [1.0] * len(params)
+                flat[:total].div_(dp)
                 offset = 0
-                for g in grads:
-                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                for p, u in zip(params, used):
+                    if u > 0:
+                        src = flat[offset : offset + p.numel()].view_as(p)
+                        if p.grad is None:
+                            p.grad = src.clone()
+                        else:
+                            p.grad.copy_(src)
+                    offset += p.numel()
 
 
 def parallelize(
@@ -473,11 +527,3 @@ def _by_dtype(grads: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     for g in grads:
         out.setdefault(g.dtype, []).append(g)
     return list(out.values())
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -7,8 +7,17 @@ is ready, overlapping communication with the rest of backward. When backward end
 is waited for in order and copied back into ``p.grad`` with the 1/dp averaging fused into the
 copy (one unflatten launch per bucket). Communication volume: one all-reduce of every gradient
 byte per step (docs/reference.md, "ZeRO memory and communication": DDP moves 2Ψ per rank over the
-wire for Ψ bytes of gradients; :class:`~shardkit.comm.CommStats` records the Ψ payload), plus,
-with ``find_unused_parameters``, one all-reduce of 4 bytes per parameter (the used flags).
+wire for Ψ bytes of gradients; :class:`~shardkit.comm.CommStats` records the Ψ payload), plus one
+element per parameter: the used flags (next Note).
+
+[Note: used flags ride in the buckets]
+A parameter that no rank used in a step (an MoE expert no token reached, a head the loss skips)
+must keep ``grad=None``, as in single-process training, or optimizers with momentum or weight
+decay move it. Each bucket's buffer ends with one element per parameter, set to 1 where this
+rank holds a grad for it when the bucket launches; the bucket's own all-reduce sums them, so a
+sum of 0 means no rank used the parameter. No extra collective, and no host sync unless this rank
+lacked a grad in the bucket (only then are the summed flags read back). Torch DDP needs
+``find_unused_parameters=True`` and a separate all-reduce of a bitmap for the same answer.
 
 [Note: fused unscale]
 With a ``loss_scaler`` the copy back multiplies by ``1 / (dp * S)`` instead of ``1 / dp`` and
@@ -171,11 +180,12 @@ class DataParallel(nn.Module):
       re-broadcasts them from rank 0 before every forward by default. Here each rank's buffers
       evolve from its own data (sync them yourself, or use SyncBatchNorm-style layers, if that
       matters).
-    * **Unused parameters**. By default a parameter that got no grad on a rank contributes zeros
-      there: one used on some ranks gets the correct average (the sum over the ranks that used
-      it, divided by the dp size), but one unused on *every* rank gets a zero grad (torch DDP
-      raises instead) — which optimizers with weight decay or momentum then apply. Pass
-      ``find_unused_parameters=True`` for models with conditionally used parameters.
+    * **Unused parameters** need no option: a parameter that got no grad on a rank contributes
+      zeros there, so one used on some ranks gets the correct average (the sum over the ranks
+      that used it, divided by the dp size), and one unused on *every* rank keeps its grad
+      untouched (``None`` after ``zero_grad()``), so optimizers skip it as in single-process
+      training. The flags ride in the buckets (one element per parameter; [Note: used flags
+      ride in the buckets]). Torch DDP needs ``find_unused_parameters=True`` for this.
     * **A backward that raised** leaves no trace: the next ``forward`` discards its partial
       reduction (see [Note: a backward that raised] in :mod:`shardkit.parallel.reducer`); this is
       safe when every rank failed at the same point. Zero the grads before the next step.
@@ -205,13 +215,10 @@ class DataParallel(nn.Module):
             all-reduce carries those few padding elements too. Grads stay views until
             ``zero_grad(set_to_none=True)``; with ``set_to_none=False`` backward accumulates
             straight into the bucket.
-        find_unused_parameters: as torch DDP's option: at the end of each backward, one extra
-            all-reduce (max) of an int32 flag per parameter (1: got a grad on this rank, in this
-            backward or a ``no_sync`` one since the last reduction), issued after the last
-            bucket on every rank and recorded in ``comm_stats``. Parameters no rank used keep
-            their grad untouched (``None`` after ``zero_grad()``, and no bucket view), so
-            optimizers skip them exactly as in single-process training. Buckets holding a param
-            unused on this rank launch at the end of backward (less overlap).
+        find_unused_parameters: accepted for torch DDP compatibility and changes nothing:
+            unused parameters are always detected (see the contract above). As in torch DDP,
+            a bucket holding a param unused on this rank launches at the end of backward (less
+            overlap).
         loss_scaler: the fp16 :class:`~shardkit.parallel.DynamicLossScaler` whose
             ``scale_loss`` drives backward. The copy back from each all-reduced bucket then
             multiplies by ``1 / (dp * S)`` instead of ``1 / dp`` and flags inf/nan and sums g² in
@@ -227,7 +234,7 @@ class DataParallel(nn.Module):
         >>> loss = model(x, y); loss.backward(); opt.step(); opt.zero_grad()
         >>> with model.no_sync():          # gradient accumulation: no communication
         ...     model(x2, y2).backward()
-        >>> moe = DataParallel(router_model, ctx, find_unused_parameters=True)  # experts may idle
+        >>> moe = DataParallel(router_model, ctx)  # an expert no rank routed to keeps grad=None
         >>> scaler = DynamicLossScaler()                       # fp16: unscale fused into backward
         >>> model = DataParallel(fp16_model, ctx, loss_scaler=scaler)
         >>> scaler.scale_loss(model(x, y)).backward()
@@ -271,6 +278,7 @@ class DataParallel(nn.Module):
         self._dp = ctx.size("dp")
         self.buckets: list[GradBucket] = []
         self._reducer: GradReducer | None = None
+        self._locally_unused: set[int] = set()  # buckets launched with a param this rank has no grad for
         if self._dp == 1:  # the local path: autograd's grads are already the average
             return
         check_same_model(module, group=self._group, device=ctx.device, stats=self.comm_stats, who="DataParallel")
@@ -288,7 +296,6 @@ class DataParallel(nn.Module):
             self.buckets,
             launch=self._launch,
             finish=self._finish,
-            agree_used=self._agree_used if self.find_unused_parameters else None,
             on_ready=self._copy_one if self._eager_copy else None,
         )
 
@@ -297,8 +304,20 @@ class DataParallel(nn.Module):
         align = ALIGN_ELEMENTS if self.gradient_as_bucket_view else 1
         offsets, total = bucket_layout([p.numel() for p in params], align=align)
         bucket = GradBucket(index=index, params=params, offsets=list(offsets), buffer=torch.empty(0))
-        self._new_buffer(bucket, total, dtype=_grad_dtype(params[0]), device=params[0].device)
+        # + one used flag per param after the grads: [Note: used flags ride in the buckets]
+        self._new_buffer(bucket, total + len(params), dtype=_grad_dtype(params[0]), device=params[0].device)
         return bucket
+
+    @staticmethod
+    def _grads_of(bucket: GradBucket) -> torch.Tensor:
+        """The bucket's buffer without the used flags at its end."""
+        return bucket.buffer.narrow(0, 0, bucket.buffer.numel() - len(bucket.params))
+
+    @staticmethod
+    def _flags_of(bucket: GradBucket) -> torch.Tensor:
+        """The used flags at the end of the bucket's buffer, one per param."""
+        n = len(bucket.params)
+        return bucket.buffer.narrow(0, bucket.buffer.numel() - n, n)
 
     @staticmethod
     def _new_buffer(bucket: GradBucket, total: int, *, dtype: torch.dtype, device: torch.device) -> None:
@@ -327,10 +346,8 @@ class DataParallel(nn.Module):
             if j in bucket.copied:
                 continue
             g = p.grad
-            if g is None:  # no grad on this rank: contributes zeros
+            if g is None:  # no grad on this rank: contributes zeros (grad set in _finish if used elsewhere)
                 slot.zero_()
-                if as_view and not self.find_unused_parameters:  # else decided in _finish
-                    to_view.append(j)
                 continue
             if as_view and g.data_ptr() == slot.data_ptr():
                 continue  # already lives in its slot (set_to_none=False, no_sync)
@@ -351,11 +368,20 @@ class DataParallel(nn.Module):
             flatten_into(packed, bucket.buffer, packed_offsets, backend=self.backend)
         for j in to_view:  # releases autograd's grad tensors now, not after backward
             bucket.params[j].grad = bucket.views[j]
+        has_grad = [p.grad is not None for p in bucket.params]
+        if all(has_grad):  # the usual case: a fill on the device, no host-to-device copy
+            self._flags_of(bucket).fill_(1)
+            self._locally_unused.discard(bucket.index)
+        else:
+            self._flags_of(bucket).copy_(torch.tensor(has_grad, dtype=bucket.buffer.dtype))
+            self._locally_unused.add(bucket.index)
         return all_reduce(bucket.buffer, group=self._group, op="sum", async_op=True, stats=self.comm_stats)
 
     def _finish(self, bucket: GradBucket, work: Any) -> None:
         work.wait()
-        used = bucket.used  # None unless find_unused_parameters
+        # None: every param used here, hence used (no host sync); else the summed flags decide
+        used = [f > 0 for f in self._flags_of(bucket).tolist()] if bucket.index in self._locally_unused else None
+        bucket.used = used
         scale = 1.0 / self._dp
         record = None
         if self.loss_scaler is not None:  # [Note: fused unscale] one pass: average + unscale + stats
@@ -368,10 +394,14 @@ class DataParallel(nn.Module):
             scale = 1.0 / (self._dp * record.loss_scale)
         if self.gradient_as_bucket_view:
             if record is None:
-                bucket.buffer.mul_(scale)
+                self._grads_of(bucket).mul_(scale)
             else:  # the zero gaps add nothing to the flag or the norm
                 unscale_and_norm_(
-                    [bucket.buffer], inv_scale=scale, found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend
+                    [self._grads_of(bucket)],
+                    inv_scale=scale,
+                    found_inf=record.found_inf,
+                    sumsq=record.sumsq,
+                    backend=self.backend,
                 )
             for j, p in enumerate(bucket.params):
                 if used is not None and used[j] and p.grad is None:  # used elsewhere only
@@ -427,10 +457,6 @@ class DataParallel(nn.Module):
                 unscale_and_norm_(dsts, found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend)
         if record is not None and odd:
             unscale_and_norm_([g.contiguous() for g in odd], found_inf=record.found_inf, sumsq=record.sumsq, backend=self.backend)
-
-    def _agree_used(self, local: torch.Tensor) -> torch.Tensor:
-        flags = local.to(self.buckets[0].buffer.device)
-        return all_reduce(flags, group=self._group, op="max", stats=self.comm_stats).output.cpu()
 
     def _discard_unfinished_backward(self, abandoned: list[tuple[GradBucket, Any]]) -> None:
         for bucket, work in abandoned:

@@ -30,7 +30,11 @@ def resolve_param_groups(module: nn.Module, params: Iterable[Any] | None, *, arg
 
     Raises:
         ValueError: an empty list, a group without ``"params"``, an unknown name, a tensor that
-            is not a parameter of ``module``, a frozen parameter, or one in two groups.
+            is not a parameter of ``module``, or one in two groups.
+
+    Frozen parameters (``requires_grad=False``) are accepted, as ``torch.optim`` accepts them:
+    they stay members of their group (a checkpoint records them) and, never getting a gradient,
+    are never stepped (``AdamW(model.parameters())`` works on a partly frozen model).
 
     Example:
         >>> resolve_param_groups(model, [{"params": ["0.weight"], "weight_decay": 0.1}])
@@ -60,8 +64,6 @@ def resolve_param_groups(module: nn.Module, params: Iterable[Any] | None, *, arg
             if not isinstance(p, torch.Tensor) or p not in names:
                 what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else type(p).__name__
                 raise ValueError(f"{arg}: group {i} holds {what}, which is not a parameter of the module")
-            if not p.requires_grad:
-                raise ValueError(f"{arg}: {names[p]!r} is frozen (requires_grad=False); frozen params get no optimizer state")
             if p in seen:
                 raise ValueError(f"{arg}: {names[p]!r} is in more than one group (or twice)")
             seen.add(p)

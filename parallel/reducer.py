@@ -7,7 +7,7 @@ per phase, each under a profiler label, so a trace of any strategy reads the sam
     post_forward()         shardkit::post_forward       (stage 3 reshards its units in its own)
     pre_backward()         shardkit::pre_backward       first grad of a backward: queue finalize
     post_backward(bucket)  shardkit::post_backward      a bucket's grads are ready: launch
-    finalize_backward()    shardkit::finalize_backward  launch the rest, agree used flags, finish
+    finalize_backward()    shardkit::finalize_backward  launch the rest, finish every bucket
 
 What a strategy launches and how it finishes are the two callbacks it gives the reducer:
 :class:`~shardkit.parallel.DataParallel` launches an all-reduce of the bucket and finishes by
@@ -21,9 +21,8 @@ are numbered in reverse registration order (roughly the order backward produces 
 bucket is launched only after every lower-numbered bucket was launched, so a rank whose grads
 arrive in another order still issues the same sequence. Buckets whose params got no grad in
 this backward (unused parameters) are launched, with zeros for the missing grads, by
-``finalize_backward`` — again in order. With ``agree_used`` (find_unused_parameters), it then
-issues one more collective, the used-flags agreement, after the last bucket on every rank.
-``finish`` is called in bucket order after every bucket was launched, so waits are issued in
+``finalize_backward`` — again in order (DataParallel carries which params got a grad inside the
+buckets themselves, so no collective follows the last bucket). ``finish`` is called in bucket order after every bucket was launched, so waits are issued in
 launch order too (a strategy that waits earlier, to bound its in-flight buffers, waits the
 oldest launched bucket first, which keeps the same order).
 
@@ -79,8 +78,8 @@ class GradBucket:
             (eager copy).
         views: per-param views of ``buffer`` (each param's slot, shaped like it), if the strategy
             made them.
-        used: set by the reducer just before ``finish`` when it tracks unused parameters: whether
-            each param got a grad on *any* rank since the last reduction. ``None`` otherwise.
+        used: set by a strategy that tracks unused parameters: whether each param got a grad on
+            *any* rank since the last reduction; ``None``: every param did (or not tracked).
     """
 
     index: int
@@ -114,11 +113,6 @@ class GradReducer:
         finish: called as ``finish(bucket, work)`` for every bucket, in order, by
             :meth:`finalize_backward` (DDP: wait + average into ``p.grad``; ZeRO: wait +
             accumulate this rank's shard).
-        agree_used: optional; track which params got a grad (in this backward or a ``disabled``
-            one since the last reduction). After the last launch it is called with those local
-            flags (int32 CPU tensor, one per param in bucket order, 1 = got a grad) and must
-            return the flags of the whole group (e.g. an all-reduce max); ``finish`` then sees
-            them as ``bucket.used``.
         on_ready: optional; called as ``on_ready(bucket, j)`` the moment param ``j``'s grad is
             final, before the bucket launches — e.g. DataParallel's CPU path copies the grad
             into its slot while it is still in cache (it then adds ``j`` to ``bucket.copied``).
@@ -139,7 +133,6 @@ class GradReducer:
         *,
         launch: Callable[[GradBucket], Any],
         finish: Callable[[GradBucket, Any], None],
-        agree_used: Callable[[torch.Tensor], torch.Tensor] | None = None,
         on_ready: Callable[[GradBucket, int], None] | None = None,
         on_finalize: Callable[[], None] | None = None,
     ) -> None:
@@ -148,14 +141,10 @@ class GradReducer:
         self._on_ready = on_ready
         self._launch = launch
         self._finish = finish
-        self._agree_used = agree_used
         self._where: dict[torch.nn.Parameter, tuple[int, int]] = {}
-        self._first: list[int] = []  # flat index of each bucket's first param
         for b in self.buckets:
-            self._first.append(len(self._where))
             for j, p in enumerate(b.params):
                 self._where[p] = (b.index, j)
-        self._used = [False] * len(self._where)
         self._works: list[Any] = []
         self._callback_queued = False
         self.enabled = True
@@ -196,15 +185,11 @@ class GradReducer:
             self._works.append(self._launch(bucket))
 
     def finalize_backward(self) -> None:
-        """End of backward: launch unused buckets in order, agree used flags, finish every bucket."""
+        """End of backward: launch unused buckets in order, then finish every bucket in order."""
         with record_function("shardkit::finalize_backward"):
             try:
                 while len(self._works) < len(self.buckets):  # unused params: launch in order anyway
                     self.post_backward(self.buckets[len(self._works)])
-                if self._agree_used is not None:  # after the last launch: see the Note
-                    agreed = self._agree_used(torch.tensor(self._used, dtype=torch.int32)).tolist()
-                    for bucket, first in zip(self.buckets, self._first):
-                        bucket.used = [bool(u) for u in agreed[first : first + len(bucket.params)]]
                 for bucket, work in zip(self.buckets, self._works):
                     self._finish(bucket, work)
                 if self._on_finalize is not None:
@@ -256,7 +241,6 @@ class GradReducer:
             bucket.ready.clear()
             bucket.copied.clear()
             bucket.used = None
-        self._used = [False] * len(self._used)
         self._works = []
         self._callback_queued = False
         self.state = TrainingState.IDLE
@@ -264,7 +248,6 @@ class GradReducer:
     # ---- the hook --------------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
         b, j = self._where[p]
-        self._used[self._first[b] + j] = True  # under `disabled` too: torch DDP's no_sync rule
         if not self.enabled:
             return
         if not self._callback_queued:

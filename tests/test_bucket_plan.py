@@ -193,49 +193,16 @@ def test_reducer_disabled_launches_nothing_and_next_backward_launches_all() -> N
     assert [e[:2] for e in rec.events] == [("launch", 0), ("launch", 1), ("finish", 0), ("finish", 1)]
 
 
-def test_reducer_unused_params_launch_at_end_in_order_and_agree_used() -> None:
+def test_reducer_unused_params_launch_at_end_in_order() -> None:
     """A bucket whose param got no grad is launched by the end-of-backward callback, in order,
-    and ``agree_used`` is called once after the last launch with the local flags (in bucket
-    order); ``finish`` sees the agreed flags as ``bucket.used``."""
+    after the buckets before it, and every bucket is finished in order after the last launch."""
     (a, b, c), x = _chain()
     unused = torch.nn.Parameter(torch.zeros(3))
     rec = _Recorder()
-    calls: list[tuple] = []
-
-    def agree(flags: torch.Tensor) -> torch.Tensor:
-        calls.append((len(rec.events), flags.dtype, flags.tolist()))
-        out = flags.clone()
-        out[0] = 1  # pretend another rank used `unused`
-        return out
-
-    BucketedGradReducer(_buckets([[unused, c], [b], [a]]), launch=rec.launch, finish=rec.finish, agree_used=agree)
+    BucketedGradReducer(_buckets([[unused, c], [b], [a]]), launch=rec.launch, finish=rec.finish)
     (a * (b * (c * x))).sum().backward()
-    assert calls == [(3, torch.int32, [0, 1, 1, 1])]  # after the 3 launches, before any finish
     assert rec.events[:3] == [("launch", 0, [False, True]), ("launch", 1, [True]), ("launch", 2, [True])]
-    assert rec.events[3:] == [
-        ("finish", 0, "work0", [True, True]),
-        ("finish", 1, "work1", [True]),
-        ("finish", 2, "work2", [True]),
-    ]
-
-
-def test_reducer_used_flags_include_disabled_backwards() -> None:
-    """torch DDP's no_sync rule: a param used in a ``disabled`` backward counts as used at the
-    next reduction even if the reducing backward does not touch it."""
-    (a, b, c), x = _chain()
-    rec = _Recorder()
-    flags: list[list[int]] = []
-    reducer = BucketedGradReducer(
-        _buckets([[c], [b], [a]]),
-        launch=rec.launch,
-        finish=rec.finish,
-        agree_used=lambda f: (flags.append(f.tolist()), f)[1],
-    )
-    with reducer.disabled():
-        (c * x).sum().backward()
-    (a * (b * x)).sum().backward()
-    (a * x).sum().backward()  # the flags were cleared by the previous reduction
-    assert flags == [[1, 1, 1], [0, 0, 1]]
+    assert [e[:3] for e in rec.events[3:]] == [("finish", 0, "work0"), ("finish", 1, "work1"), ("finish", 2, "work2")]
 
 
 def test_reducer_reset_after_a_failed_backward() -> None:

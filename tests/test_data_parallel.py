@@ -107,16 +107,17 @@ def _train_no_sync(micro: int, as_view: bool = False) -> float:
     return dev
 
 
-def _unused_param(as_view: bool) -> dict:
-    """find_unused_parameters=True vs single-process training: ``unused`` (no rank uses it) keeps
-    ``grad=None``, so AdamW's weight decay must not move it; ``extra`` is used by rank 0's rows
-    only, so its grad is rank 0's grad averaged with nothing from the others."""
+def _unused_param(as_view: bool, find_unused: bool) -> dict:
+    """DataParallel vs single-process training, with or without find_unused_parameters (it changes
+    nothing): ``unused`` (no rank uses it) keeps ``grad=None``, so AdamW's weight decay must not
+    move it; ``extra`` is used by rank 0's rows only, so its grad is rank 0's grad averaged with
+    zeros from the others."""
     ctx = ParallelContext.from_world()
     rank, world = ctx.rank("dp"), ctx.size("dp")
     per = GLOBAL_BATCH // world
     mask = (torch.arange(GLOBAL_BATCH) < per).float()  # the rows that use `extra`: rank 0's
     rows = slice(rank * per, (rank + 1) * per)
-    model = DataParallel(_WithUnused(), ctx, bucket_mb=0.001, gradient_as_bucket_view=as_view, find_unused_parameters=True)
+    model = DataParallel(_WithUnused(), ctx, bucket_mb=0.001, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
     ref = _WithUnused()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
@@ -145,6 +146,7 @@ def _unused_param(as_view: bool) -> dict:
         n_buckets=len(model.buckets),
         bucket_bytes=sum(model.bucket_bytes),
         n_params=len(names),
+        param_bytes=sum(p.numel() * 4 for p in ref.parameters()),
     )
     ctx.destroy()
     return out
@@ -311,7 +313,8 @@ def test_comm_volume_is_one_all_reduce_of_every_grad(dist_pool, bucket_mb: float
     results = dist_pool.run(_train_ddp, "fused", "auto", bucket_mb, world_size=2, timeout=120)
     for r in results:
         assert r["param_bytes"] == 4044  # the hand count above
-        assert r["all_reduce_bytes"] == r["param_bytes"]  # Ψ payload per step, no extras
+        # Ψ payload per step + one 4-byte used flag per parameter (6), nothing else
+        assert r["all_reduce_bytes"] == r["param_bytes"] + 6 * 4
         assert r["all_reduce_calls"] == _EXPECTED_ALL_REDUCES[bucket_mb]
 
 
@@ -327,8 +330,9 @@ def test_gradient_as_bucket_view(dist_pool, set_to_none: bool) -> None:
     for r in results:
         assert r["dev"] < 2e-5, r
         assert r["grads_in_buckets"]  # p.grad IS the bucket slot: no second copy of the grads
-        # 16-element slot alignment: at most 15 padding elements (4 B each) per parameter
-        assert r["param_bytes"] <= r["all_reduce_bytes"] == r["bucket_bytes"] <= r["param_bytes"] + 6 * 15 * 4
+        # 16-element slot alignment: at most 15 padding elements (4 B each) per parameter, + 6 flags
+        flags = 6 * 4
+        assert r["param_bytes"] + flags <= r["all_reduce_bytes"] == r["bucket_bytes"] <= r["param_bytes"] + flags + 6 * 15 * 4
 
 
 def test_gradient_as_bucket_view_no_sync(dist_pool) -> None:
@@ -342,20 +346,23 @@ def test_gradient_as_bucket_view_no_sync(dist_pool) -> None:
 _UNUSED_MODEL_BUCKETS = 4
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "view"])
-def test_find_unused_parameters_matches_single_process(dist_pool, world_size: int, as_view: bool) -> None:
-    results = dist_pool.run(_unused_param, as_view, world_size=world_size, timeout=120)
+@pytest.mark.parametrize(
+    "world_size, as_view, find_unused", [(2, False, False), (4, True, False), (2, True, True), (4, False, True)]
+)
+def test_unused_params_match_single_process(dist_pool, world_size: int, as_view: bool, find_unused: bool) -> None:
+    results = dist_pool.run(_unused_param, as_view, find_unused, world_size=world_size, timeout=120)
     for rank, r in enumerate(results):
         bad = {n: d for n, d in zip(r["names"], r["devs"]) if not d < 2e-5}
         assert not bad, (rank, bad)  # every param, the unused ones included (they must not move)
         assert r["unused_grads_none"], rank  # as torch DDP: no rank used them, grad stays None
         assert r["extra_used_here"] == (STEPS if rank == 0 else 0)  # partial use really is partial
         assert r["extra_grad_is_set"]  # ... yet every rank gets the averaged grad
-        # one extra all-reduce per step: the int32 used-flags, one per parameter (recorded)
+        # no extra collective: the used flags (one fp32 element per parameter) ride in the buckets
         assert r["n_buckets"] == _UNUSED_MODEL_BUCKETS
-        assert r["all_reduce_calls"] == _UNUSED_MODEL_BUCKETS + 1
-        assert r["all_reduce_bytes"] == r["bucket_bytes"] + 4 * r["n_params"]
+        assert r["all_reduce_calls"] == _UNUSED_MODEL_BUCKETS
+        assert r["all_reduce_bytes"] == r["bucket_bytes"]
+        padding = 15 * 4 * r["n_params"] if as_view else 0  # 16-element slot alignment
+        assert r["param_bytes"] + 4 * r["n_params"] <= r["bucket_bytes"] <= r["param_bytes"] + 4 * r["n_params"] + padding
 
 
 def test_overflow_on_one_rank_is_agreed_by_all(dist_pool) -> None:

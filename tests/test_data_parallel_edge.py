@@ -28,10 +28,12 @@ def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=ADAM_EPS_ACROSS_ORDERS)
 
 
-# ---- default mode: unused params contribute zeros ------------------------------------------------
-def _default_mode_unused() -> float:
-    """Without find_unused_parameters (documented): ``extra`` (used on rank 0 only) is averaged
-    with zeros from the other ranks; ``unused`` (no rank uses it) gets a zero grad."""
+# ---- unused params without find_unused_parameters, and under no_sync ---------------------------
+def _unused_with_no_sync() -> float:
+    """No find_unused_parameters: ``extra`` (used on rank 0 only) is averaged with zeros from the
+    other ranks; ``unused`` keeps grad=None (no rank used it). In a second round, ``unused`` gets a
+    grad only in a no_sync micro-batch on rank 0: it counts as used at the next reduction (torch
+    DDP's no_sync rule), so every rank gets rank 0's accumulated grad over the dp size."""
     ctx = ParallelContext.from_world()
     per = GLOBAL_BATCH // ctx.size("dp")
     mask = (torch.arange(GLOBAL_BATCH) < per).float()
@@ -44,13 +46,27 @@ def _default_mode_unused() -> float:
     mse(ref(x, mask), y).backward()
     used = [p.grad for n, p in base.named_parameters() if not n.startswith("unused")]
     want = [p.grad for n, p in ref.named_parameters() if not n.startswith("unused")]
-    unused = [p.grad.abs().max().item() for p in base.unused.parameters()]
+    dev = max_dev(used, want)
+    assert all(p.grad is None for p in base.unused.parameters()), [p.grad for p in base.unused.parameters()]
+    # round 2: `unused` is touched by rank 0's no_sync micro-batch only
+    z = torch.randn(per, 5, generator=torch.Generator().manual_seed(7))
+    model.zero_grad()
+    with model.no_sync():
+        if ctx.rank("dp") == 0:
+            (base.unused(z).sum() * 0.5).backward()
+    mse(model(x[rows], mask[rows]), y[rows]).backward()
+    ref.zero_grad()
+    (ref.unused(z).sum() * 0.5 / ctx.size("dp")).backward()
+    got = [p.grad for p in base.unused.parameters()]
+    want = [p.grad for p in ref.unused.parameters()]
+    assert all(g is not None for g in got)
     ctx.destroy()
-    return max(max_dev(used, want), *unused)
+    return max(dev, max_dev(got, want))
 
 
-def test_default_mode_unused_params_get_zero_grads(dist_pool) -> None:
-    assert max(dist_pool.run(_default_mode_unused, world_size=2, timeout=60)) < 1e-6
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_unused_params_keep_none_and_no_sync_use_counts(dist_pool, world_size: int) -> None:
+    assert max(dist_pool.run(_unused_with_no_sync, world_size=world_size, timeout=60)) < 1e-6
 
 
 # ---- a backward that raises ----------------------------------------------------------------------

@@ -74,12 +74,14 @@ def _small_model() -> nn.Module:
 #   b2 12 B, w2 288 (300), b1 96 (396); w1 2304 would make 2700 > 2048 -> close [b2, w2, b1]
 #   w1 2304 alone (larger than the cap); b0 96 -> 2400 > 2048 -> close [w1]
 #   b0 96, w0 1248 (1344) -> [b0, w0]
+# Each bucket's buffer then ends with one fp32 used flag per param (DataParallel's [Note: used flags
+# ride in the buckets]): + 3, 1 and 2 flags of 4 B.
 SMALL_CAP_MB = 2048 / 2**20
-SMALL_BUCKET_BYTES = [396, 2304, 1344]
+SMALL_BUCKET_BYTES = [396 + 12, 2304 + 4, 1344 + 8]
 # Same plan with gradient_as_bucket_view: each slot starts at a multiple of 16 elements, and the
 # all-reduce carries the padding: [b2 3 el @0, w2 72 @16, b1 24 @96] = 120 el; [w1 576];
 # [b0 24 @0, w0 312 @32] = 344 el.
-SMALL_BUCKET_BYTES_AS_VIEW = [480, 2304, 1376]
+SMALL_BUCKET_BYTES_AS_VIEW = [480 + 12, 2304 + 4, 1376 + 8]
 
 
 class _Big(nn.Module):
@@ -99,7 +101,8 @@ class _Big(nn.Module):
 # Hand-worked plan of _Big at bucket_mb=25: first cap 1 MiB = 1048576 B.
 #   c.b 16, c.w 8192 (8208), b.b 2048 (10256); b.w 1048576 -> 1058832 > 1 MiB -> close
 #   then the 25 MiB cap: b.w, a.b, a.w = 1048576 + 2048 + 524288 = 1574912 -> one bucket
-BIG_BUCKET_BYTES = [10256, 1574912]
+#   + the flags: 3 params in each bucket, 4 B each
+BIG_BUCKET_BYTES = [10256 + 12, 1574912 + 12]
 
 
 def _data(step: int, n_in: int, n_out: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +211,7 @@ def test_no_sync_issues_no_collective_and_accumulates(dist_pool, world_size: int
 
 @pytest.mark.parametrize(
     "model_name, bucket_mb, expected",
-    [("small", SMALL_CAP_MB, SMALL_BUCKET_BYTES), ("big", 25.0, BIG_BUCKET_BYTES), ("small", 25.0, [4044])],
+    [("small", SMALL_CAP_MB, SMALL_BUCKET_BYTES), ("big", 25.0, BIG_BUCKET_BYTES), ("small", 25.0, [4044 + 6 * 4])],
 )
 def test_all_reduces_follow_the_hand_worked_bucket_plan(dist_pool, model_name, bucket_mb, expected) -> None:
     results = dist_pool.run(_plan_body, model_name, bucket_mb, world_size=2, timeout=60)

@@ -179,3 +179,50 @@ def test_gpt_blocks_compose_to_the_model():
     for block in gpt_blocks(copy.deepcopy(model)):
         out = block(out)
     torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+def _no_sync_body(strategy: str) -> None:
+    """pp 2 x dp 2: two half-batch forward_backward calls, the first under ``par.no_sync()``: no
+    gradient traffic on the dp group inside the block (only the pipeline's few-byte token count
+    over dp, for its loss normalization), the gradients of this rank's stages reduced after the
+    second call, and the accumulated gradient's norm equals the dense model's over both halves
+    (each half's token-weighted mean, summed)."""
+    import torch.distributed as dist
+
+    with ParallelContext.from_world(dp=2, pp=2) as ctx:
+        par = parallelize(_model(False), ctx, dp=strategy, blocks=gpt_blocks, pp={"microbatches": 2})
+        opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3)
+        dp_group = ctx.group("dp")
+        dp_stats = [par.stats] + ([par.module.comm_stats] if par.strategy is not None else [])
+
+        def dp_bytes() -> int:
+            return sum(s.bytes(group=dp_group) for s in dp_stats)
+
+        grad_bytes = sum(p.numel() * 4 for p in par.parameters())
+
+        x, y = _batches()[0]
+        r = ctx.rank("dp")
+        halves = [slice(0, B // 2), slice(B // 2, B)]
+        mine = [slice(h.start + r * B // 4, h.start + (r + 1) * B // 4) for h in halves]
+        opt.zero_grad(set_to_none=True)
+        before = dp_bytes()
+        with par.no_sync():
+            par.forward_backward(x[mine[0]], y[mine[0]])
+        inside = dp_bytes() - before
+        assert inside <= 64, f"{strategy}: {inside} bytes on dp inside no_sync"
+        par.forward_backward(x[mine[1]], y[mine[1]])
+        after = dp_bytes() - before - inside
+        assert after >= grad_bytes, f"{strategy}: {after} bytes on dp after no_sync, {grad_bytes} of grads"
+        norm = float(par.clip(1e9))
+        dense = _model(False)
+        for h in halves:
+            lm_loss(dense(x[h]), y[h]).backward()
+        want = float(torch.nn.utils.clip_grad_norm_(dense.parameters(), 1e9))
+        assert abs(norm - want) <= 1e-4 * want, (strategy, norm, want)
+        assert par.step(opt)
+        dist.barrier()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+def test_no_sync_under_a_pipeline_accumulates_and_reduces_once(dist_pool, strategy):
+    dist_pool.run(_no_sync_body, strategy, world_size=4, timeout=180)

@@ -90,12 +90,14 @@ def _comm_per_step(stage: int) -> tuple[int, int]:
     assert summary["reduce_scatter"]["calls"] == summary["all_gather"]["calls"] == len(sdp.sharded_buckets)
     assert summary["reduce_scatter"]["bytes"] == summary["all_gather"]["bytes"] == psi_bytes
     zero = paper_comm_bytes(summary)
-    # DDP on the same model: CommStats records the all-reduce as Ψ, the paper counts it 2Ψ
+    # DDP on the same model: CommStats records the all-reduce as Ψ, the paper counts it 2Ψ; its
+    # buckets also carry one fp32 used flag per param (DataParallel's [Note: used flags ride in
+    # the buckets]), as ZeRO's norm all-reduce does
     ddp = DataParallel(_model(), ctx, bucket_mb=0.01)
     ddp.comm_stats.reset()
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     _one_step(ddp, ddp_opt, ctx)
-    assert ddp.comm_stats.bytes() == psi_bytes
+    assert ddp.comm_stats.bytes() == psi_bytes + 4 * len(list(ddp.module.parameters()))
     ddp_paper = paper_comm_bytes(ddp.comm_stats.summary())
     ctx.destroy()
     return zero // psi_bytes, ddp_paper // psi_bytes

@@ -87,10 +87,16 @@ class _WithOddParams(nn.Module):
         return self.frozen(torch.tanh(self.a(x))) + self.empty.sum()
 
 
-def _save_with_odd_params(path: str) -> dict[str, torch.Tensor]:
+def _odd_params_to_optimize(model: nn.Module, which: str) -> list[nn.Parameter]:
+    """``"trainable"``: the trainable params; ``"all"``: ``model.parameters()``, frozen included
+    (torch.optim accepts them and never steps them)."""
+    return [p for p in model.parameters() if which == "all" or p.requires_grad]
+
+
+def _save_with_odd_params(path: str, which: str) -> dict[str, torch.Tensor]:
     ctx = ParallelContext.from_world()
     sdp = ShardedDataParallel(_WithOddParams(), ctx, 2)
-    opt = ZeroOptimizer(sdp, torch.optim.AdamW, lr=1e-2)
+    opt = ZeroOptimizer(sdp, torch.optim.AdamW, _odd_params_to_optimize(sdp.module, which), lr=1e-2)
     for step in range(2):
         _step(sdp, opt, ctx, step)
     save_checkpoint(path, sdp, opt)
@@ -98,22 +104,27 @@ def _save_with_odd_params(path: str) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in sdp.module.state_dict().items()}
 
 
-def test_zero_checkpoint_with_zero_size_and_frozen_params_loads_without_zero(dist_pool, tmp_path) -> None:
+@pytest.mark.parametrize("which", ["trainable", "all"])
+def test_zero_checkpoint_with_zero_size_and_frozen_params_loads_without_zero(dist_pool, tmp_path, which: str) -> None:
     """Saved by ZeRO-2 on 2 ranks; loaded by one process into the plain module and a torch AdamW
-    over the trainable params (the documented recipe), and consolidated for torch alone."""
+    over the same params the ZeroOptimizer got (the trainable ones, or model.parameters() with
+    the frozen ones, as torch.optim allows), and consolidated for torch alone."""
     from shardkit.consolidate import consolidate
 
     path = str(tmp_path / "ck")
-    saved = dist_pool.run(_save_with_odd_params, path, world_size=2, timeout=60)[0]
+    saved = dist_pool.run(_save_with_odd_params, path, which, world_size=2, timeout=60)[0]
     model = _WithOddParams()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    frozen_before = {k: v.clone() for k, v in model.frozen.state_dict().items()}
+    for k, v in frozen_before.items():  # frozen params were members, never stepped
+        assert torch.equal(saved[f"frozen.{k}"], v), k
+    opt = torch.optim.AdamW(_odd_params_to_optimize(model, which), lr=1e-2)
     load_checkpoint(path, model, opt)
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[k]), k
     model_pt, opt_pt = consolidate(path, tmp_path / "export")
     plain = _WithOddParams()
     plain.load_state_dict(torch.load(model_pt, weights_only=True))
-    plain_opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    plain_opt = torch.optim.AdamW(_odd_params_to_optimize(plain, which), lr=1e-2)
     plain_opt.load_state_dict(torch.load(opt_pt, weights_only=True))
     assert float(plain_opt.state[plain.a.weight]["step"]) == 2
 

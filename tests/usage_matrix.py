@@ -445,10 +445,8 @@ class _Job:
             if self.usage != "dropout":
                 with torch.no_grad():
                     want = float(_ce(self._dense_logits(x[mine]), t[mine]))
-            # accumulation as with torch DDP/FSDP: every part but the last under no_sync(), where
-            # the dp wrapper has one (DataParallel, ShardedDataParallel)
-            sync = k == len(halves) - 1 or not hasattr(self.par.module, "no_sync")
-            with contextlib.nullcontext() if sync else self.par.module.no_sync():
+            # accumulation as with torch DDP/FSDP: every part but the last under no_sync()
+            with contextlib.nullcontext() if k == len(halves) - 1 else self.par.no_sync():
                 loss = float(self.par.forward_backward(x[mine], t[mine]))
             if self.usage != "dropout" and not (want != want and loss != loss):  # an all-ignored slice: NaN both
                 assert abs(loss - want) <= 1e-5 * max(1.0, abs(want)), (step, loss, want)

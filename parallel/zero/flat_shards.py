@@ -249,7 +249,8 @@ class FlatShards:
             if sb.reduced:
                 raise RuntimeError(
                     "ShardedDataParallel(stage=1) reduces once per optimizer step: run the earlier "
-                    "micro-batches under sdp.no_sync() (stage 1 accumulates them locally), or use stage=2"
+                    "micro-batches under no_sync() (sdp.no_sync() or ParallelModel.no_sync(); stage 1 accumulates "
+                    "them locally), or use stage=2"
                 )
             full = sb.grad_full
             self._pack(gb, full, into_views=True)

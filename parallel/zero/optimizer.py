@@ -129,16 +129,17 @@ class ZeroOptimizer:
         """Add a group of original parameters (or names), as ``torch.optim.Optimizer.add_param_group``.
 
         Every rank must add the same group (groups line up across ranks, as the shards do). The
-        params must be trainable params of ``sdp.module`` that are in no group yet: ZeRO lays
-        out every param that was trainable when ``ShardedDataParallel`` was built, so a param
-        unfrozen later (progressive unfreezing) needs the model wrapped again.
+        params must be params of ``sdp.module`` that are in no group yet. ZeRO lays out every
+        param that was trainable when ``ShardedDataParallel`` was built: a frozen param is a
+        member that is never stepped, and one unfrozen later (progressive unfreezing) needs the
+        model wrapped again.
 
         Args:
             param_group: a dict with ``"params"`` (original params or names) and per-group
                 options (``lr``, ``weight_decay``, ...); missing options take the defaults.
 
         Raises:
-            ValueError: a param already in a group, frozen, or not in the module (before any
+            ValueError: a param already in a group, or not in the module (before any
                 change); with offload, which builds its host optimizer once.
 
         Example:

@@ -36,7 +36,8 @@ group. The full context stays in :attr:`PipelineShardedDataParallel.pipeline_ctx
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -159,11 +160,32 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         # ([Note: accumulating in param.grad]): the hooks must not reduce; reduce_gradients()
         # reduces once per step
         self._reducer.enabled = False
+        self._accumulating = False  # inside no_sync(): reduce_gradients() waits for the last step
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation over several pipeline steps, stages 1 and 2 alike: inside the
+        block :meth:`reduce_gradients` does nothing (each pipeline step adds its gradients to
+        ``p.grad``), so the first call outside reduces their sum once, with no communication
+        before it.
+
+        Example:
+            >>> with sdp.no_sync():
+            ...     pipe.step(x1, y1); sdp.reduce_gradients()     # no collective
+            >>> pipe.step(x2, y2); sdp.reduce_gradients()          # reduces x1's + x2's grads
+        """
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     def reduce_gradients(self) -> None:
         """Reduce-scatter the full ``p.grad`` of every bucket into this rank's shard, in bucket
         order (after the pipeline step wrote ``p.grad``; stage 2 frees ``p.grad``). Collective
-        on dp; call once per optimizer step."""
+        on dp; call once per optimizer step, outside :meth:`no_sync` (inside it does nothing)."""
+        if self._accumulating:
+            return
         with record_function("shardkit::reduce_scatter"):
             self._reducer.finalize_backward()
 
