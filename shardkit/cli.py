@@ -194,13 +194,15 @@ def launch(cfg: TrainConfig) -> int:
         >>> launch(TrainConfig(nproc=2, strategy="ddp", steps=100))
         0
     """
-    from shardkit.train import resolve_device, train
+    from shardkit.train.device import check_device  # no torch for --device cpu
 
     if cfg.nproc > 1:  # with nproc == 1, train() validates against the world it runs in (torchrun's)
         cfg.validate()
     # Before starting any worker: local rank r would take cuda:r, so N ranks need N GPUs here.
-    resolve_device(cfg.device, ranks_per_node=cfg.nproc)
+    check_device(cfg.device, ranks_per_node=cfg.nproc)
     if cfg.nproc == 1:
+        from shardkit.train import train
+
         train(cfg)
         return 0
     env = {**os.environ}
@@ -306,13 +308,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError as e:  # bad combinations name the argument: a usage error
             parser.error(str(e))
     cfg = from_args(args)
-    from shardkit.train import resolve_device  # imports torch: only for `train`
+    from shardkit.train.device import check_device  # imports torch only to look for CUDA
 
     try:
         # a torchrun worker runs with nproc=1 (see launch) in a world of WORLD_SIZE ranks
         world = int(os.environ.get("WORLD_SIZE", "1")) if cfg.nproc == 1 else cfg.nproc
         cfg.validate(world_size=world)
-        resolve_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
+        check_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
         if cfg.config:  # the config's own errors (unknown key, unfilled "auto") before any worker starts
             from shardkit.engine import load_config
             from shardkit.train.engine_loop import auto_values

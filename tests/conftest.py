@@ -17,6 +17,14 @@ if _TESTS_DIR not in sys.path:
 from distributed import DistPool  # noqa: E402
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (they start their own processes: torchrun, a notebook kernel; up to
+    a minute or two each) run first, the rest in collection order. With pytest-xdist's
+    worksteal, the two workers of ``make test`` then end on short tests, instead of one idling
+    while the other runs a notebook that came last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def dist_pool() -> Iterator[DistPool]:
     """Session-wide worker pools, one per world size, started on first use.

@@ -375,6 +375,7 @@ torch.save(model.state_dict(), sys.argv[2])
 """
 
 
+@pytest.mark.slow  # starts its own processes: run first (conftest.py)
 @pytest.mark.reduction_order
 def test_consolidate_cli_loads_with_torch_only(dist_pool, zero2_dp2, tmp_path) -> None:
     """``shardkit consolidate`` (one process, no torch.distributed) of the ZeRO-2 dp-2 checkpoint;

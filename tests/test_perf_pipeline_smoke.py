@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

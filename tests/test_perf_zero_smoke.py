@@ -24,6 +24,8 @@ import torch
 from shardkit.bench.zero_peers import CATEGORIES, OFFLOAD_PEERS, PEERS, SHARDKIT, build_model, storage_bytes
 from shardkit.bench.zero_report import LOSS_RTOL, check_losses
 
+pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

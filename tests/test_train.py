@@ -334,6 +334,7 @@ def _run_cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subproces
     )
 
 
+@pytest.mark.slow  # starts its own processes: run first (conftest.py)
 def test_cli_train_single_process(tmp_path: Path) -> None:
     args = ["train", "--nproc", "1", "--steps", "5", "--eval-every", "5", *TINY, "--log-json", "log.json"]
     proc = _run_cli(args, tmp_path)
@@ -343,6 +344,7 @@ def test_cli_train_single_process(tmp_path: Path) -> None:
     assert len(log["train_loss"]) == 5 and log["ranks"][0]["rank"] == 0
 
 
+@pytest.mark.slow  # starts its own processes: run first (conftest.py)
 def test_cli_train_fails_with_nonzero_exit(tmp_path: Path) -> None:
     bad_flags = _run_cli(["train", "--steps", "1", "--n-heads", "3", *TINY[:2]], tmp_path)  # 32 % 3 != 0
     assert bad_flags.returncode == 2 and "n_heads" in bad_flags.stderr
@@ -351,6 +353,7 @@ def test_cli_train_fails_with_nonzero_exit(tmp_path: Path) -> None:
     assert failed_run.returncode == 1 and "too long for the val split" in failed_run.stderr
 
 
+@pytest.mark.slow  # starts its own processes: run first (conftest.py)
 def test_cli_train_ddp_two_processes_matches_single_process(tmp_path: Path) -> None:
     common = ["--steps", "5", "--eval-every", "5", *TINY[:6], "--seq-len", "32"]
     args = ["train", "--nproc", "2", "--strategy", "ddp", "--batch-size", "4", *common, "--log-json", "ddp.json"]
@@ -404,6 +407,7 @@ def _check_planned_memory(out: str, ranks: list[dict], strategy: str, *, stage: 
         assert (r["transient_bytes"] is None) == (stage == 0)
 
 
+@pytest.mark.slow  # starts its own processes: run first (conftest.py)
 @pytest.mark.parametrize("strategy,stage", [("zero1", 1), ("zero2", 2)])
 def test_cli_train_zero_summary_prints_planner_memory(tmp_path: Path, strategy: str, stage: int) -> None:
     args = [

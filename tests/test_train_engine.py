@@ -16,6 +16,8 @@ import pytest
 
 from shardkit.train.config import TrainConfig
 
+pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
+
 CONFIGS = Path(__file__).resolve().parent / "configs"
 ZERO2, ZERO3 = CONFIGS / "zero2_config_accelerate.json", CONFIGS / "zero3_offload_config_accelerate.json"
 LR, WARMUP, STEPS = 3e-3, 3, 6

@@ -14,6 +14,8 @@ import pytest
 
 from shardkit.train.config import TrainConfig
 
+pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
+
 # 3 TinyGPT blocks with the embedding and the head: 5 pipeline blocks
 COMMON = ["--steps", "6", "--eval-every", "3", "--d-model", "32", "--n-layers", "3", "--n-heads", "2", "--seq-len", "32"]
 COMMON += ["--batch-size", "8", "--device", "cpu"]

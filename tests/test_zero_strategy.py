@@ -91,6 +91,7 @@ def _run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str
     )
 
 
+@pytest.mark.slow  # starts its own processes: run first (conftest.py)
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
 def test_cli_train_zero_two_processes_matches_ddp_and_single_process(tmp_path: Path, zero: str) -> None:
     common = ["--steps", "5", "--eval-every", "5", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32"]

@@ -13,22 +13,24 @@ from shardkit.models import TinyGPT, gpt_blocks
 from shardkit.parallel import parallelize
 
 ctx = ParallelContext.from_env(backend="gloo", pp=2)      # 2 processes: two pipeline stages
-torch.manual_seed(0)
-model = TinyGPT(59, d_model=32, n_layers=4, n_heads=4, seq_len=16, tie_embeddings=False)
-par = parallelize(model, ctx, pp={"schedule": sys.argv[2], "microbatches": 4}, blocks=gpt_blocks)
-opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
-gen = torch.Generator().manual_seed(3)
-losses = []
-for step in range(5):
-    x, y = torch.randint(59, (8, 16), generator=gen), torch.randint(59, (8, 16), generator=gen)
-    opt.zero_grad(set_to_none=True)
-    losses.append(float(par.forward_backward(x, y)))   # every micro-batch through both stages
-    par.clip(0.3)                                      # global norm: both stages' grads
-    par.step(opt)
-timeline = [(str(t.action), t.start, t.end, t.wait) for t in par.pipeline.timeline]
+runs = {}
+for schedule in sys.argv[2:]:                             # each schedule from the same init
+    torch.manual_seed(0)
+    model = TinyGPT(59, d_model=32, n_layers=4, n_heads=4, seq_len=16, tie_embeddings=False)
+    par = parallelize(model, ctx, pp={"schedule": schedule, "microbatches": 4}, blocks=gpt_blocks)
+    opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
+    gen = torch.Generator().manual_seed(3)
+    losses = []
+    for step in range(5):
+        x, y = torch.randint(59, (8, 16), generator=gen), torch.randint(59, (8, 16), generator=gen)
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(par.forward_backward(x, y)))   # every micro-batch through both stages
+        par.clip(0.3)                                      # global norm: both stages' grads
+        par.step(opt)
+    runs[schedule] = {"losses": losses, "stage_blocks": [list(r) for r in par.pipeline.stage_blocks]}
+    par.close()
 if ctx.rank("pp") == 0:
-    json.dump({"losses": losses, "stage_blocks": [list(r) for r in par.pipeline.stage_blocks]},
-              open(sys.argv[1], "w"))
+    json.dump(runs, open(sys.argv[1], "w"))
 ctx.destroy()  # with the default group from_env created: gloo's threads joined before exit
 """
 
@@ -99,13 +101,11 @@ work = Path(tempfile.mkdtemp())
 script = work / "pp_example.py"
 script.write_text('''{PP_SCRIPT}''')
 env = dict(os.environ, OMP_NUM_THREADS="1")
-runs = {{}}
-for schedule in ["gpipe", "1f1b", "zb-h1"]:
-    out = work / f"{{schedule}}.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script), str(out), schedule], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    runs[schedule] = json.loads(out.read_text())
+out = work / "runs.json"
+run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      str(script), str(out), "gpipe", "1f1b", "zb-h1"], capture_output=True, text=True, env=env, timeout=300)
+assert run.returncode == 0, run.stderr[-3000:]
+runs = json.loads(out.read_text())
 print("stages (block indices):", runs["1f1b"]["stage_blocks"])"""),
     new_code_cell("""import torch
 from shardkit.models import TinyGPT, lm_loss

@@ -37,11 +37,12 @@ from shardkit.parallel.tensor import gpt_plan
 from shardkit.parallel.zero import plan_memory
 
 from .config import Precision, TrainConfig
+from .device import resolve_device
 from .engine_loop import build_model
 from .progress import ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan
 from .schedule import lr_at
 
-__all__ = ["TrainResult", "make_loss_scaler", "planned_memory", "resolve_device", "train"]
+__all__ = ["TrainResult", "make_loss_scaler", "planned_memory", "train"]
 
 _PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -78,42 +79,6 @@ def make_loss_scaler(precision: Precision) -> DynamicLossScaler | None:
     if precision != "fp16":
         return None
     return DynamicLossScaler(initial_scale_power=16, loss_scale_window=1000, hysteresis=2)
-
-
-def resolve_device(choice: str, *, ranks_per_node: int = 1, local_rank: int = 0) -> torch.device:
-    """The device of local rank ``local_rank`` among ``ranks_per_node`` ranks on this machine.
-
-    ``"auto"`` is CUDA when available. On CUDA, local rank r uses ``cuda:r`` (torchrun's
-    contract), so every rank of the node needs its own GPU: more ranks than GPUs is an error
-    that names both numbers, raised before any process is started or device is set.
-
-    Args:
-        choice: ``"auto"``, ``"cpu"`` or ``"cuda"``.
-        ranks_per_node: processes on this machine (``--nproc``).
-        local_rank: this process's rank on the machine.
-
-    Raises:
-        ValueError: CUDA requested but absent, or more ranks than CUDA devices.
-
-    Example:
-        >>> resolve_device("cpu", ranks_per_node=4)
-        device(type='cpu')
-    """
-    if choice not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {choice!r}")
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but CUDA is not available here; pass --device cpu")
-    count = torch.cuda.device_count()
-    if max(ranks_per_node, local_rank + 1) > count:
-        raise ValueError(
-            f"{max(ranks_per_node, local_rank + 1)} ranks on this machine but only {count} CUDA device(s): "
-            f"more ranks than GPUs. Pass --nproc {count} or fewer, or --device cpu (gloo backend)."
-        )
-    return torch.device("cuda", local_rank)
 
 
 def planned_memory(cfg: TrainConfig, model: nn.Module, dp: int) -> dict[str, Any] | None:
