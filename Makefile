@@ -8,7 +8,7 @@ export TRITON_DEFAULT_FP_FUSION ?= 1
 export PYTHONUNBUFFERED := 1
 NPROC  ?= 2
 # pytest-xdist workers for make test (0: the tests run in the pytest process itself)
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 # DeepSpeed (the peer the tests and notebook 06 drive) JIT-builds a C++ op on its first
 # init_distributed. Built here once, in the install step, into a directory of this venv: a build
 # that a test timeout kills leaves a `lock` file behind, and in the shared ~/.cache every later
@@ -36,15 +36,15 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow_matrix" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not slow_matrix" tests
 	# The reduction-order guard: the equality tests again, every cross-rank sum moved within the
 	# bound another order of additions allows (tests/reduction_order.py, docs/testing.md).
-	SHARDKIT_TEST_REDUCTION_ORDER=perturb $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "reduction_order and not slow_matrix" tests
+	SHARDKIT_TEST_REDUCTION_ORDER=perturb $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "reduction_order and not slow_matrix" tests
 
 # The full product of the usage matrix (tests/test_usage_matrix.py; make test runs its pairwise
 # cover): every model family x usage pattern x layout against the dense model (docs/testing.md).
 test-matrix: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow_matrix tests/test_usage_matrix.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m slow_matrix tests/test_usage_matrix.py
 
 demo: $(STAMP)
 	$(BIN)/shardkit train --nproc $(NPROC) --strategy zero2 --steps $(STEPS)

@@ -17,12 +17,31 @@ if _TESTS_DIR not in sys.path:
 from distributed import DistPool  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselected: the chunks are of what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` (they start their own processes: torchrun, a notebook kernel; up to
-    a minute or two each) run first, the rest in collection order. With pytest-xdist's
-    worksteal, the two workers of ``make test`` then end on short tests, instead of one idling
-    while the other runs a notebook that came last."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Tests marked ``slow`` (they start their own processes: torchrun, ``shardkit train``, a
+    notebook kernel; 10 s to 2 min each) run first, spread over the pytest-xdist workers.
+
+    ``--dist load`` (make test) hands each of the ``n`` workers a first chunk of
+    ``len(items) // n // 4`` consecutive tests, then more as they finish. Putting every slow test
+    at the front would give them all to the first worker; instead chunk ``k`` starts with every
+    ``n``-th slow test, so the workers start on them together and end together on short tests.
+    Without xdist: slow tests first, the rest in collection order.
+    """
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    fast = [item for item in items if item.get_closest_marker("slow") is None]
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        items[:] = slow + fast
+        return
+    chunk = max(2, len(items) // workers // 4)  # xdist's first chunk per worker (LoadScheduling)
+    ordered: list[pytest.Item] = []
+    for k in range(workers):
+        head = slow[k::workers]
+        take = max(0, chunk - len(head))
+        ordered += head + fast[:take]
+        fast = fast[take:]
+    items[:] = ordered + fast
 
 
 @pytest.fixture(scope="session")

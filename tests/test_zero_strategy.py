@@ -91,21 +91,35 @@ def _run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str
     )
 
 
+_CLI_COMMON = ["--steps", "5", "--eval-every", "5", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32"]
+
+
+def _cli_eval_losses(name: str, args: list[str], tmp_path: Path) -> list[float]:
+    """Each rank's final eval loss of ``shardkit train <args>``."""
+    proc = _run_cli(["train", *args, *_CLI_COMMON, "--log-json", f"{name}.json"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    return [r["final_eval_loss"] for r in json.loads((tmp_path / f"{name}.json").read_text())["ranks"]]
+
+
+@pytest.fixture(scope="module")
+def cli_references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[float]]:
+    """The ddp (2 ranks x 4 rows) and single-process (8 rows: the same global batch) runs, once
+    for both ZeRO stages."""
+    tmp = tmp_path_factory.mktemp("cli_references")
+    return {
+        "ddp": _cli_eval_losses("ddp", ["--nproc", "2", "--strategy", "ddp", "--batch-size", "4"], tmp),
+        "single": _cli_eval_losses("single", ["--batch-size", "8"], tmp),
+    }
+
+
 @pytest.mark.slow  # starts its own processes: run first (conftest.py)
 @pytest.mark.parametrize("zero", ["zero2", "zero3"])
-def test_cli_train_zero_two_processes_matches_ddp_and_single_process(tmp_path: Path, zero: str) -> None:
-    common = ["--steps", "5", "--eval-every", "5", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32"]
-    losses = {}
-    for name, args in {
-        zero: ["--nproc", "2", "--strategy", zero, "--batch-size", "4"],
-        "ddp": ["--nproc", "2", "--strategy", "ddp", "--batch-size", "4"],
-        "single": ["--batch-size", "8"],  # 2 ranks x 4 rows = the same global batch
-    }.items():
-        proc = _run_cli(["train", *args, *common, "--log-json", f"{name}.json"], tmp_path)
-        assert proc.returncode == 0, proc.stderr
-        losses[name] = [r["final_eval_loss"] for r in json.loads((tmp_path / f"{name}.json").read_text())["ranks"]]
-    assert losses[zero][0] == losses[zero][1]  # replicas in sync
+def test_cli_train_zero_two_processes_matches_ddp_and_single_process(
+    tmp_path: Path, cli_references: dict[str, list[float]], zero: str
+) -> None:
+    ours = _cli_eval_losses(zero, ["--nproc", "2", "--strategy", zero, "--batch-size", "4"], tmp_path)
+    assert ours[0] == ours[1]  # replicas in sync
     # averaged shard grads = global-batch grads up to fp32 summation order; a wrong average or an
     # unsynced shard moves the eval loss by > 1e-2
-    assert abs(losses[zero][0] - losses["single"][0]) < 1e-4
-    assert abs(losses[zero][0] - losses["ddp"][0]) < 1e-4
+    assert abs(ours[0] - cli_references["single"][0]) < 1e-4
+    assert abs(ours[0] - cli_references["ddp"][0]) < 1e-4
