@@ -22,7 +22,8 @@ bucket is launched only after every lower-numbered bucket was launched, so a ran
 arrive in another order still issues the same sequence. Buckets whose params got no grad in
 this backward (unused parameters) are launched, with zeros for the missing grads, by
 ``finalize_backward`` — again in order (DataParallel carries which params got a grad inside the
-buckets themselves, so no collective follows the last bucket). ``finish`` is called in bucket order after every bucket was launched, so waits are issued in
+buckets themselves, so no collective follows the last bucket). ``finish`` is called in bucket
+order after every bucket was launched, so waits are issued in
 launch order too (a strategy that waits earlier, to bound its in-flight buffers, waits the
 oldest launched bucket first, which keeps the same order).
 
