@@ -146,7 +146,9 @@ def adam_step(
         step: the step number *after* this update (1 on the first step), for bias correction;
             a 0-d float32 tensor holding it (e.g. the optimizer's ``state["step"]``) goes to
             torch's fused op as is, saving a tensor allocation per call.
-        grad_scale: a 1-element fp32 tensor to divide grads by (``torch.amp.GradScaler``).
+        grad_scale: a 1-element fp32 tensor to divide grads by (``torch.amp.GradScaler``). The
+            Triton kernel only reads ``grads``; the torch backend, like
+            ``torch.optim.AdamW(fused=True)``, unscales fp32 ``grads`` in place.
         backend: see :func:`shardkit.kernels.runtime.resolve_backend`.
 
     Example:

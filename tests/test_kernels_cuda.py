@@ -4,7 +4,8 @@ Every launcher runs on CUDA tensors with ``backend="triton"`` (compiled Triton) 
 with ``backend="torch"`` (torch's fused/foreach CUDA ops) or a written-out fp32 reference: the
 aligned full-chunk path with odd-sized tails, fp16 and bf16 with fp32 masters, a GradScaler
 ``grad_scale``, ``maximize``, LAMB (and its bitwise reproducibility), the bucket copies and the
-gradient epilogue, and launch groups on two GPUs.
+gradient epilogue, the cross-entropy shard kernels on GPT-2's vocabulary, and launch groups on
+two GPUs.
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torch.nn.functional as F
+
 from shardkit.kernels.adam import adam_step
+from shardkit.kernels.cross_entropy import ce_grad, ce_shard_stats
 from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, flatten_into, unflatten_from
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 from shardkit.kernels.lamb import lamb_step
 from shardkit.kernels.lion import lion_step
 from shardkit.kernels.sgd import sgd_step
-from tolerances import FP32, LAMB_LOWP_UPDATE_RTOL, assert_lowp_step_close, assert_rounded_from
+from tolerances import FP32, LAMB_LOWP_UPDATE_RTOL, LOWP_NO_MASTER, assert_lowp_step_close, assert_rounded_from
 
 pytestmark = [
     pytest.mark.cuda,
@@ -42,7 +46,7 @@ def _adam(backend: str, params, grads, masters=(), *, grad_scale=None, maximize=
     for s in range(1, step + 1):
         adam_step(
             params,
-            grads,
+            [g.clone() for g in grads],  # fresh grads each step: the torch backend unscales them in place
             ms,
             vs,
             [],
@@ -222,7 +226,7 @@ def test_flatten_and_epilogue_match_torch(dtype: torch.dtype) -> None:
         outs[backend] = [torch.empty_like(g) for g in grads]
         unflatten_from(flat, outs[backend], offsets, scale=0.5, backend=backend)  # rounded once
         flats[backend] = flat
-        gs = [g.float() for g in grads]
+        gs = [g.to(torch.float32, copy=True) for g in grads]  # the epilogue works in place: one copy per backend
         stats[backend] = unscale_and_norm_(gs, inv_scale=torch.full((1,), 0.25, device="cuda"), backend=backend)
         clip_grads_(gs, stats[backend].sumsq, max_norm=1.0, backend=backend)
         clipped[backend] = gs
@@ -234,6 +238,55 @@ def test_flatten_and_epilogue_match_torch(dtype: torch.dtype) -> None:
     assert torch.equal(stats["triton"].found_inf, stats["torch"].found_inf)
     for a, b in zip(clipped["triton"], clipped["torch"]):
         torch.testing.assert_close(a, b, **FP32)
+
+
+def _check_cross_entropy_shards(dtype: torch.dtype, device: str, tokens: int, vocab: int, tp: int) -> None:
+    smoothing = 0.1
+    gen = torch.Generator(device=device).manual_seed(3)
+    full = (4 * torch.randn(tokens, vocab, device=device, generator=gen)).to(dtype)
+    target = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    target[::7] = -100
+    ref = full.float().requires_grad_()
+    per_token_ref = F.cross_entropy(ref, target, label_smoothing=smoothing, reduction="none")
+    per_token_ref.sum().backward()  # coef 1 per token: gradients of order 1, not 1/T
+    width = -(-vocab // tp)
+    shards, stats = [], []
+    for r in range(tp):
+        n_valid = min(width, vocab - r * width)
+        shard = torch.randn(tokens, width, device=device, generator=gen).to(dtype)  # pad columns: garbage
+        shard[:, :n_valid] = full[:, r * width : r * width + n_valid]
+        shards.append((shard, n_valid))
+        stats.append(ce_shard_stats(shard, target, vocab_start=r * width, n_valid=n_valid, backend="triton"))
+    s = torch.stack(stats)  # [tp, 4, T]: combined as the tp all-reduces would
+    m = s[:, 0].amax(0)
+    lse = m + torch.log((s[:, 1] * torch.exp(s[:, 0] - m)).sum(0))
+    keep = target != -100
+    per_token = lse - (1 - smoothing) * s[:, 2].sum(0) - smoothing / vocab * s[:, 3].sum(0)
+    torch.testing.assert_close(torch.where(keep, per_token, 0.0), per_token_ref.detach(), rtol=1e-5, atol=1e-4)
+    coef = torch.ones(tokens, device=device)
+    tol = FP32 if dtype == torch.float32 else LOWP_NO_MASTER[torch.bfloat16]
+    for r, (shard, n_valid) in enumerate(shards):
+        grad = ce_grad(
+            shard,
+            target,
+            lse,
+            coef,
+            vocab_size=vocab,
+            vocab_start=r * width,
+            n_valid=n_valid,
+            label_smoothing=smoothing,
+            backend="triton",
+        )
+        torch.testing.assert_close(grad[:, :n_valid].float(), ref.grad[:, r * width : r * width + n_valid], **tol)
+        assert torch.all(grad[:, n_valid:] == 0) and torch.all(grad[~keep] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_shards_match_autograd_on_gpt2_vocab(dtype: torch.dtype) -> None:
+    """GPT-2's vocabulary (50257) over tp=4 shards of 12565 columns (the last one padded): the
+    per-shard statistics combined into each token's loss, and each shard's gradient, against
+    autograd of ``F.cross_entropy`` in fp32 on the gathered logits (ignored tokens included)."""
+    _check_cross_entropy_shards(dtype, "cuda", tokens=257, vocab=50257, tp=4)
 
 
 @two_gpus

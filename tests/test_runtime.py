@@ -207,3 +207,19 @@ def test_lamb_norms_are_reduced_in_fixed_order() -> None:
     # and they are the norms (a wrong chunk grouping would fail this, whatever the order)
     ref = torch.stack([p.double().square().sum() for p in params]).float()
     torch.testing.assert_close(results[0][0::2], ref, rtol=1e-5, atol=0)
+
+
+def test_pointer_table_is_reused_while_storage_stays_and_rebuilt_when_it_moves() -> None:
+    """The launch table's device copy of the data pointers is built once per set of addresses
+    (optimizer state and bucketed grads keep theirs from step to step) and holds the addresses of
+    the tensors passed now whenever any of them moved (a grad re-allocated by zero_grad)."""
+    params = [torch.randn(5), torch.randn(1030)]
+    grads = [torch.randn(5), torch.randn(1030)]
+    first = runtime.multi_tensor_table([params, grads], 1024)
+    again = runtime.multi_tensor_table([params, grads], 1024)
+    assert again.ptrs is first.ptrs
+    moved = [grads[0], torch.randn(1030)]
+    table = runtime.multi_tensor_table([params, moved], 1024)
+    assert table.ptrs is not first.ptrs
+    assert table.ptrs.tolist() == [[t.data_ptr() for t in params], [t.data_ptr() for t in moved]]
+    assert table.aligned == all(t.data_ptr() % 16 == 0 for t in params + moved)
