@@ -16,25 +16,56 @@ The subpackages hold the rest of each family: :mod:`shardkit.parallel.zero` (and
 :mod:`shardkit.parallel.tensor`, :mod:`shardkit.parallel.pipeline`.
 """
 
-from .activation_checkpointing import checkpoint_blocks
-from .buckets import BucketedGradReducer, GradBucket, plan_buckets
-from .checkpoint import load_checkpoint, save_checkpoint
-from .compose import ParallelModel, PipelineOptions, parallelize
-from .data_parallel import DataParallel
-from .grad_utils import OverflowReport, clip_grad_norm_, unscale_grads_
-from .loss_scaler import DynamicLossScaler, LossScaleAtMinimumError
-from .pipeline import PipelineParallel
-from .reducer import GradReducer, TrainingState
-from .strategy import Strategy, make_strategy
-from .tensor import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    gpt_plan,
-    tensor_parallelize,
-    vocab_parallel_cross_entropy,
-)
-from .zero import ShardedDataParallel, ZeroOptimizer
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Loaded on first use (PEP 562): importing shardkit.parallel, or a torch-free module of it such as
+# shardkit.parallel.strategy_names (the CLI's strategy choices), costs nothing until a name is used.
+_LAZY = {
+    "checkpoint_blocks": ".activation_checkpointing",
+    "BucketedGradReducer": ".buckets",
+    "GradBucket": ".buckets",
+    "plan_buckets": ".buckets",
+    "load_checkpoint": ".checkpoint",
+    "save_checkpoint": ".checkpoint",
+    "ParallelModel": ".compose",
+    "PipelineOptions": ".compose",
+    "parallelize": ".compose",
+    "DataParallel": ".data_parallel",
+    "OverflowReport": ".grad_utils",
+    "clip_grad_norm_": ".grad_utils",
+    "unscale_grads_": ".grad_utils",
+    "DynamicLossScaler": ".loss_scaler",
+    "LossScaleAtMinimumError": ".loss_scaler",
+    "PipelineParallel": ".pipeline",
+    "GradReducer": ".reducer",
+    "TrainingState": ".reducer",
+    "Strategy": ".strategy",
+    "make_strategy": ".strategy",
+    "ColumnParallelLinear": ".tensor",
+    "RowParallelLinear": ".tensor",
+    "VocabParallelEmbedding": ".tensor",
+    "gpt_plan": ".tensor",
+    "tensor_parallelize": ".tensor",
+    "vocab_parallel_cross_entropy": ".tensor",
+    "ShardedDataParallel": ".zero",
+    "ZeroOptimizer": ".zero",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # once: later lookups skip this hook
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ParallelModel",

@@ -14,11 +14,9 @@ from torch import nn
 from shardkit.comm import ParallelContext
 
 from .loss_scaler import DynamicLossScaler
+from .strategy_names import DP_STRATEGIES
 
-__all__ = ["DP_CHOICES", "PipelineOptions", "axis_size", "validate"]
-
-#: the ``dp=`` values of ``parallelize``
-DP_CHOICES = ("none", "ddp", "zero1", "zero2", "zero3")
+__all__ = ["PipelineOptions", "axis_size", "validate"]
 
 
 @dataclass(frozen=True)
@@ -68,8 +66,8 @@ def validate(
         raise ValueError(f"dp='none' but ctx has a dp axis of size {axis_size(ctx, 'dp')}: pick 'ddp' or a ZeRO stage")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
-    if dp not in DP_CHOICES:
-        raise ValueError(f"dp must be one of {list(DP_CHOICES)}, got {dp!r}")
+    if dp not in DP_STRATEGIES:
+        raise ValueError(f"dp must be one of {list(DP_STRATEGIES)}, got {dp!r}")
     if checkpointing not in (False, True, "cpu"):
         raise ValueError(f"checkpointing must be False, True or 'cpu', got {checkpointing!r}")
     if blocks is not None and not callable(blocks):

@@ -27,6 +27,7 @@ its formula with the same report.
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from shardkit.comm import ParallelContext
 from .data_parallel import DataParallel
 from .grad_utils import clip_grad_norm_
 from .loss_scaler import DynamicLossScaler
+from .strategy_names import DP_STRATEGIES, STRATEGY_MODULES
 
 __all__ = [
     "DataParallelStrategy",
@@ -246,6 +248,8 @@ def register_strategy(cls: _S) -> _S:
     """
     if not (isinstance(cls, type) and issubclass(cls, Strategy)):
         raise TypeError(f"register_strategy expects a Strategy subclass, got {cls!r}")
+    if cls.name in STRATEGY_MODULES and cls.__module__ != STRATEGY_MODULES[cls.name]:
+        raise ValueError(f"strategy name {cls.name!r} is a built-in one ({STRATEGY_MODULES[cls.name]}); choose another")
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"strategy name {cls.name!r} is already registered by {_REGISTRY[cls.name].__qualname__}")
     _REGISTRY[cls.name] = cls
@@ -253,18 +257,32 @@ def register_strategy(cls: _S) -> _S:
 
 
 def available_strategies() -> tuple[str, ...]:
-    """Registered strategy names, in registration order (e.g. ``("none", "ddp")``)."""
-    return tuple(_REGISTRY)
+    """The built-in strategy names (:data:`~shardkit.parallel.strategy_names.DP_STRATEGIES`),
+    then any registered with :func:`register_strategy`.
+
+    Example:
+        >>> available_strategies()
+        ('none', 'ddp', 'zero1', 'zero2', 'zero3')
+    """
+    return DP_STRATEGIES + tuple(n for n in _REGISTRY if n not in DP_STRATEGIES)
 
 
 def get_strategy_class(name: str) -> type[Strategy]:
     """The class registered as ``name`` (e.g. to read :attr:`Strategy.needs_context` before building a context).
 
+    A built-in name imports the module that defines it (:data:`~shardkit.parallel.strategy_names.STRATEGY_MODULES`).
+
     Raises:
         ValueError: unknown ``name``.
+
+    Example:
+        >>> get_strategy_class("zero2").needs_context
+        True
     """
+    if name not in _REGISTRY and name in STRATEGY_MODULES:
+        importlib.import_module(STRATEGY_MODULES[name])
     if name not in _REGISTRY:
-        raise ValueError(f"unknown strategy {name!r}; available: {list(_REGISTRY)}")
+        raise ValueError(f"unknown strategy {name!r}; available: {list(available_strategies())}")
     return _REGISTRY[name]
 
 

@@ -26,7 +26,8 @@ from shardkit.data import ALPHABET, CharTokenizer, generate_text, get_batch, loa
 from shardkit.kernels import FusedAdamW
 from shardkit.models import GPTConfig, TinyGPT, lm_loss
 from shardkit.parallel import DynamicLossScaler
-from shardkit.parallel.strategy import available_strategies, make_strategy
+from shardkit.parallel.strategy import available_strategies, get_strategy_class, make_strategy, register_strategy
+from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
 from shardkit.parallel.zero import plan_memory
 from shardkit.train import ProgressBar, TrainConfig, lr_at, make_loss_scaler, resolve_device, train
 from shardkit.train.config import STRATEGIES, add_arguments, from_args, to_argv
@@ -149,6 +150,12 @@ def test_config_round_trips_through_argv() -> None:
 def test_cli_choices_are_the_registries() -> None:
     # --strategy offers exactly the registered strategies; `shardkit bench` exactly the registered benchmarks
     assert STRATEGIES == available_strategies()
+    for name in STRATEGIES:  # every listed name builds the class that carries that name
+        assert get_strategy_class(name).name == name
+    assert [dp_strategy_of_zero_stage(s) for s in range(4)] == ["ddp", "zero1", "zero2", "zero3"]
+    for bad in (4, -1, True):
+        with pytest.raises(ValueError, match="ZeRO stage"):
+            dp_strategy_of_zero_stage(bad)
     assert build_parser().parse_args(["train", "--strategy", "ddp"]).strategy == "ddp"
     bench_parser = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions if a.dest == "bench")
     assert set(bench_parser.choices) == set(BENCHMARKS)
@@ -158,6 +165,11 @@ def test_cli_choices_are_the_registries() -> None:
         make_strategy("zero9")
     with pytest.raises(TypeError, match="ctx"):
         make_strategy("ddp")  # communicates: needs a ParallelContext
+    with pytest.raises(ValueError, match="built-in"):  # a user's class cannot shadow a built-in name
+
+        @register_strategy
+        class Shadow(type(make_strategy("none"))):
+            name = "zero2"
 
 
 def _fake_cuda(count: int):

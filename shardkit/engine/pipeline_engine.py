@@ -23,15 +23,13 @@ from torch.profiler import record_function
 
 from shardkit.comm import ParallelContext
 from shardkit.parallel import ParallelModel, PipelineOptions, parallelize
+from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
 
 from .engine import Engine
 from .layout import BlocksFn, groups_by_name, regroup
 from .resolved import EngineConfig
 
 __all__ = ["PipelineEngine", "build_pipeline"]
-
-#: ZeRO stage -> parallelize's dp strategy over the pipeline's dp axis
-_DP_OF_STAGE = {0: "ddp", 1: "zero1", 2: "zero2"}
 
 
 def build_pipeline(
@@ -67,7 +65,7 @@ def build_pipeline(
         pp=PipelineOptions(
             microbatches=pipe.microbatches, schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, split=pipe.partition
         ),
-        dp=_DP_OF_STAGE[zero.stage],
+        dp=dp_strategy_of_zero_stage(zero.stage),
         blocks=blocks,
         loss_scaler=scaler,
         dp_options=options or None,

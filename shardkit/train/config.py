@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
+from shardkit.parallel.strategy_names import DP_STRATEGIES, DpStrategy
+
 __all__ = ["STRATEGIES", "TrainConfig", "add_arguments", "from_args", "to_argv"]
 
-#: strategy names ``--strategy`` accepts: those registered in :mod:`shardkit.parallel.strategy`
-#: (a test keeps the two equal; the registry is not imported here to keep the CLI light)
-STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3")
-Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3"]
+#: strategy names ``--strategy`` accepts (the torch-free list in :mod:`shardkit.parallel.strategy_names`)
+STRATEGIES = DP_STRATEGIES
 Precision = Literal["fp32", "bf16", "fp16"]
 
 _LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model", "optimization (FusedAdamW)", "evaluation and logging"
@@ -84,7 +84,7 @@ class TrainConfig:
         "--seq-len (needs the 'test' extra)",
         _MODEL,
     )
-    strategy: Strategy = _opt("none", "parallel strategy", _LAUNCH)
+    strategy: DpStrategy = _opt("none", "parallel strategy", _LAUNCH)
     bucket_mb: float = _opt(
         25.0,
         "ddp/zero1/zero2/zero3: gradient bucket size in MiB",
