@@ -74,7 +74,8 @@ from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
 from .loss_scaler import DynamicLossScaler
 from .pipeline import PipelineParallel
-from .strategy import Strategy, StrategyReport, make_strategy
+from .memory_report import replicated_memory_report
+from .strategy import Strategy, StrategyReport, make_strategy, report_memory
 from .tensor import share_sequence_parallel_grads, tensor_parallelize, vocab_parallel_cross_entropy
 from .tensor.layers import is_tp_sharded
 from .tensor.plan import VocabParallelLMHead
@@ -310,13 +311,7 @@ class ParallelModel:
             if self._composite:  # the dp wrapper's collectives plus the TP layers' and the norm's
                 report.comm = _merge(report.comm or {}, self.stats.summary())
             return report
-        params = self.parameters()
-        state = optimizer.state.values() if optimizer is not None else ()
-        memory = {
-            "params": sum(p.numel() * p.element_size() for p in params),
-            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-            "optimizer_state": sum(v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v)),
-        }
+        memory = report_memory(replicated_memory_report(self.parameters(), optimizer))
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         return StrategyReport(memory=memory, comm=self.stats.summary(), loss_scale=scale, skipped_steps=self.skipped_steps)
 

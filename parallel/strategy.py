@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -42,6 +41,7 @@ from shardkit.comm import ParallelContext
 from .data_parallel import DataParallel
 from .grad_utils import clip_grad_norm_
 from .loss_scaler import DynamicLossScaler
+from .memory_report import replicated_memory_report
 from .strategy_names import DP_STRATEGIES, STRATEGY_MODULES
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "get_strategy_class",
     "make_strategy",
     "register_strategy",
+    "report_memory",
 ]
 
 
@@ -75,18 +76,19 @@ class StrategyReport:
     skipped_steps: int = 0
 
 
-def _tensor_bytes(tensors: Iterable[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+def report_memory(mem: dict[str, Any]) -> dict[str, int]:
+    """:attr:`StrategyReport.memory` from a memory report (``replicated_memory_report`` or ZeRO's
+    ``memory_report``): params, grads, and optimizer state with the fp32 masters counted in it.
 
-
-def _storage_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view into a bucket counts once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    Example:
+        >>> report_memory(replicated_memory_report(model.parameters(), optimizer))
+        {'params': 4096, 'grads': 4096, 'optimizer_state': 8200}
+    """
+    return {
+        "params": mem["params"],
+        "grads": mem["grads"],
+        "optimizer_state": mem["optimizer_state"] + mem["master_params"],
+    }
 
 
 class Strategy(ABC):
@@ -197,14 +199,7 @@ class Strategy(ABC):
     def report(self, optimizer: torch.optim.Optimizer | None = None) -> StrategyReport:
         """This rank's memory by category and communication so far (see :class:`StrategyReport`)."""
         model = self._require_model()
-        params = list(model.parameters())
-        memory = {
-            "params": _tensor_bytes(params),
-            "grads": _storage_bytes([p.grad for p in params] + self.grad_buffers()),
-            "optimizer_state": _tensor_bytes(
-                v for s in (optimizer.state.values() if optimizer is not None else ()) for v in s.values()
-            ),
-        }
+        memory = report_memory(replicated_memory_report(model.parameters(), optimizer, self.grad_buffers()))
         stats = getattr(model, "comm_stats", None)
         return StrategyReport(
             memory=memory,

@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from shardkit.comm import ParallelContext
 
 from ..loss_scaler import DynamicLossScaler
-from ..strategy import Strategy, StrategyReport, register_strategy
+from ..strategy import Strategy, StrategyReport, register_strategy, report_memory
 from .optimizer import ZeroOptimizer
 from .pipeline_grads import PipelineShardedDataParallel
 from .sharded import ShardedDataParallel, _validate
@@ -155,9 +155,7 @@ class _ZeroStrategy(Strategy):
         model = self._require_model()
         mem = model.memory_report()
         memory = {
-            "params": mem["params"],
-            "grads": mem["grads"],
-            "optimizer_state": mem["optimizer_state"] + mem["master_params"],
+            **report_memory(mem),
             "peak_transient": mem["peak_transient"],
             # offload: fp32 masters + optimizer state held off the device (CPU memory / NVMe files)
             "offloaded": sum(v for k, v in mem.get("offloaded", {}).items() if k in ("cpu", "nvme")),

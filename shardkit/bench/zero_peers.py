@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from shardkit.parallel.memory_report import storage_bytes  # the peers' bytes counted as ours
+
 __all__ = [
     "CATEGORIES",
     "HYPER",
@@ -48,28 +50,6 @@ PEERS = {
 #: the peers of an ``offload="cpu"`` row: DeepSpeed's ``offload_optimizer: {device: cpu}``
 OFFLOAD_PEERS = ("deepspeed",)
 CATEGORIES = ("params", "grads", "master_params", "optimizer_state")
-
-
-def storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (DTensors count their local shard).
-
-    Views of one flat buffer count once, so a flat bucket and the params viewing it are the
-    same bytes. Non-tensors and None are ignored.
-
-    Example:
-        >>> flat = torch.zeros(10)
-        >>> storage_bytes([flat[:4], flat[4:], None])
-        40
-    """
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
-        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def _state_tensors(state: Any) -> list[torch.Tensor]:

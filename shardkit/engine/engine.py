@@ -33,6 +33,7 @@ from torch.profiler import record_function
 
 from shardkit.comm import ParallelContext
 from shardkit.parallel import DynamicLossScaler, ZeroOptimizer, clip_grad_norm_, load_checkpoint, save_checkpoint
+from shardkit.parallel.memory_report import replicated_memory_report
 from shardkit.parallel.tensor import clip_grad_norm_tp_, gather_state_dict
 
 from .resolved import EngineConfig
@@ -42,15 +43,6 @@ __all__ = ["Engine"]
 logger = logging.getLogger("shardkit.engine")
 
 LATEST = "latest"  # DeepSpeed's file naming the newest tag of a checkpoint directory
-
-
-def _storage_bytes(tensors: Any) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a view into a bucket counts once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
 
 
 class Engine(nn.Module):
@@ -281,18 +273,8 @@ class Engine(nn.Module):
         """
         if hasattr(self._wrapped, "memory_report"):
             return self._wrapped.memory_report()
-        params = list(self.module.parameters())
-        state = [v for s in self.optimizer.state.values() for k, v in s.items() if k != "master_param"]
-        masters = [s["master_param"] for s in self.optimizer.state.values() if "master_param" in s]
         buckets = [b.buffer for b in getattr(self._wrapped, "buckets", [])]
-        mem = {
-            "params": _storage_bytes(params),
-            "grads": _storage_bytes([p.grad for p in params] + buckets),
-            "master_params": _storage_bytes(masters),
-            "optimizer_state": _storage_bytes(state),
-        }
-        mem["model_state"] = sum(mem.values())
-        return {"unit": "bytes", **mem, "peak_transient": 0, "offloaded": {}}
+        return replicated_memory_report(self.module.parameters(), self.optimizer, buckets)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(
