@@ -179,11 +179,30 @@ class ParallelModel:
             return loss
         with self._autocast() if self._autocast is not None else contextlib.nullcontext():
             loss = self.loss_fn(self.module(inputs), targets)
-        if self.strategy is not None:
-            self.strategy.backward(loss)
-        else:
-            loss.backward()
+        self.backward(loss)
         return loss.detach()
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
+        """Backward of a loss the caller computed from :attr:`module`'s output (a loop that runs
+        the forward itself, as DeepSpeed's ``engine(batch)`` then ``engine.backward(loss)``):
+        scaled by the loss scaler when there is one; the dp reduction runs as in
+        :meth:`forward_backward`. Not with a pipeline, whose schedule runs the backward.
+
+        Args:
+            loss: 0-d loss of this rank's micro-batch.
+            retain_graph: keep the graph for another backward.
+
+        Example:
+            >>> loss = F.cross_entropy(par.module(x).flatten(0, 1), y.flatten())
+            >>> par.backward(loss); par.clip(1.0); par.step(opt)
+        """
+        if self.pipeline is not None:
+            raise RuntimeError("with a pipeline the schedule runs forward and backward: call forward_backward(inputs, targets)")
+        if self.strategy is not None:
+            self.strategy.backward(loss, retain_graph=retain_graph)
+            return
+        with record_function("shardkit::backward"):
+            (self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss).backward(retain_graph=retain_graph)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

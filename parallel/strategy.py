@@ -141,14 +141,16 @@ class Strategy(ABC):
         """
         return optimizer_class(params, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
         """Backward of this rank's loss, scaled by the loss scaler when there is one.
 
         Args:
             loss: 0-d loss of this rank's micro-batch (fp32; fp16 autocast losses are fp32).
+            retain_graph: keep the graph for another backward (``Tensor.backward``'s).
         """
         with record_function("shardkit::backward"):
-            (self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss).backward()
+            scaled = self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+            scaled.backward(retain_graph=retain_graph)
         self._finalized = False
 
     def clip(self, max_norm: float | None) -> torch.Tensor | None:

@@ -46,6 +46,8 @@ class _ZeroStrategy(Strategy):
         bucket_mb: bucket capacity in MiB.
         offload: None/"none", "cpu" or "nvme": the optimizer state and step off the device (docs/offload.md).
         nvme_dir: the directory for ``offload="nvme"``.
+        offload_params: stage 3 with ``offload``: the parameter shards live in host memory too.
+        forward_prefetch: stage 3: gather the next unit's parameters while this one computes.
     """
 
     needs_context = True
@@ -59,6 +61,8 @@ class _ZeroStrategy(Strategy):
         bucket_mb: float = 25.0,
         offload: Literal["none", "cpu", "nvme"] | None = None,
         nvme_dir: str | None = None,
+        offload_params: bool = False,
+        forward_prefetch: bool = False,
     ) -> None:
         super().__init__(ctx=ctx, loss_scaler=loss_scaler)
         if not bucket_mb > 0:
@@ -68,6 +72,10 @@ class _ZeroStrategy(Strategy):
         self.bucket_mb = float(bucket_mb)
         self.offload = None if offload == "none" else offload
         self.nvme_dir = nvme_dir
+        if (offload_params or forward_prefetch) and self.stage != 3:
+            raise ValueError(f"offload_params and forward_prefetch are stage-3 options; {self.name!r} is stage {self.stage}")
+        self.offload_params = bool(offload_params)
+        self.forward_prefetch = bool(forward_prefetch)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.model = ShardedDataParallel(
@@ -78,6 +86,8 @@ class _ZeroStrategy(Strategy):
             loss_scaler=self.loss_scaler,
             offload=self.offload,
             nvme_dir=self.nvme_dir,
+            offload_params=self.offload_params,
+            forward_prefetch=self.forward_prefetch,
         )
         return self.model
 

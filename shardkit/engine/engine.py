@@ -10,9 +10,12 @@ One micro-step of a DeepSpeed loop, and what runs here::
                                                 # overflow → loss-scale update → zero_grad →
                                                 # scheduler step (applied steps only, as DeepSpeed)
 
-The engine owns no data path of its own: stage 0 is :class:`~shardkit.parallel.DataParallel`,
-stages 1-3 :class:`~shardkit.parallel.ShardedDataParallel` with a
-:class:`~shardkit.parallel.ZeroOptimizer`; checkpoints are
+The engine owns no data path and no step logic of its own: it is a DeepSpeed-named adapter over
+the :class:`~shardkit.parallel.ParallelModel` that :func:`~shardkit.parallel.parallelize` built
+(``engine.backward`` → ``parallel.backward``, ``engine.step`` → ``parallel.clip`` +
+``parallel.step``; stage 0 is :class:`~shardkit.parallel.DataParallel`, stages 1-3
+:class:`~shardkit.parallel.ShardedDataParallel` with a :class:`~shardkit.parallel.ZeroOptimizer`),
+so ``shardkit.initialize`` and ``parallelize`` train the same layout bitwise alike; checkpoints are
 :func:`shardkit.parallel.save_checkpoint` directories (reshardable). Counters follow DeepSpeed's
 ``DeepSpeedEngine``: ``micro_steps`` counts every :meth:`Engine.step` call, ``global_steps``
 the boundaries (skipped fp16 steps included), ``skipped_steps`` the skipped ones.
@@ -32,9 +35,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from shardkit.comm import ParallelContext
-from shardkit.parallel import DynamicLossScaler, ZeroOptimizer, clip_grad_norm_, load_checkpoint, save_checkpoint
+from shardkit.parallel import DynamicLossScaler, ParallelModel, load_checkpoint, save_checkpoint
 from shardkit.parallel.memory_report import replicated_memory_report
-from shardkit.parallel.tensor import clip_grad_norm_tp_, gather_state_dict
+from shardkit.parallel.tensor import gather_state_dict
 
 from .resolved import EngineConfig
 
@@ -54,6 +57,7 @@ class Engine(nn.Module):
     Attributes:
         module: the user's model (unwrapped; stage 3 frees its tensors between steps: read them
             with :meth:`full_state_dict`).
+        parallel: the :class:`~shardkit.parallel.ParallelModel` that runs every step.
         optimizer: a :class:`~shardkit.parallel.ZeroOptimizer` (stages 1-3) or the
             ``torch.optim.Optimizer`` itself (stage 0).
         lr_scheduler: the scheduler (stepped once per applied optimizer step), or None.
@@ -75,7 +79,7 @@ class Engine(nn.Module):
         self,
         *,
         module: nn.Module,
-        wrapped: nn.Module,
+        parallel: ParallelModel,
         optimizer: Any,
         lr_scheduler: Any,
         config: EngineConfig,
@@ -85,9 +89,11 @@ class Engine(nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
-        # Not registered as a submodule: it holds ``module`` too, and the engine's state_dict
-        # and parameters() are the user's module's, as DeepSpeed's.
-        object.__setattr__(self, "_wrapped", wrapped)
+        # Not registered as submodules: they hold ``module`` too, and the engine's state_dict
+        # and parameters() are the user's module's, as DeepSpeed's. ``_wrapped`` is the dp
+        # wrapper parallelize built (DataParallel / ShardedDataParallel), or the module itself.
+        object.__setattr__(self, "parallel", parallel)
+        object.__setattr__(self, "_wrapped", parallel.module)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.config = config
@@ -173,10 +179,9 @@ class Engine(nn.Module):
             )
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
-        scaled = self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
-        quiet = contextlib.nullcontext() if self.is_gradient_accumulation_boundary() else self._wrapped.no_sync()
-        with record_function("shardkit::backward"), quiet:
-            scaled.backward(retain_graph=retain_graph)
+        quiet = contextlib.nullcontext() if self.is_gradient_accumulation_boundary() else self.parallel.no_sync()
+        with quiet:
+            self.parallel.backward(loss, retain_graph=retain_graph)  # × the fp16 loss scale
         return loss
 
     def step(self) -> None:
@@ -188,31 +193,12 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self) -> None:
-        clip = self.config.gradient_clipping or None
-        if isinstance(self.optimizer, ZeroOptimizer):
-            # One fused pass over the gradient shards; flag and Σg² agreed over dp in 8 bytes.
-            _, norm = self._wrapped.finalize_gradients(clip)
-            self.optimizer.step()  # skips on an agreed overflow and updates the loss scale
-            applied = not self.optimizer.last_step_skipped
-        else:
-            overflow, norm = False, None
-            if self.loss_scaler is not None:
-                group = self.ctx.group("dp") if self.ctx.size("dp") > 1 else None
-                report = self.loss_scaler.unscale_(list(self.module.named_parameters()), group=group, max_norm=clip)
-                overflow, norm = report.overflow, report.grad_norm
-            elif clip is not None and self.ctx.size("tp") > 1:
-                # TP shards: sharded squares add over tp, replicated ones count once
-                norm = clip_grad_norm_tp_(self.module.parameters(), clip, ctx=self.ctx)
-            elif clip is not None:
-                # DataParallel replicas hold the same averaged grads: no norm all-reduce needed
-                norm = clip_grad_norm_([p for p in self.module.parameters() if p.grad is not None], clip)
-            if not overflow:
-                self.optimizer.step()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(overflow)
-            applied = not overflow
-        self._global_grad_norm = None if norm is None else float(norm)
+        """The ParallelModel's clip (unscale, overflow and norm agreed where the layout needs it)
+        and step (skipped on an overflow, loss scale updated), then DeepSpeed's bookkeeping."""
+        norm = self.parallel.clip(self.config.gradient_clipping or None)
+        applied = self.parallel.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
+        self._global_grad_norm = None if norm is None else float(norm)
         self._step_applied = applied
         if applied:
             if self.lr_scheduler is not None:

@@ -1,21 +1,23 @@
 """``shardkit.initialize``: ``deepspeed.initialize``'s signature and return value, on shardkit.
 
-What it builds from the resolved config (:func:`shardkit.engine.load_config`):
+Every layout is built by :func:`~shardkit.parallel.parallelize` (:func:`build_parallel`), and
+the engine steps the :class:`~shardkit.parallel.ParallelModel` it returns. From the resolved
+config (:func:`shardkit.engine.load_config`):
 
-* ZeRO stage 0 → :class:`~shardkit.parallel.DataParallel` (bucket size from
-  ``reduce_bucket_size``); stages 1-3 → :class:`~shardkit.parallel.ShardedDataParallel` (same
-  bucket size in elements, ``offload_optimizer`` → ``offload="cpu"|"nvme"``, ``nvme_path`` →
-  ``nvme_dir``, ``offload_param`` → ``offload_params=True``) and a
-  :class:`~shardkit.parallel.ZeroOptimizer`.
+* ZeRO stage 0 → ``dp="ddp"`` (:class:`~shardkit.parallel.DataParallel`, bucket size from
+  ``reduce_bucket_size``); stages 1-3 → ``dp="zero1"``..``"zero3"``
+  (:class:`~shardkit.parallel.ShardedDataParallel`: the same bucket size in elements,
+  ``offload_optimizer`` → ``offload="cpu"|"nvme"``, ``nvme_path`` → ``nvme_dir``,
+  ``offload_param`` → ``offload_params=True``) and a :class:`~shardkit.parallel.ZeroOptimizer`.
 * precision: fp16 → the module in fp16 and a :class:`~shardkit.parallel.DynamicLossScaler`
   with the config's arguments; bf16 → the module in bf16. Both keep fp32 masters: ZeRO always,
   stage 0 through the fused optimizers' ``master_weights=True``.
 * the optimizer from ``optimizer`` (shardkit's fused classes) unless ``optimizer=`` is given;
   the LR scheduler from ``scheduler`` unless ``lr_scheduler=`` is given.
 * ``tensor_parallel.size`` > 1: the context gets a tp axis (dp = world / (tp × pp)), the plan the
-  section names converts the model in place (:mod:`shardkit.engine.layout`), and the wrapping
-  above runs on the dp axis (ZeRO × TP: the epilogue agrees the norm and overflow over tp).
-* ``pipeline.stages`` > 1: :func:`~shardkit.parallel.parallelize` (TP → stages → dp) behind a
+  section names (:mod:`shardkit.engine.layout`) is ``parallelize``'s ``tp_plan``, and the dp
+  strategy runs on the dp axis (ZeRO × TP: the epilogue agrees the norm and overflow over tp).
+* ``pipeline.stages`` > 1: ``parallelize``'s ``pp`` (TP → stages → dp) behind a
   :class:`~shardkit.engine.pipeline_engine.PipelineEngine` (``train_batch``/``eval_batch``).
 
 Every check runs before the first collective (the model check of the wrapper): a bad config,
@@ -37,17 +39,35 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.comm import ParallelContext
-from shardkit.parallel import DataParallel, ShardedDataParallel, ZeroOptimizer
+from shardkit.parallel import (
+    DataParallel,
+    DynamicLossScaler,
+    ParallelModel,
+    PipelineOptions,
+    ShardedDataParallel,
+    ZeroOptimizer,
+    parallelize,
+)
 from shardkit.parallel.param_groups import resolve_param_groups
 from shardkit.parallel.pipeline.split import as_block_list, split_blocks
-from shardkit.parallel.tensor import plan_modules, tensor_parallelize
+from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
+from shardkit.parallel.tensor import plan_modules
 
 from .config import load_config
 from .engine import Engine
-from .layout import axis_sizes, default_blocks, gather_head_logits, groups_by_name, regroup, tp_plan_for, vocab_sizes
+from .layout import (
+    BlocksFn,
+    axis_sizes,
+    default_blocks,
+    gather_head_logits,
+    groups_by_name,
+    regroup,
+    tp_plan_for,
+    vocab_sizes,
+)
 from .resolved import EngineConfig
 
-__all__ = ["initialize"]
+__all__ = ["build_parallel", "initialize"]
 
 logger = logging.getLogger("shardkit.engine")
 
@@ -170,22 +190,11 @@ def initialize(
 
         model = _to_device_and_dtype(model, ctx, cfg)
         scaler = cfg.precision.loss_scaler.make() if cfg.precision.dtype == "fp16" else None
-        parallel = None
+        parallel, opt = build_parallel(
+            model, ctx, cfg, scaler=scaler, groups=groups, make=make_optimizer, tp_plan=plan, blocks=blocks, loss_fn=loss_fn
+        )
         if pp > 1:
-            from .pipeline_engine import build_pipeline
-
-            parallel, opt = build_pipeline(
-                model, ctx, cfg, scaler=scaler, groups=groups, make=make_optimizer, tp_plan=plan, blocks=blocks, loss_fn=loss_fn
-            )
-            model = wrapped = parallel.module
-        else:
-            if plan is not None:  # TP replaces the dense Parameters: the groups follow by name
-                named = groups_by_name(model, groups)
-                tensor_parallelize(model, ctx, plan)
-                if cfg.tensor_parallel.gather_logits:
-                    gather_head_logits(model, ctx)
-                groups = regroup(model, named)
-            wrapped, opt = _wrap(model, ctx, cfg, scaler, groups, make_optimizer)
+            model = parallel.module  # this rank's stages
         basic = opt.optimizer if isinstance(opt, ZeroOptimizer) else opt  # the torch optimizer that steps
         if lr_scheduler is None:
             sched = cfg.scheduler.build(basic) if cfg.scheduler is not None else None
@@ -197,16 +206,16 @@ def initialize(
                 logger.warning(
                     "initialize: lr_scheduler= given; the config's scheduler section (%s) is not used", cfg.scheduler.type
                 )
-        common = dict(module=model, wrapped=wrapped, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
-        if parallel is not None:
+        common = dict(module=model, parallel=parallel, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
+        if pp > 1:
             from .pipeline_engine import PipelineEngine
 
-            engine: Engine = PipelineEngine(parallel=parallel, **common)
+            engine: Engine = PipelineEngine(**common)
         else:
             tp_state = (plan, vocab_sizes(model)) if plan is not None else None
             engine = Engine(tp_state=tp_state, **common)
         loader = _dataloader(training_data, collate_fn, cfg, ctx) if training_data is not None else None
-        if loader is not None and parallel is not None:
+        if loader is not None and pp > 1:
             engine.training_dataloader = loader
             engine.set_dataiter(_repeat(loader))
         return engine, engine.optimizer, loader, engine.lr_scheduler
@@ -408,31 +417,64 @@ def _to_device_and_dtype(model: nn.Module, ctx: ParallelContext, cfg: EngineConf
     return model
 
 
-def _wrap(
-    model: nn.Module, ctx: ParallelContext, cfg: EngineConfig, scaler: Any, groups: list[dict[str, Any]], make: Any
-) -> tuple[nn.Module, Any]:
-    zero = cfg.zero
+def build_parallel(
+    model: nn.Module,
+    ctx: ParallelContext,
+    cfg: EngineConfig,
+    *,
+    scaler: DynamicLossScaler | None,
+    groups: list[dict[str, Any]],
+    make: Callable[..., Any],
+    tp_plan: dict[str, Any] | None,
+    blocks: BlocksFn | None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+) -> tuple[ParallelModel, Any]:
+    """The config's layout through :func:`~shardkit.parallel.parallelize` (its TP plan, pipeline and
+    ZeRO stage on the dp axis), and the optimizer over this rank's parameters, the user's param
+    groups kept by name across TP and the pipeline split.
+
+    Returns:
+        ``(parallel model, optimizer)``: a :class:`~shardkit.parallel.zero.ZeroOptimizer` for
+        stages 1-3.
+    """
+    pipe, zero = cfg.pipeline, cfg.zero
+    named = groups_by_name(model, groups) if tp_plan is not None or pipe.stages > 1 else None
     if zero.stage == 0:
-        wrapped = DataParallel(model, ctx, bucket_mb=zero.bucket_mb(cfg.precision.grad_bytes), loss_scaler=scaler)
-        cls, kwargs = make(groups)
-        return wrapped, (kwargs if cls is None else cls(groups, **kwargs))
-    # ZeRO reduces and keeps gradients in fp32 whatever the params' dtype: reduce_bucket_size
-    # elements are 4 bytes each
-    nvme = zero.offload_optimizer.nvme_path if zero.offload == "nvme" else None
-    wrapped = ShardedDataParallel(
+        options: dict[str, Any] = {"bucket_mb": zero.bucket_mb(cfg.precision.grad_bytes)}
+    else:
+        # ZeRO reduces and keeps gradients in fp32 whatever the params' dtype: reduce_bucket_size
+        # elements are 4 bytes each
+        options = {"bucket_mb": zero.bucket_mb(4), "offload": zero.offload}
+        if zero.offload == "nvme":
+            options["nvme_dir"] = zero.offload_optimizer.nvme_path
+        if zero.stage == 3:
+            options["offload_params"] = zero.offload_param.enabled  # the config reader checks stage 3
+            # DeepSpeed prefetches stage-3 parameters ahead of use while stage3_prefetch_bucket_size > 0
+            options["forward_prefetch"] = zero.prefetch_bucket_size > 0
+    pp = None
+    if pipe.stages > 1:
+        pp = PipelineOptions(
+            microbatches=pipe.microbatches, schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, split=pipe.partition
+        )
+    par = parallelize(
         model,
         ctx,
-        zero.stage,
-        bucket_mb=zero.bucket_mb(4),
-        offload=zero.offload,
-        nvme_dir=nvme,
+        loss_fn=loss_fn,
+        tp_plan=tp_plan,
+        pp=pp,
+        dp=dp_strategy_of_zero_stage(zero.stage),
+        blocks=blocks,
         loss_scaler=scaler,
-        offload_params=zero.offload_param.enabled,  # stage 3 only (the config reader checks)
-        # DeepSpeed prefetches stage-3 parameters ahead of use while stage3_prefetch_bucket_size > 0
-        **({"forward_prefetch": zero.prefetch_bucket_size > 0} if zero.stage == 3 else {}),
+        dp_options=options,
     )
+    if tp_plan is not None and pp is None and cfg.tensor_parallel.gather_logits:
+        gather_head_logits(model, ctx)
+    if named is not None:  # TP replaced the dense Parameters, the pipeline kept this rank's stages
+        groups = regroup(model, named, keep=par.parameters() if pp is not None else None)
     cls, kwargs = make(groups)
-    return wrapped, ZeroOptimizer(wrapped, cls, groups, **kwargs)
+    if cls is None:  # a built optimizer (stage 0, no tp/pp: its params are the model's own)
+        return par, kwargs
+    return par, par.make_optimizer(cls, groups, **kwargs)
 
 
 def _dataloader(dataset: Any, collate_fn: Any, cfg: EngineConfig, ctx: ParallelContext) -> Any:

@@ -14,65 +14,17 @@ backwards over the stages), so the engine's step is one call, as DeepSpeed's::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.profiler import record_function
 
-from shardkit.comm import ParallelContext
-from shardkit.parallel import ParallelModel, PipelineOptions, parallelize
-from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
+from shardkit.parallel import ParallelModel
 
 from .engine import Engine
-from .layout import BlocksFn, groups_by_name, regroup
-from .resolved import EngineConfig
 
-__all__ = ["PipelineEngine", "build_pipeline"]
-
-
-def build_pipeline(
-    model: nn.Module,
-    ctx: ParallelContext,
-    cfg: EngineConfig,
-    *,
-    scaler: Any,
-    groups: list[dict[str, Any]],
-    make: Callable[..., Any],
-    tp_plan: dict[str, Any] | None,
-    blocks: BlocksFn | None,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
-) -> tuple[ParallelModel, Any]:
-    """``parallelize`` with the config's pipeline, tp plan and dp stage; the optimizer over this
-    rank's stage parameters (the user's groups kept, by name).
-
-    Returns:
-        ``(parallel model, optimizer)``.
-    """
-    pipe, zero = cfg.pipeline, cfg.zero
-    named = groups_by_name(model, groups)
-    options: dict[str, Any] = {}
-    if zero.stage:
-        options = {"bucket_mb": zero.bucket_mb(4), "offload": zero.offload}
-        if zero.offload == "nvme":
-            options["nvme_dir"] = zero.offload_optimizer.nvme_path
-    par = parallelize(
-        model,
-        ctx,
-        loss_fn=loss_fn,
-        tp_plan=tp_plan,
-        pp=PipelineOptions(
-            microbatches=pipe.microbatches, schedule=pipe.schedule, virtual_stages=pipe.virtual_stages, split=pipe.partition
-        ),
-        dp=dp_strategy_of_zero_stage(zero.stage),
-        blocks=blocks,
-        loss_scaler=scaler,
-        dp_options=options or None,
-    )
-    mine = regroup(model, named, keep=par.parameters())
-    cls, kwargs = make(mine)
-    return par, par.make_optimizer(cls, mine, **kwargs)
+__all__ = ["PipelineEngine"]
 
 
 class PipelineEngine(Engine):
@@ -81,7 +33,8 @@ class PipelineEngine(Engine):
 
     Attributes:
         parallel: the :class:`~shardkit.parallel.ParallelModel` (``parallel.pipeline`` is the
-            :class:`~shardkit.parallel.PipelineParallel`).
+            :class:`~shardkit.parallel.PipelineParallel`); :meth:`train_batch` is its
+            ``forward_backward`` then the base engine's clip + step.
         module: this rank's stages (an ``nn.ModuleList``).
 
     Example:
@@ -91,9 +44,8 @@ class PipelineEngine(Engine):
         >>> loss = engine.train_batch(iter(loader))    # 4 micro-batches of (inputs, labels)
     """
 
-    def __init__(self, *, parallel: ParallelModel, **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.parallel = parallel
         self.training_dataloader: Any = None
         self._data_iter: Iterator[Any] | None = None
 
@@ -177,17 +129,8 @@ class PipelineEngine(Engine):
         x, y = self._global_batch(data_iter)
         with record_function("shardkit::engine_train_batch"):
             loss = self.parallel.forward_backward(x, y)
-            norm = self.parallel.clip(self.config.gradient_clipping or None)
-            applied = self.parallel.step(self.optimizer)
-            self.optimizer.zero_grad(set_to_none=True)
-        self._global_grad_norm = None if norm is None else float(norm)
-        self._step_applied = applied
-        if applied and self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self.skipped_steps += int(not applied)
-        self.global_steps += 1
+            self._take_model_step()
         self.micro_steps += self.gradient_accumulation_steps()
-        self.global_samples += self.train_batch_size()
         return loss
 
     @torch.no_grad()
