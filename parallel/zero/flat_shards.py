@@ -58,12 +58,12 @@ import torch
 from torch import nn
 
 from shardkit.comm import CommStats, all_gather, reduce_scatter
-from shardkit.kernels.flatten import ALIGN_ELEMENTS, Segment, bucket_layout, flatten_into, shard_segments
+from shardkit.kernels.flatten import Segment, flatten_into
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
 from ..reducer import GradBucket
 from .offload import HostGradients
-from .sharded_bucket import ShardedBucket  # re-exported: sharded.py and the stage-3 modules import it from here
+from .sharded_bucket import ShardedBucket
 from .sync_check import SyncCheck
 
 __all__ = ["FlatShards", "ShardedBucket", "paper_comm_bytes"]
@@ -172,33 +172,30 @@ class FlatShards:
     # ---- construction ------------------------------------------------------------------------
     @torch.no_grad()
     def _build(self, index: int, params: list[nn.Parameter]) -> ShardedBucket:
-        numels = [p.numel() for p in params]
-        offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=self.size * ALIGN_ELEMENTS)
-        shard = total // self.size
-        start = self.rank * shard
-        dtype, device = params[0].dtype, params[0].device
-        flat = torch.zeros(total, dtype=dtype, device=device)  # gaps and padding stay zero
-        flatten_into([p.detach().contiguous() for p in params], flat, offsets, backend=self.backend)
-        for p, o in zip(params, offsets):
-            p.data = flat.narrow(0, o, p.numel()).view(p.shape)  # the param now lives in the bucket
-        master = None if (dtype == torch.float32 or self.offload) else flat.narrow(0, start, shard).float()
-        gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
-        sb = ShardedBucket(
-            gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard), flat, master
-        )
+        sb = ShardedBucket.from_params(index, params, size=self.size, rank=self.rank, backend=self.backend)
+        sb.param_views = []  # stages 1-2: the params stay views of flat_param for good
+        dtype = sb.flat_param.dtype
+        if not (dtype == torch.float32 or self.offload):
+            sb.master = sb.local_param_shard().float()
         if self.stage == 1:
             self._new_grad_full(sb)
             if self.grad_dtype != dtype:  # autograd then accumulates straight into the views
                 for p in params:
                     p.grad_dtype = self.grad_dtype
         else:
-            sb.grad_shard = torch.zeros(shard, dtype=self.grad_dtype, device=device)
+            sb.grad_shard = torch.zeros(sb.shard, dtype=self.grad_dtype, device=sb.flat_param.device)
+        self._add_shard_params(sb)
+        return sb
+
+    def _add_shard_params(self, sb: ShardedBucket) -> None:
+        """The optimizer's 1-D params: views of the master shard, one per segment (the optimizer's
+        in-place updates write the shard; none with ``offload``, whose optimizer builds its own),
+        their ``.grad`` the reduced shard when the gradients are fp32."""
         weights = sb.master_shard()
-        for seg in [] if self.offload else sb.segments:  # views: the optimizer's in-place updates write the shard
-            sb.shard_params.append(nn.Parameter(weights.narrow(0, seg.flat_offset - start, seg.numel)))
+        for seg in [] if self.offload else sb.segments:
+            sb.shard_params.append(nn.Parameter(weights.narrow(0, seg.flat_offset - sb.start, seg.numel)))
         if self.grad_dtype == torch.float32:
             self._bind_opt_grad(sb, sb.reduced_shard)
-        return sb
 
     def _new_grad_full(self, sb: ShardedBucket) -> None:
         gb = sb.grad_bucket

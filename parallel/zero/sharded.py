@@ -47,7 +47,8 @@ from ..data_parallel import broadcast_module_state, check_same_model
 from ..loss_scaler import DynamicLossScaler
 from ..tensor.layers import is_tp_sharded
 from ..reducer import GradReducer
-from .flat_shards import FlatShards, ShardedBucket
+from .flat_shards import FlatShards
+from .sharded_bucket import ShardedBucket
 from .nvme import validate_nvme_dir
 from .stage3 import ShardUnits
 from .units import check_wrap

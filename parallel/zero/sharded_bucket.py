@@ -6,6 +6,8 @@
 and the optimizer read it. It holds only the buffers and the views into them (the layout is
 described in :mod:`~shardkit.parallel.zero.flat_shards`); what is reduced or gathered, and when,
 is the runtimes' business, so the record lives apart from either runtime.
+:meth:`ShardedBucket.from_params` is the one place the flat buffer is laid out and the params
+moved into it, for every stage.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardkit.kernels.flatten import Segment
+from shardkit.kernels.flatten import ALIGN_ELEMENTS, Segment, bucket_layout, flatten_into, shard_segments
 
 from ..reducer import GradBucket
 
@@ -71,6 +73,41 @@ class ShardedBucket:
     def __post_init__(self) -> None:
         if not self.got_grad:
             self.got_grad = [False] * len(self.grad_bucket.params)
+
+    @classmethod
+    def from_params(cls, index: int, params: list[nn.Parameter], *, size: int, rank: int, backend: str) -> ShardedBucket:
+        """Move ``params`` into one flat buffer, each param becoming a view of it, laid out for
+        ``size`` equal shards (every param 16-byte aligned, the end padded); this rank's shard is
+        the ``rank``-th. The one builder of the ZeRO buffers: the stage 1-2 and stage-3 runtimes
+        add what they keep beside it (gradient buffers, the persistent parameter shard, masters).
+
+        Args:
+            index: the bucket's index (the reducer's launch order).
+            params: its params, one dtype and device.
+            size, rank: the dp group's size and this rank.
+            backend: the flatten kernel's backend (:func:`~shardkit.kernels.runtime.resolve_backend`).
+
+        Returns:
+            The bucket, ``master`` None and ``param_views`` the params' views of ``flat_param``.
+
+        Example:
+            >>> sb = ShardedBucket.from_params(0, list(model.parameters()), size=2, rank=0, backend="torch")
+            >>> sb.flat_param.numel() == 2 * sb.shard
+            True
+        """
+        numels = [p.numel() for p in params]
+        offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=size * ALIGN_ELEMENTS)
+        shard = total // size
+        start = rank * shard
+        device = params[0].device
+        flat = torch.zeros(total, dtype=params[0].dtype, device=device)  # gaps and padding stay zero
+        flatten_into([p.detach().contiguous() for p in params], flat, offsets, backend=backend)
+        views = [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets)]
+        for p, v in zip(params, views):
+            p.data = v  # the param now lives in the bucket
+        gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
+        segments = shard_segments(offsets, numels, start=start, stop=start + shard)
+        return cls(gb, total, shard, start, segments, flat, None, param_views=views)
 
     @property
     def reduced_shard(self) -> torch.Tensor:

@@ -85,7 +85,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..buckets import plan_buckets
 from ..reducer import GradBucket, GradReducer
-from .flat_shards import ShardedBucket
+from .sharded_bucket import ShardedBucket
 from .stage3_shards import Stage3Shards
 from .units import UnitSpec, select_units
 

@@ -70,10 +70,9 @@ import torch
 from torch import nn
 
 from shardkit.comm import CommHandle, all_gather
-from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, flatten_into, shard_segments
 
-from ..reducer import GradBucket
-from .flat_shards import FlatShards, ShardedBucket
+from .flat_shards import FlatShards
+from .sharded_bucket import ShardedBucket
 
 __all__ = ["Stage3Shards"]
 
@@ -110,39 +109,21 @@ class Stage3Shards(FlatShards):
 
     @torch.no_grad()
     def _build(self, index: int, params: list[nn.Parameter], trainable: bool = True) -> ShardedBucket:
-        numels = [p.numel() for p in params]
-        offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=self.size * ALIGN_ELEMENTS)
-        shard = total // self.size
-        start = self.rank * shard
-        dtype, device = params[0].dtype, params[0].device
-        flat = torch.zeros(total, dtype=dtype, device=device)  # gaps and padding stay zero
-        flatten_into([p.detach().contiguous() for p in params], flat, offsets, backend=self.backend)
-        views = [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets)]
-        for p, v in zip(params, views):
-            p.data = v
+        sb = ShardedBucket.from_params(index, params, size=self.size, rank=self.rank, backend=self.backend)
+        flat = sb.flat_param
         if self.offload_params:  # [Note: offloaded parameter shards]
-            param_shard = torch.empty(shard, dtype=dtype, pin_memory=device.type == "cuda")
-            param_shard.copy_(flat.narrow(0, start, shard))
+            sb.param_shard = torch.empty(sb.shard, dtype=flat.dtype, pin_memory=flat.device.type == "cuda")
+            sb.param_shard.copy_(flat.narrow(0, sb.start, sb.shard))
         else:
-            param_shard = flat.narrow(0, start, shard).clone()
-        low = dtype != torch.float32
-        master = param_shard.float() if (trainable and low and not self.offload) else None
-        gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
-        sb = ShardedBucket(
-            gb, total, shard, start, shard_segments(offsets, numels, start=start, stop=start + shard), flat, master
-        )
-        sb.param_shard = param_shard
-        sb.param_views = views
+            sb.param_shard = flat.narrow(0, sb.start, sb.shard).clone()
+        if trainable and flat.dtype != torch.float32 and not self.offload:
+            sb.master = sb.param_shard.float()
         flat.untyped_storage().resize_(0)  # from now on only the shard persists
         _point_at_placeholders(params)
         if not trainable:
             return sb
-        sb.grad_shard = torch.zeros(shard, dtype=self.grad_dtype, device=device)
-        weights = sb.master_shard()
-        for seg in [] if self.offload else sb.segments:  # views: the optimizer's in-place updates write the shard
-            sb.shard_params.append(nn.Parameter(weights.narrow(0, seg.flat_offset - start, seg.numel)))
-        if self.grad_dtype == torch.float32:
-            self._bind_opt_grad(sb, sb.reduced_shard)
+        sb.grad_shard = torch.zeros(sb.shard, dtype=self.grad_dtype, device=flat.device)
+        self._add_shard_params(sb)
         return sb
 
     # ---- gather / free -----------------------------------------------------------------------
