@@ -4,7 +4,7 @@ Each tensor-parallel rank holds a shard ``x`` = logits ``[T, Vs]`` of ``T`` toke
 ``Vs`` contiguous classes ``[vocab_start, vocab_start + Vs)``; only the first ``n_valid`` columns
 are real classes (the rest pad a vocabulary not divisible by tp and never take part). These
 kernels do the two passes over the shard; the all-reduce of the small per-token statistics
-between them happens one layer up (``shardkit.parallel.tensor.cross_entropy``), so this module
+between them happens one layer up (``shardkit.parallel.tensor.vocab_parallel_loss``), so this module
 never communicates.
 
 Math, per token ``i`` with target ``t_i`` (fp32 throughout), ``V`` the real vocabulary size,

@@ -31,7 +31,7 @@ what the previous one produced:
    per dtype; ``"zero1"``/``"zero2"`` shard this rank's stages (every chunk, tied copies
    included) over dp and reduce-scatter each bucket's ``p.grad`` into this rank's shard, the
    optimizer then steps the shard and all-gathers the params (see [Note: ZeRO under a
-   pipeline] in :mod:`~shardkit.parallel.zero.pipeline_grads`). ``"zero3"`` is refused with
+   pipeline] in :mod:`~shardkit.parallel.zero.pipeline_sharded`). ``"zero3"`` is refused with
    pp: its per-unit gathers would have to run per micro-batch inside the schedule.
 
 [Note: the global gradient norm]

@@ -28,7 +28,8 @@ DP_STRATEGIES: tuple[str, ...] = typing.get_args(DpStrategy)
 
 #: the module that defines and registers each built-in strategy's class (imported on first use)
 STRATEGY_MODULES: dict[str, str] = {
-    name: "shardkit.parallel.strategy" if name in ("none", "ddp") else "shardkit.parallel.zero.strategy" for name in DP_STRATEGIES
+    name: "shardkit.parallel.strategy" if name in ("none", "ddp") else "shardkit.parallel.zero.zero_strategies"
+    for name in DP_STRATEGIES
 }
 
 

@@ -295,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return run_benchmark(args.bench, rest)
     if args.command == "config":
-        from shardkit.engine.cli import config_check_main  # imports torch: only for this command
+        from shardkit.engine.config_check import config_check_main  # imports torch: only for this command
 
         return config_check_main(rest)
     if rest:

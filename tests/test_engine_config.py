@@ -324,7 +324,7 @@ def test_ignored_keys_are_reported_once_each_never_dropped(caplog) -> None:
 def test_parser_never_touches_torch_distributed() -> None:
     """All errors come before any collective: the config layer does not even import torch.distributed."""
     engine = Path(__file__).resolve().parents[1] / "shardkit" / "engine"
-    for name in ("config.py", "_reader.py", "resolved.py", "schedulers.py"):
+    for name in ("config_reader.py", "_reader.py", "resolved.py", "schedulers.py"):
         tree = ast.parse((engine / name).read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
@@ -373,7 +373,7 @@ def test_batch_triple_equals_deepspeed(train, micro, gas, dp) -> None:
 
 # ---- shardkit config check ----------------------------------------------------------------------
 def _check(argv: list[str], capsys) -> tuple[int, str, str]:
-    from shardkit.engine.cli import config_check_main
+    from shardkit.engine.config_check import config_check_main
 
     rc = config_check_main(argv)
     out, err = capsys.readouterr()

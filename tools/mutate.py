@@ -64,7 +64,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "parallel/compose.py": ["tests/test_parallelize.py"],
     "parallel/zero/stage3.py": ["tests/test_zero3.py", "tests/test_zero3_cases.py"],
     "parallel/zero/sync_check.py": ["tests/test_zero_sync_check.py", "tests/test_zero3_cases.py"],
-    "parallel/zero/pipeline_grads.py": ["tests/test_zero_pipeline.py", "tests/test_pipeline_fp16.py"],
+    "parallel/zero/pipeline_sharded.py": ["tests/test_zero_pipeline.py", "tests/test_pipeline_fp16.py"],
     "parallel/pipeline/step_state.py": ["tests/test_pipeline.py", "tests/test_pipeline_fp16.py"],
     "parallel/checkpoint/tp.py": ["tests/test_checkpoint_parallel.py"],
     "parallel/zero/offload.py": ["tests/test_zero_offload.py"],
@@ -82,7 +82,7 @@ MODULE_TESTS: dict[str, list[str]] = {
     "parallel/pipeline/tied.py": ["tests/test_pipeline_tied.py"],
     "parallel/tensor/sequence_parallel.py": ["tests/test_tensor_parallel.py"],
     "shardkit/engine/schedulers.py": ["tests/test_engine_schedulers.py"],
-    "shardkit/engine/config.py": ["tests/test_engine_config.py"],
+    "shardkit/engine/config_reader.py": ["tests/test_engine_config.py"],
     "shardkit/engine/deepspeed_keys.py": ["tests/test_engine_config.py"],
 }
 #: ``make mutate`` with no MODULE: these, in sequence.

@@ -35,7 +35,7 @@ from torch import nn
 from ..compose import ParallelModel
 from ..data_parallel import DataParallel
 from ..zero import ShardedDataParallel, ZeroOptimizer
-from ..zero.pipeline_grads import PipelineShardedDataParallel
+from ..zero.pipeline_sharded import PipelineShardedDataParallel
 from .pieces import FlatPiece
 from .tp import TPSlice, tp_size, tp_slices
 

@@ -6,7 +6,7 @@ Example:
     >>> y = down(torch.nn.functional.gelu(up(x)))        # 1 all-reduce forward, 1 backward
 """
 
-from .cross_entropy import vocab_parallel_cross_entropy, vocab_shard_range
+from .vocab_parallel_loss import vocab_parallel_cross_entropy, vocab_shard_range
 from .grad_norm import clip_grad_norm_tp_
 from .functions import (
     copy_to_tp_region,

@@ -16,7 +16,7 @@ from .optimizer import ZeroOptimizer
 from .plan_table import plan_table
 from .planner import MemoryPlan, plan_memory
 from .sharded import ShardedDataParallel
-from .strategy import Zero1Strategy, Zero2Strategy, Zero3Strategy
+from .zero_strategies import Zero1Strategy, Zero2Strategy, Zero3Strategy
 
 __all__ = [
     "MemoryPlan",

@@ -14,7 +14,7 @@ Example:
 
 from typing import Any
 
-from .config import IGNORED_KEYS, load_config
+from .config_reader import IGNORED_KEYS, load_config
 from .resolved import (
     EngineConfig,
     LossScaleConfig,

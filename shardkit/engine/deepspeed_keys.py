@@ -2,7 +2,7 @@
 
 :data:`IGNORED_KEYS` are accepted whatever their value (logging, profiling, I/O tuning, or choices
 shardkit makes itself); :data:`UNSUPPORTED_KEYS` name features shardkit does not implement and are
-accepted only at DeepSpeed's default. :func:`~shardkit.engine.config.load_config` consults both,
+accepted only at DeepSpeed's default. :func:`~shardkit.engine.config_reader.load_config` consults both,
 section by section (``""`` is the top level). They are long lists that change whenever DeepSpeed
 adds keys, while the parsing logic does not, so they live apart from it; docs/engine.md's key
 table says what each one means here.

@@ -15,7 +15,7 @@ config (:func:`shardkit.engine.load_config`):
 * the optimizer from ``optimizer`` (shardkit's fused classes) unless ``optimizer=`` is given;
   the LR scheduler from ``scheduler`` unless ``lr_scheduler=`` is given.
 * ``tensor_parallel.size`` > 1: the context gets a tp axis (dp = world / (tp × pp)), the plan the
-  section names (:mod:`shardkit.engine.layout`) is ``parallelize``'s ``tp_plan``, and the dp
+  section names (:mod:`shardkit.engine.model_layout`) is ``parallelize``'s ``tp_plan``, and the dp
   strategy runs on the dp axis (ZeRO × TP: the epilogue agrees the norm and overflow over tp).
 * ``pipeline.stages`` > 1: ``parallelize``'s ``pp`` (TP → stages → dp) behind a
   :class:`~shardkit.engine.pipeline_engine.PipelineEngine` (``train_batch``/``eval_batch``).
@@ -53,9 +53,9 @@ from shardkit.parallel.pipeline.split import as_block_list, split_blocks
 from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
 from shardkit.parallel.tensor import plan_modules
 
-from .config import load_config
+from .config_reader import load_config
 from .engine import Engine
-from .layout import (
+from .model_layout import (
     BlocksFn,
     axis_sizes,
     default_blocks,

@@ -143,7 +143,7 @@ class ZeroConfig:
         return None if self.offload_optimizer.device == "none" else self.offload_optimizer.device
 
 
-#: ``tensor_parallel.plan`` values: "auto" picks by the model's type (shardkit.engine.layout).
+#: ``tensor_parallel.plan`` values: "auto" picks by the model's type (shardkit.engine.model_layout).
 TP_PLANS = ("auto", "gpt", "hf_gpt2", "llama")
 
 

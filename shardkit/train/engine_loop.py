@@ -182,7 +182,7 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
     Example:
         >>> train(TrainConfig(config="tests/configs/zero2_config_accelerate.json", steps=10))
     """
-    from shardkit.engine.layout import axis_sizes
+    from shardkit.engine.model_layout import axis_sizes
 
     tp, pp = axis_sizes(cfg.config, auto_values(cfg))  # the config's tensor_parallel / pipeline axes
     ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp)

@@ -23,7 +23,7 @@ from shardkit.comm import ParallelContext
 from ..loss_scaler import DynamicLossScaler
 from ..strategy import Strategy, StrategyReport, register_strategy, report_memory
 from .optimizer import ZeroOptimizer
-from .pipeline_grads import PipelineShardedDataParallel
+from .pipeline_sharded import PipelineShardedDataParallel
 from .sharded import ShardedDataParallel, _validate
 
 __all__ = ["Zero1Strategy", "Zero2Strategy", "Zero3Strategy"]
@@ -109,7 +109,7 @@ class _ZeroStrategy(Strategy):
 
     def wrap_stages(self, stages: nn.Module, *, uncounted: Iterable[nn.Parameter] = ()) -> nn.Module:
         """Wrap one pipeline rank's stages (stages 1-2; see [Note: ZeRO under a pipeline] in
-        :mod:`~shardkit.parallel.zero.pipeline_grads`); the loop then calls the wrapper's
+        :mod:`~shardkit.parallel.zero.pipeline_sharded`); the loop then calls the wrapper's
         ``reduce_gradients()`` after each pipeline step. With the strategy's ``loss_scaler`` the
         pipeline must seed its backward with ``loss_scaler.scale`` (``parallelize`` does); the
         epilogue unscales and agrees the overflow over dp, tp and pp.

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .config import load_config, load_raw
+from .config_reader import load_config, load_raw
 from .resolved import EngineConfig
 
 __all__ = ["build_config_check_parser", "config_check_main", "describe"]

@@ -28,7 +28,7 @@ from shardkit.parallel.tensor import (
 )
 
 from ._reader import Reader, to_int
-from .config import load_raw
+from .config_reader import load_raw
 from .resolved import TensorParallelConfig
 
 __all__ = ["axis_sizes", "default_blocks", "gather_head_logits", "groups_by_name", "regroup", "tp_plan_for", "vocab_sizes"]
