@@ -140,7 +140,7 @@ def run_plan(args: argparse.Namespace) -> int:
     Raises:
         ValueError: an invalid combination (e.g. ``--offload-params`` without ``--offload``).
     """
-    from shardkit.parallel.zero.plan_table import plan_table  # imports torch
+    from shardkit.parallel.zero.planner import plan_table  # imports torch
     from shardkit.parallel.zero.planner import plan_memory, unit_sizes
 
     what: object = args.params

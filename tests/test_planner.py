@@ -21,8 +21,8 @@ from shardkit.cli import main as cli_main
 from shardkit.data import ALPHABET
 from shardkit.models import Block, TinyGPT
 from shardkit.parallel.strategy import make_strategy
-from shardkit.parallel.zero.plan_format import format_gb
-from shardkit.parallel.zero.plan_table import plan_table
+from shardkit.parallel.zero.planner import format_gb
+from shardkit.parallel.zero.planner import plan_table
 from shardkit.parallel.zero.planner import count_parameters, optimizer_state_bytes, plan_memory, unit_sizes
 
 # ---- the paper's Table 1 ------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..activation_checkpointing import checkpoint_blocks
 from .schedules import COMPUTE, Action, Kind, TimedAction, build_schedule
 from .shapes import agree_step, broadcast_text
 from .split import SplitSpec, as_block_list, measure_block_times, split_blocks
-from .step_state import StepState, accumulate, apply_grads, collect_grads, give_back_grads, set_aside_grads
+from .step_state import StepState
 from .p2p import post
 from .tied import TiedParameters, TiedSpec, find_ties
 from .transfers import StepTransfers
@@ -328,7 +328,7 @@ class PipelineParallel:
         state = StepState(x_mbs, y_mbs, m)
         state.loss_scale = None if loss_scale is None else float(loss_scale)
         if self._accumulate_in_grad:  # [Note: accumulating in param.grad]: the caller's grads aside
-            set_aside_grads(state, [q for qs in self._params.values() for q in qs])
+            state.set_aside_grads([q for qs in self._params.values() for q in qs])
         t0 = time.perf_counter()
         self.timeline = []
         xfer = StepTransfers(
@@ -366,11 +366,11 @@ class PipelineParallel:
             self._loop_s = time.perf_counter() - t0
             if state.failure is None:
                 assert not state.outputs and not state.w_pending and not xfer.pending, "schedule left work undone"
-                collect_grads(state)
+                state.collect_grads()
             else:
-                give_back_grads(state)
+                state.give_back_grads()
         except BaseException:
-            give_back_grads(state)  # nothing of a failed step reaches the caller's grads
+            state.give_back_grads()  # nothing of a failed step reaches the caller's grads
             self._stale_p2p = xfer.in_flight()
             raise
         loss = self.finalize(state)
@@ -464,7 +464,7 @@ class PipelineParallel:
         else:
             wrt = ([x] if want_x else []) + params
             got = torch.autograd.grad(y, wrt, grad_outputs=g, allow_unused=True) if wrt else ()
-            accumulate(self._params[s], got[1:] if want_x else got, st)
+            st.accumulate(self._params[s], got[1:] if want_x else got)
             if want_x:
                 gx = got[0] if got[0] is not None else torch.zeros_like(x)
         if gx is not None:
@@ -480,7 +480,7 @@ class PipelineParallel:
         with GraphExecGroup() if self.checkpointing else nullcontext():
             grads = backward_weight(work, accumulate=self._accumulate_in_grad)  # clears work.captured
         if not self._accumulate_in_grad:
-            accumulate(self._params[s], grads, st)
+            st.accumulate(self._params[s], grads)
 
     def communicate(self, run: Sequence[Action], xfer: StepTransfers) -> None:
         """Post a run of consecutive sends/receives together, without waiting: each receive is
@@ -538,7 +538,7 @@ class PipelineParallel:
             if norm <= 0:
                 raise ValueError(f"the loss counted {norm * dp:g} tokens over the batch; loss_fn must count >= 1")
             self.tied.sync_grads(st.grad_acc)  # sum-form, before the division: see tied.py
-            apply_grads(st, counts, m, norm)
+            st.apply_grads(counts, m, norm)
             self.microbatch_losses = [a / c if c else float("nan") for a, c in zip(sums, counts, strict=True)]
             return sum(sums) / total if total else float("nan")
 

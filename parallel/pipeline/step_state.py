@@ -60,7 +60,7 @@ stage of 4 MLP blocks, 16.8M params, 8 micro-batches: 443 vs 519 ms min), the ga
 pipeline and torch.distributed.pipelining's. Parameter hooks therefore fire once per
 micro-batch, as in a plain accumulation loop. ZB-H1's weight-gradient action (W) accumulates
 the same way (``backward_weight(..., accumulate=True)``). Other dtypes keep fp32 sums
-(:func:`accumulate`).
+(:meth:`StepState.accumulate`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["StepState", "accumulate", "apply_grads", "collect_grads", "give_back_grads", "set_aside_grads"]
+__all__ = ["StepState"]
 
 
 class StepState:
@@ -99,86 +99,80 @@ class StepState:
         self.failure: str | None = None
         self.cause: Exception | None = None
 
+    def set_aside_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """[Note: accumulating in param.grad] Before the loop: the caller's ``.grad`` of each param
+        goes to ``stashed`` and ``.grad`` is cleared, so autograd accumulates this step's sums.
 
-def set_aside_grads(st: StepState, params: Sequence[torch.Tensor]) -> None:
-    """[Note: accumulating in param.grad] Before the loop: the caller's ``.grad`` of each param
-    goes to ``st.stashed`` and ``.grad`` is cleared, so autograd accumulates this step's sums.
+        Example:
+            >>> st.set_aside_grads(pipe.parameters())
+        """
+        self.stashed = {q: q.grad for q in params}
+        for q in self.stashed:
+            q.grad = None
 
-    Example:
-        >>> set_aside_grads(st, pipe.parameters())
-    """
-    st.stashed = {q: q.grad for q in params}
-    for q in st.stashed:
-        q.grad = None
+    def collect_grads(self) -> None:
+        """[Note: accumulating in param.grad] After the loop: each param's ``.grad`` (this step's sum
+        over micro-batches, accumulated by autograd) joins ``grad_acc``, and the caller's gradient
+        goes back to ``.grad`` (:meth:`apply_grads` adds the step's mean to it). Also the way back
+        after an error: nothing of a failed step reaches the caller's gradients.
 
+        Example:
+            >>> st.collect_grads()
+        """
+        for q, kept in self.stashed.items():
+            if q.grad is not None:
+                acc = self.grad_acc.get(q)
+                self.grad_acc[q] = q.grad if acc is None else acc.add_(q.grad)
+            q.grad = kept
+        self.stashed = {}
 
-def collect_grads(st: StepState) -> None:
-    """[Note: accumulating in param.grad] After the loop: each param's ``.grad`` (this step's sum
-    over micro-batches, accumulated by autograd) joins ``st.grad_acc``, and the caller's gradient
-    goes back to ``.grad`` (:func:`apply_grads` adds the step's mean to it). Also the way back
-    after an error: nothing of a failed step reaches the caller's gradients.
+    def give_back_grads(self) -> None:
+        """After an error in the loop: the caller's gradients back, this step's partial sums dropped."""
+        for q, kept in self.stashed.items():
+            q.grad = kept
+        self.stashed = {}
 
-    Example:
-        >>> collect_grads(st)
-    """
-    for q, kept in st.stashed.items():
-        if q.grad is not None:
-            acc = st.grad_acc.get(q)
-            st.grad_acc[q] = q.grad if acc is None else acc.add_(q.grad)
-        q.grad = kept
-    st.stashed = {}
+    def accumulate(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """Add one micro-batch's parameter gradients into the step's fp32 sums (the path for
+        non-fp32 params; fp32 params accumulate in ``.grad``, [Note: accumulating in param.grad]).
 
+        The first micro-batch's gradient is copied into a new fp32 buffer, never kept: keeping it
+        would also have to prove the gradient shares no storage with the tensors the autograd call
+        was seeded with or returned (for ``y = x + p``, ``dp`` *is* the incoming gradient, which may
+        still be in flight to another stage).
 
-def give_back_grads(st: StepState) -> None:
-    """After an error in the loop: the caller's gradients back, this step's partial sums dropped."""
-    for q, kept in st.stashed.items():
-        q.grad = kept
-    st.stashed = {}
+        Example:
+            >>> st.accumulate(stage_params, torch.autograd.grad(y, stage_params, dy))
+        """
+        for q, g in zip(params, grads, strict=True):
+            if g is None:
+                continue
+            acc = self.grad_acc.get(q)
+            if acc is not None:
+                acc.add_(g)
+            else:
+                self.grad_acc[q] = g.detach().to(torch.float32, copy=True)
 
+    def apply_grads(self, counts: Sequence[float], m: int, norm: float) -> None:
+        """Turn the step's sums into the global mean gradient (times the loss scale, if any) and add
+        it to each param's ``.grad`` ([Note: pipeline loss normalization], [Note: fp16 loss scaling
+        in the pipeline]).
 
-def accumulate(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], st: StepState) -> None:
-    """Add one micro-batch's parameter gradients into the step's fp32 sums (the path for
-    non-fp32 params; fp32 params accumulate in ``.grad``, [Note: accumulating in param.grad]).
+        Args:
+            counts: each micro-batch's target count, from the last stage.
+            m: the number of micro-batches.
+            norm: what the sums are divided by: this batch's count ``sum(counts)``, or with dp > 1
+                the count over every dp replica's batch divided by dp (the caller averages over dp).
 
-    The first micro-batch's gradient is copied into a new fp32 buffer, never kept: keeping it
-    would also have to prove the gradient shares no storage with the tensors the autograd call
-    was seeded with or returned (for ``y = x + p``, ``dp`` *is* the incoming gradient, which may
-    still be in flight to another stage).
-
-    Example:
-        >>> accumulate(stage_params, torch.autograd.grad(y, stage_params, dy), st)
-    """
-    for q, g in zip(params, grads, strict=True):
-        if g is None:
-            continue
-        acc = st.grad_acc.get(q)
-        if acc is not None:
-            acc.add_(g)
-        else:
-            st.grad_acc[q] = g.detach().to(torch.float32, copy=True)
-
-
-def apply_grads(st: StepState, counts: Sequence[float], m: int, norm: float) -> None:
-    """Turn the step's sums into the global mean gradient (times the loss scale, if any) and add
-    it to each param's ``.grad`` ([Note: pipeline loss normalization], [Note: fp16 loss scaling
-    in the pipeline]).
-
-    Args:
-        st: the step, its ``grad_acc`` complete (ties already summed).
-        counts: each micro-batch's target count, from the last stage.
-        m: the number of micro-batches.
-        norm: what the sums are divided by: this batch's count ``sum(counts)``, or with dp > 1
-            the count over every dp replica's batch divided by dp (the caller averages over dp).
-
-    Example:
-        >>> apply_grads(st, counts=[96.0] * 4, m=4, norm=384.0)
-    """
-    # the seed was S / (m * n_0) with a loss scale, 1 (sum form) without
-    factor = None if st.loss_scale is None else m * max(counts[0], 1.0) / norm
-    for q, acc in st.grad_acc.items():
-        if factor is None:
-            acc.div_(norm)  # acc is this step's own fp32 buffer: divide in place, no new tensor
-        elif factor != 1.0:
-            acc.mul_(factor)
-        g = acc if acc.dtype == q.dtype else acc.to(q.dtype)
-        q.grad = g if q.grad is None else q.grad.add_(g)
+        Example:
+            >>> st.apply_grads(counts=[96.0] * 4, m=4, norm=384.0)
+        """
+        # the seed was S / (m * n_0) with a loss scale, 1 (sum form) without
+        factor = None if self.loss_scale is None else m * max(counts[0], 1.0) / norm
+        for q, acc in self.grad_acc.items():
+            if factor is None:
+                acc.div_(norm)  # acc is this step's own fp32 buffer: divide in place, no new tensor
+            elif factor != 1.0:
+                acc.mul_(factor)
+            g = acc if acc.dtype == q.dtype else acc.to(q.dtype)
+            q.grad = g if q.grad is None else q.grad.add_(g)

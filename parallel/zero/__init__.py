@@ -13,8 +13,7 @@ Example:
 
 from .flat_shards import paper_comm_bytes
 from .optimizer import ZeroOptimizer
-from .plan_table import plan_table
-from .planner import MemoryPlan, plan_memory
+from .planner import MemoryPlan, plan_memory, plan_table
 from .sharded import ShardedDataParallel
 from .zero_strategies import Zero1Strategy, Zero2Strategy, Zero3Strategy
 

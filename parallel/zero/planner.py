@@ -1,4 +1,5 @@
-"""ZeRO memory planner: per-rank bytes of each stage, predicted without allocating anything.
+"""ZeRO memory planner: per-rank bytes of each stage, predicted without allocating anything, and
+its tables (:func:`plan_table`, :func:`format_gb`: the paper's GB as it prints them).
 
 Pure functions of a parameter count (or a model, possibly on the meta device) and the run's
 settings. The categories are those of ``ShardedDataParallel.memory_report()`` and of
@@ -31,23 +32,51 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from decimal import ROUND_HALF_UP, Decimal
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from torch import nn
 
 from .flat_shards import MAX_IN_FLIGHT
-from .plan_format import _unit, format_gb  # format_gb: MemoryPlan.__str__
 from .plan_layout import ceil_shard, flat_layout, stage3_layout, stage3_transient, zero12_transient
 
 __all__ = [
     "MemoryPlan",
+    "StageTable",
     "count_parameters",
+    "format_gb",
     "optimizer_state_bytes",
     "plan_memory",
+    "plan_table",
     "unit_sizes",
 ]
+
+_GB = 10**9  # the paper's GB (Table 1: 16Ψ for Ψ = 7.5e9 is "120 GB")
+
+
+def format_gb(nbytes: int | float, unit: int = _GB) -> str:
+    """Bytes in GB (10^9; or in ``unit`` bytes), rounded half up to about 3 significant figures.
+
+    Half up, not Python's half-even, as the paper's Table 1 prints 41.25 GB ("41.3") and
+    1.875 GB ("1.88").
+
+    Example:
+        >>> format_gb(31_406_250_000), format_gb(41_250_000_000), format_gb(2.048e12)
+        ('31.4', '41.3', '2048')
+    """
+    value = Decimal(int(nbytes)) / unit
+    if value == 0:
+        return "0"
+    digits = next((d for limit, d in ((100, 0), (10, 1), (1, 2)) if abs(value) >= limit), 3)
+    return str(value.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
+def _display_unit(largest: int) -> tuple[int, str]:
+    """GB unless everything is below 1 GB (a small model): then MB (10^6)."""
+    return (_GB, "GB") if largest >= _GB else (10**6, "MB")
+
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Offload = Literal["cpu", "nvme"]
@@ -278,7 +307,7 @@ class MemoryPlan:
             f"dp={self.dp}, {self.precision}, {self.optimizer} K={self.optimizer_bytes_per_param}, "
             f"offload={self.offload or 'none'}"
         )
-        scale, name = _unit(max(v for _, v in rows))
+        scale, name = _display_unit(max(v for _, v in rows))
         lines = [head] + [f"  {k:<24}{format_gb(v, scale):>10} {name}" for k, v in rows]
         if self.device_bytes is not None:
             fits = "yes" if self.fits else "NO"
@@ -496,3 +525,71 @@ def plan_memory(
         comm=tuple(comm),
         device_bytes=device_bytes,
     )
+
+
+# ---- tables over stages -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageTable:
+    """Plans of several stages for the same model and settings; ``str()`` renders the table."""
+
+    plans: tuple[MemoryPlan, ...]
+
+    def __getitem__(self, stage: int) -> MemoryPlan:
+        for plan in self.plans:
+            if plan.stage == stage:
+                return plan
+        raise KeyError(stage)
+
+    def render(self) -> str:
+        """One row per stage, sizes in GB (10^9 bytes; MB when all are below 1 GB), comm in multiples of Ψ."""
+        first = self.plans[0]
+        offload = next((p.offload for p in self.plans if p.offload), None)
+        scale, name = _display_unit(max(max(p.device_total, p.cpu, p.nvme) for p in self.plans))
+        cols = ("stage", "params", "grads", "optim", "states", "transient", "total", "cpu", "nvme", "comm", "fits")
+        rows = []
+        for p in self.plans:
+            psi_units = p.comm_elements / p.num_params if p.num_params else 0.0
+            fits = "-" if p.fits is None else ("yes" if p.fits else "NO")
+            sizes = (p.params, p.grads, p.optimizer_state, p.model_state_bytes, p.transient, p.device_total, p.cpu, p.nvme)
+            stage = f"{p.stage} {p.name}" + ("*" if offload and not p.offload else "")
+            rows.append((stage, *(format_gb(b, scale) for b in sizes), f"{psi_units:.1f}Ψ", fits))
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        line = lambda r: "  ".join(s.ljust(w) if i == 0 else s.rjust(w) for i, (s, w) in enumerate(zip(r, widths)))  # noqa: E731
+        dev = "" if first.device_bytes is None else f", device {format_gb(first.device_bytes, scale)} {name}"
+        head = (
+            f"Ψ = {first.num_params:,} params ({first.trainable_params:,} trainable), dp = {first.dp}, "
+            f"{first.precision}, {first.optimizer} (K = {first.optimizer_bytes_per_param} B/param), "
+            f"offload = {offload or 'none'}{dev}\n"
+            f"bytes per rank in {name} (1e{9 if name == 'GB' else 6}); states = params + grads + optim (ZeRO paper, "
+            "Table 1); comm per step in the paper's unit (all-reduce of Ψ = 2Ψ)"
+        )
+        foot = ["* DDP cannot offload: planned without it"] if offload and any(not p.offload for p in self.plans) else []
+        return "\n".join([head, line(cols), *map(line, rows), *foot])
+
+    __str__ = render
+
+
+def plan_table(num_params: int | nn.Module, *, stages: Iterable[int] = (0, 1, 2, 3), **kwargs: object) -> StageTable:
+    """:func:`plan_memory` for each of ``stages`` (default 0-3) with the same settings.
+
+    Stage 0 (DDP) cannot offload: with ``offload`` set it is planned without offload, and
+    ``offload_params`` applies to stage 3 only.
+
+    Example:
+        >>> t = plan_table(7_500_000_000, dp=64, precision="fp16")
+        >>> [format_gb(p.model_state_bytes) for p in t.plans]
+        ['120', '31.4', '16.6', '1.88']
+    """
+    stages = tuple(stages)
+    if not stages:
+        raise ValueError("stages must name at least one stage")
+    plans = []
+    for s in stages:
+        kw = dict(kwargs)
+        if s == 0:
+            kw.pop("offload", None)
+            kw.pop("offload_params", None)
+        elif s != 3:
+            kw.pop("offload_params", None)
+        plans.append(plan_memory(num_params, stage=s, **kw))  # type: ignore[arg-type]
+    return StageTable(tuple(plans))
