@@ -61,12 +61,13 @@ from shardkit.comm import CommStats, all_gather, reduce_scatter
 from shardkit.kernels.flatten import Segment, flatten_into
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
+from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
 from ..reducer import GradBucket
 from .offload import HostGradients
 from .sharded_bucket import ShardedBucket
 from .sync_check import SyncCheck
 
-__all__ = ["FlatShards", "ShardedBucket", "paper_comm_bytes"]
+__all__ = ["FlatShards", "grad_buckets", "paper_comm_bytes"]
 
 #: buckets whose reduce-scatter may be in flight at once in stage 2 (each holds a full-size
 #: transient gradient buffer): two overlap communication with the next bucket's backward
@@ -102,6 +103,30 @@ def _unwritten(gb: GradBucket, total: int) -> list[tuple[int, int]]:
     if total > end:
         out.append((end, total - end))
     return out
+
+
+def grad_buckets(params: list[nn.Parameter], *, grad_bytes: int, bucket_mb: float) -> list[list[nn.Parameter]]:
+    """Stages 1-2's buckets: the trainable non-empty params, bucketed by gradient bytes
+    (``numel * grad_bytes``) up to ``bucket_mb`` MiB, the first capped at 1 MiB as DataParallel
+    and torch DDP do (the last layer's gradients, ready first, go out early).
+
+    The one bucketing of stages 1-2: :class:`~shardkit.parallel.zero.ShardedDataParallel` builds
+    these buckets and the planner (:func:`~shardkit.parallel.zero.plan_layout.flat_layout`) lays
+    them out.
+
+    Example:
+        >>> [len(b) for b in grad_buckets(list(nn.Linear(4, 2).parameters()), grad_bytes=4, bucket_mb=25)]
+        [2]
+    """
+    trainable = [p for p in params if p.requires_grad and p.numel() > 0]
+    cap = int(bucket_mb * 2**20)
+    plan = plan_buckets(
+        [p.numel() * grad_bytes for p in trainable],
+        [(p.device, p.dtype) for p in trainable],
+        cap_bytes=cap,
+        first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
+    )
+    return [[trainable[i] for i in idx] for idx in plan]
 
 
 class FlatShards:

@@ -20,8 +20,9 @@ from torch import nn
 
 from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout
 
-from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
-from .units import select_units
+from ..buckets import FIRST_BUCKET_BYTES
+from .flat_shards import grad_buckets
+from .units import select_units, unit_buckets
 
 __all__ = [
     "FlatLayout",
@@ -62,6 +63,13 @@ class FlatLayout:
         return tuple(t // self.dp for t in self.totals)
 
 
+def _add_owned(owned: list[int], offsets: list[int], numels: list[int], shard: int) -> None:
+    """Add to ``owned[r]`` the elements of each param that rank ``r``'s shard ``[r·S, (r+1)·S)`` holds."""
+    for o, n in zip(offsets, numels):
+        for r in range(o // shard, (o + n - 1) // shard + 1):
+            owned[r] += min(o + n, (r + 1) * shard) - max(o, r * shard)
+
+
 def flat_layout(model: nn.Module, *, dp: int, bucket_mb: float, grad_bytes: int) -> FlatLayout:
     """The bucket layout ``ShardedDataParallel(model, ctx, stage=1|2, bucket_mb=...)`` builds.
 
@@ -84,25 +92,16 @@ def flat_layout(model: nn.Module, *, dp: int, bucket_mb: float, grad_bytes: int)
         ((64,), 20)
     """
     params = list(model.parameters())
-    trainable = [p for p in params if p.requires_grad and p.numel() > 0]
-    cap = int(bucket_mb * 2**20)
-    plan = plan_buckets(
-        [p.numel() * grad_bytes for p in trainable],
-        [(p.device, p.dtype) for p in trainable],
-        cap_bytes=cap,
-        first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
-    )
+    buckets = grad_buckets(params, grad_bytes=grad_bytes, bucket_mb=bucket_mb)  # the runtime's buckets
     totals: list[int] = []
     owned = [0] * dp
-    for idx in plan:
-        numels = [trainable[i].numel() for i in idx]
+    for bucket in buckets:
+        numels = [p.numel() for p in bucket]
         offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=dp * ALIGN_ELEMENTS)
         totals.append(total)
         shard = total // dp
-        for o, n in zip(offsets, numels):  # the ranks whose shard [r·S, (r+1)·S) this param overlaps
-            for r in range(o // shard, (o + n - 1) // shard + 1):
-                owned[r] += min(o + n, (r + 1) * shard) - max(o, r * shard)
-    frozen = sum(p.numel() for p in params) - sum(p.numel() for p in trainable)
+        _add_owned(owned, offsets, numels, shard)
+    frozen = sum(p.numel() for p in params) - sum(p.numel() for b in buckets for p in b)
     return FlatLayout(dp=dp, totals=tuple(totals), owned=max(owned), frozen=frozen)
 
 
@@ -154,25 +153,18 @@ def stage3_layout(model: nn.Module, *, dp: int, bucket_mb: float, wrap: Any = No
         >>> [(u.name, u.totals) for u in lay.units]
         [('', ()), ('0', (32,)), ('1', (32,))]
     """
-    cap = int(bucket_mb * 2**20)
     owned = [0] * dp
     units = []
     for spec in select_units(model, wrap):
         per_kind = []
-        for want in (True, False):
-            ps = [p for p in spec.params if p.requires_grad == want and p.numel() > 0]
-            plan = plan_buckets(
-                [p.numel() * p.element_size() for p in ps], [(p.device, p.dtype) for p in ps], cap_bytes=cap, first_cap_bytes=None
-            )
+        for want, buckets in zip((True, False), unit_buckets(spec, bucket_mb=bucket_mb)):  # the runtime's buckets
             totals = []
-            for idx in plan:
-                numels = [ps[i].numel() for i in idx]
+            for bucket in buckets:
+                numels = [p.numel() for p in bucket]
                 offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=dp * ALIGN_ELEMENTS)
                 totals.append(total)
-                shard = total // dp
-                for o, n in zip(offsets, numels) if want else ():
-                    for r in range(o // shard, (o + n - 1) // shard + 1):
-                        owned[r] += min(o + n, (r + 1) * shard) - max(o, r * shard)
+                if want:  # frozen params have no optimizer state: not counted as owned
+                    _add_owned(owned, offsets, numels, total // dp)
             per_kind.append(tuple(totals))
         units.append(UnitLayout(spec.name, *per_kind))
     return Stage3Layout(dp=dp, units=tuple(units), owned=max(owned))

@@ -42,12 +42,11 @@ from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce
 
-from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
 from ..data_parallel import broadcast_module_state, check_same_model
 from ..loss_scaler import DynamicLossScaler
 from ..tensor.layers import is_tp_sharded
 from ..reducer import GradReducer
-from .flat_shards import FlatShards
+from .flat_shards import FlatShards, grad_buckets
 from .sharded_bucket import ShardedBucket
 from .nvme import validate_nvme_dir
 from .stage3 import ShardUnits
@@ -240,15 +239,8 @@ class ShardedDataParallel(nn.Module):
             self._shards: FlatShards = self._units.shards
             self._reducer = self._units.reducer
             return
-        trainable = [p for p in params if p.requires_grad and p.numel() > 0]
-        cap = int(bucket_mb * 2**20)
-        plan = plan_buckets(
-            [p.numel() * self.grad_dtype.itemsize for p in trainable],
-            [(p.device, p.dtype) for p in trainable],
-            cap_bytes=cap,
-            first_cap_bytes=min(FIRST_BUCKET_BYTES, cap),
-        )
-        self._shards = FlatShards([[trainable[i] for i in idx] for idx in plan], **shard_kwargs)
+        buckets = grad_buckets(params, grad_bytes=self.grad_dtype.itemsize, bucket_mb=bucket_mb)
+        self._shards = FlatShards(buckets, **shard_kwargs)
         self._reducer = GradReducer(
             [sb.grad_bucket for sb in self._shards.buckets], launch=self._shards.launch, finish=self._shards.finish
         )

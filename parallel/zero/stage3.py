@@ -83,11 +83,10 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
-from ..buckets import plan_buckets
 from ..reducer import GradBucket, GradReducer
 from .sharded_bucket import ShardedBucket
 from .stage3_shards import Stage3Shards
-from .units import UnitSpec, select_units
+from .units import UnitSpec, select_units, unit_buckets
 
 __all__ = ["ShardUnits"]
 
@@ -189,22 +188,15 @@ class ShardUnits:
         self.check_sync = check_sync
         self.forward_prefetch = forward_prefetch
         self.reshard_after_forward = reshard_after_forward
-        cap = int(bucket_mb * 2**20)
         # launch order: the reverse of module order (backward's), the root last: it holds the
         # first-used params (embeddings) whose grads come last
         launch_order = specs[1:][::-1] + specs[:1]
         trainable, frozen, owner_t, owner_f = [], [], [], []
         for spec in launch_order:
-            for want, out, owner in ((True, trainable, owner_t), (False, frozen, owner_f)):
-                ps = [p for p in spec.params if p.requires_grad == want and p.numel() > 0]
-                plan = plan_buckets(
-                    [p.numel() * p.element_size() for p in ps],
-                    [(p.device, p.dtype) for p in ps],
-                    cap_bytes=cap,
-                    first_cap_bytes=None,
-                )
-                out.extend([ps[i] for i in idx] for idx in plan)
-                owner.extend([spec] * len(plan))
+            unit_trainable, unit_frozen = unit_buckets(spec, bucket_mb=bucket_mb)
+            for buckets, out, owner in ((unit_trainable, trainable, owner_t), (unit_frozen, frozen, owner_f)):
+                out.extend(buckets)
+                owner.extend([spec] * len(buckets))
         self.shards = Stage3Shards(trainable, frozen, check_sync=check_sync, **shard_kwargs)
         self.units = [
             _Unit(

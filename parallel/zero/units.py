@@ -24,7 +24,9 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["UnitSpec", "select_units", "check_wrap"]
+from ..buckets import plan_buckets
+
+__all__ = ["UnitSpec", "check_wrap", "select_units", "unit_buckets"]
 
 
 @dataclass(eq=False)
@@ -120,3 +122,28 @@ def select_units(module: nn.Module, wrap: Any = None) -> list[UnitSpec]:
     for p, us in users.items():  # registration order of first appearance
         (us[0] if len(us) == 1 else specs[0]).params.append(p)  # [Note: tied parameters live in the root unit]
     return [specs[0]] + [u for u in specs[1:] if u.params]
+
+
+def unit_buckets(spec: UnitSpec, *, bucket_mb: float) -> tuple[list[list[nn.Parameter]], list[list[nn.Parameter]]]:
+    """One unit's non-empty params in buckets: the trainable ones, then the frozen ones, each
+    kind bucketed by parameter bytes up to ``bucket_mb`` MiB (one dtype and device per bucket,
+    no smaller first bucket: a unit's buckets launch together at its post-backward).
+
+    The one bucketing of stage 3: the runtime builds these buckets and the planner
+    (:func:`~shardkit.parallel.zero.plan_layout.stage3_layout`) lays them out.
+
+    Example:
+        >>> [spec] = select_units(nn.Linear(4, 2))
+        >>> trainable, frozen = unit_buckets(spec, bucket_mb=25)
+        >>> [len(b) for b in trainable], frozen
+        ([2], [])
+    """
+    cap = int(bucket_mb * 2**20)
+    kinds = []
+    for want in (True, False):
+        ps = [p for p in spec.params if p.requires_grad == want and p.numel() > 0]
+        plan = plan_buckets(
+            [p.numel() * p.element_size() for p in ps], [(p.device, p.dtype) for p in ps], cap_bytes=cap, first_cap_bytes=None
+        )
+        kinds.append([[ps[i] for i in idx] for idx in plan])
+    return kinds[0], kinds[1]
