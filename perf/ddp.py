@@ -31,7 +31,7 @@ from torch import nn
 from shardkit.comm import ParallelContext
 from shardkit.kernels import FusedAdamW
 from shardkit.parallel import DataParallel
-from shardkit.bench.spawn import run_workers, worker_env
+from bench_workers import run_workers, worker_env
 
 
 def make_model(width: int, depth: int, seed: int = 0) -> nn.Module:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from shardkit.bench.spawn import machine_info, run_workers, worker_env
+from bench_workers import machine_info, run_workers, worker_env
 
 CONFIG = Path(__file__).resolve().parent.parent / "tests" / "configs" / "zero2_config_accelerate.json"
 ENGINES = ("shardkit", "deepspeed")

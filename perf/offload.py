@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from shardkit.bench.zero_peers import HYPER, Runner, build_model
-from shardkit.bench.spawn import machine_info, run_workers, worker_env
+from zero_peers import HYPER, Runner, build_model
+from bench_workers import machine_info, run_workers, worker_env
 
 CONFIGS = ("shardkit", "shardkit+cpu", "shardkit+nvme", "deepspeed+cpu")
 

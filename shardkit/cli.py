@@ -293,7 +293,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        return run_benchmark(args.bench, rest)
+        try:
+            return run_benchmark(args.bench, rest)
+        except FileNotFoundError as exc:  # an installed wheel: the programs are in the source tree
+            print(f"shardkit bench: {exc}", file=sys.stderr)
+            return 2
     if args.command == "config":
         from shardkit.engine.config_check import config_check_main  # imports torch: only for this command
 

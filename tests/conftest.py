@@ -13,6 +13,11 @@ import pytest
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+# The benchmark programs (perf/*.py) import their siblings by plain name, as they do when run as
+# scripts; their smoke tests import them the same way (appended: a test module name wins).
+_PERF_DIR = os.path.join(os.path.dirname(_TESTS_DIR), "perf")
+if _PERF_DIR not in sys.path:
+    sys.path.append(_PERF_DIR)
 
 from distributed import DistPool  # noqa: E402
 

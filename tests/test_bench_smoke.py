@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.bench.optim import PEERS, SHARDKIT, CudaToolUnavailable, cuda_source_to_ptx, model_shapes
+from optim import PEERS, SHARDKIT, CudaToolUnavailable, cuda_source_to_ptx, model_shapes
 
 REPO = Path(__file__).resolve().parents[1]
 CUDA_SRC = REPO / "perf" / "cuda" / "adamw.cu"
@@ -85,13 +85,16 @@ def test_cuda_c_adamw_compiles_to_ptx(compiler: str) -> None:
     assert len(re.findall(r"st\.global\.v4\.f32", vec4)) == 3
 
 
-def test_shardkit_bench_runs_the_registered_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+def test_shardkit_bench_runs_the_program_in_perf(capfd: pytest.CaptureFixture[str], monkeypatch, tmp_path) -> None:
+    from shardkit.bench import perf_dir
     from shardkit.cli import main
 
-    with pytest.raises(SystemExit) as exc:  # the benchmark's own parser answers --help
-        main(["bench", "optim", "--help"])
-    assert exc.value.code == 0
-    assert "--quick" in capsys.readouterr().out
+    assert main(["bench", "optim", "--help"]) == 0  # perf/optim.py's own parser answers, in its process
+    assert "--quick" in capfd.readouterr().out
+    assert perf_dir() == REPO / "perf"
     with pytest.raises(SystemExit) as exc:
         main(["bench", "nosuch"])
     assert exc.value.code == 2
+    monkeypatch.setenv("SHARDKIT_PERF_DIR", str(tmp_path))  # no programs there: say where they are
+    assert main(["bench", "optim", "--help"]) == 2
+    assert "ship with the source tree" in capfd.readouterr().err

@@ -157,3 +157,27 @@ def test_layer_imports_point_one_way(layer: str) -> None:
 def test_no_import_cycles() -> None:
     cycle = _find_cycle(_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+#: the libraries shardkit is measured against: only the benchmarks in perf/ (not shipped) import them
+PEER_LIBRARIES = (
+    "deepspeed",
+    "cupy",
+    "apex",
+    "megatron",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.tensor.parallel",
+    "torch.distributed.optim",
+    "torch.nn.parallel",
+)
+
+
+def test_no_module_the_package_ships_imports_a_peer_library() -> None:
+    """The wheel holds shardkit's own code; the peers it is compared with are the benchmarks'
+    business. ``shardkit/engine`` reads DeepSpeed configs without importing DeepSpeed."""
+    found = {
+        name: sorted(i for i in imports_of(name, path.read_text()) if i.startswith(PEER_LIBRARIES))
+        for name, path in MODULES.items()
+    }
+    assert {name: peers for name, peers in found.items() if peers} == {}

@@ -29,7 +29,7 @@ def _load(name: str, path: Path):
 
 
 def test_peak_bytes_sees_torch_allocations_and_frees() -> None:
-    from shardkit.bench import tp
+    import tp
 
     n = 1 << 20  # 4 MiB of fp32
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.bench.zero_peers import CATEGORIES, OFFLOAD_PEERS, PEERS, SHARDKIT, build_model, storage_bytes
-from shardkit.bench.zero_report import LOSS_RTOL, check_losses
+from zero_peers import CATEGORIES, OFFLOAD_PEERS, PEERS, SHARDKIT, build_model, storage_bytes
+from zero_report import LOSS_RTOL, check_losses
 
 pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
 

@@ -3,7 +3,7 @@
 Separates the two parts of a ``FusedAdamW`` step on a GPU: the Triton kernel itself (tables
 built once, launched directly: ``kernel``) and the whole :func:`adam_step` call as an optimizer
 makes it each step (pointer table, alignment check, launch: ``call``), for each ``(BLOCK,
-num_warps)`` in the grid, over the GPT-like tensor set of :func:`shardkit.bench.optim.model_shapes`
+num_warps)`` in the grid, over the GPT-like tensor set of `perf/optim.py`'s `model_shapes`
 and over one flat tensor of the same size. Bandwidth counts 28 bytes per fp32 parameter (read
 p, g, m, v; write p, m, v). Medians of CUDA-event timings (``triton.testing.do_bench``).
 
@@ -28,7 +28,8 @@ def _size(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     import triton.testing
 
-    from shardkit.bench.optim import model_shapes
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # perf/: the benchmark modules
+    from optim import model_shapes
     from shardkit.kernels import adam as adam_mod
     from shardkit.kernels.runtime import live_multi_tensor_table, torch_to_triton_dtype
 

@@ -1,4 +1,4 @@
-"""Model builders for :mod:`shardkit.bench.tp` (``shardkit bench tp``, ``perf/tp.py``): the same dense weights made tensor-parallel by shardkit's
+"""Model builders for `perf/tp.py` (``shardkit bench tp``, ``perf/tp.py``): the same dense weights made tensor-parallel by shardkit's
 layers and by DTensor ``parallelize_module``, for TinyGPT and for a stack of pre-LN blocks (with
 and without sequence parallelism). Not a script."""
 

@@ -1,7 +1,7 @@
-"""The ZeRO benchmark's report (:mod:`shardkit.bench.zero`): rows, the step-0 loss check, JSON, table, plot.
+"""The ZeRO benchmark's report (`perf/zero.py`): rows, the step-0 loss check, JSON, table, plot.
 
 A *row* is one ZeRO stage with or without optimizer offload: ``"1"``, ``"2"``, ``"3"`` (ours vs
-:data:`~shardkit.bench.zero_peers.PEERS`) and ``"2+cpu"``, ``"3+cpu"`` (ours with
+`zero_peers.PEERS`) and ``"2+cpu"``, ``"3+cpu"`` (ours with
 ``offload="cpu"`` vs DeepSpeed with ``offload_optimizer: {device: cpu}``). Each row of the
 JSON's ``stages`` is ``{"built", "stage", "offload", "configs", "ratios", "fastest_peer"}``;
 the keys ``"1"``/``"2"`` keep the layout of earlier results, so ``perf/report.py`` reads both.
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .zero_peers import HYPER, OFFLOAD_PEERS, PEERS, SHARDKIT
+from zero_peers import HYPER, OFFLOAD_PEERS, PEERS, SHARDKIT
 
 __all__ = ["LOSS_RTOL", "bench_rows", "build_report", "check_losses", "format_table", "row_configs", "write_plot"]
 

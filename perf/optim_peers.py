@@ -1,4 +1,4 @@
-"""The optimizers :mod:`shardkit.bench.optim` times: shardkit ``FusedAdamW`` and its peers.
+"""The optimizers `perf/optim.py` times: shardkit ``FusedAdamW`` and its peers.
 
 Each peer is a :class:`Peer` (``step()`` runs one AdamW update of its own params) built by
 :func:`build_peers` on identical fresh params and one shared set of gradients: shardkit
@@ -6,11 +6,11 @@ Each peer is a :class:`Peer` (``step()`` runs one AdamW update of its own params
 when importable) and the hand-written CUDA C AdamW of ``perf/cuda/adamw.cu`` (CUDA, through CuPy),
 plus :func:`cuda_source_to_ptx`, which compiles that source without a GPU. A peer that cannot run
 here is returned with ``step=None`` and the reason. The peers live apart from the timing and the
-report (as :mod:`shardkit.bench.zero_peers` does for the ZeRO benchmark): adding or changing an
+report (as `perf/zero_peers.py` does for the ZeRO benchmark): adding or changing an
 optimizer under test touches only this file.
 
 Example:
-    >>> from shardkit.bench.optim import model_shapes
+    >>> from optim import model_shapes
     >>> peers = build_peers(list(PEERS), model_shapes(1 << 16), torch.device("cpu"))
     >>> [p.name for p in peers if p.step is not None][:3]
     ['shardkit.FusedAdamW', 'torch.AdamW(foreach)', 'torch.AdamW(fused)']

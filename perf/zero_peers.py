@@ -1,4 +1,4 @@
-"""The configurations the ZeRO benchmark times (:mod:`shardkit.bench.zero`): ours and its peers.
+"""The configurations the ZeRO benchmark times (`perf/zero.py`): ours and its peers.
 
 Each is a small runner with ``step(x, y)`` (``zero_grad`` + forward + loss + backward + step;
 returns the loss) and ``memory(x, y)`` (one step, counting params, grads, master params and
@@ -14,7 +14,7 @@ start of every block's forward and right after the forward: the stage-3 units ga
 (FSDP2 and DeepSpeed hold the root's params, ours the root and the prefetched unit).
 
 Example:
-    >>> runner = build_runner("shardkit", 2, args, ctx)  # args as parsed by shardkit.bench.zero
+    >>> runner = build_runner("shardkit", 2, args, ctx)  # args as parsed by perf/zero.py
     >>> runner.step(x, y); runner.memory(x, y)["model_state"]
 """
 
