@@ -41,10 +41,10 @@ test: $(STAMP)
 	# bound another order of additions allows (tests/reduction_order.py, docs/testing.md).
 	SHARDKIT_TEST_REDUCTION_ORDER=perturb $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "reduction_order and not slow_matrix" tests
 
-# The full product of the usage matrix (tests/test_usage_matrix.py; make test runs its pairwise
+# The full product of the usage matrix (tests/compose/test_usage_matrix.py; make test runs its pairwise
 # cover): every model family x usage pattern x layout against the dense model (docs/testing.md).
 test-matrix: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m slow_matrix tests/test_usage_matrix.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m slow_matrix tests/compose/test_usage_matrix.py
 
 demo: $(STAMP)
 	$(BIN)/shardkit train --nproc $(NPROC) --strategy zero2 --steps $(STEPS)

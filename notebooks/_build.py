@@ -2,7 +2,7 @@
 
 Each notebook's cells live in ``notebooks/_src/nbNN_*.py`` (``NAME``: the .ipynb file, ``CELLS``:
 nbformat cells), which keeps diffs readable and lets each notebook be edited on its own;
-`make test` executes the .ipynb files (tests/test_notebooks.py).
+`make test` executes the .ipynb files (tests/project/test_notebooks.py).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class LossScaleAtMinimumError(RuntimeError):
 
 
 #: The ``"fp16"`` config keys :meth:`DynamicLossScaler.from_config` passes on; their defaults
-#: are the constructor's (DeepSpeed's, checked in tests/test_loss_scaler_deepspeed.py).
+#: are the constructor's (DeepSpeed's, checked in tests/data_parallel/test_loss_scaler_deepspeed.py).
 _CONFIG_KEYS = (
     "loss_scale",
     "initial_scale_power",

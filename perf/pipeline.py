@@ -334,7 +334,7 @@ def run_schedule(name: str, ctx: ParallelContext, args: argparse.Namespace, x: t
     # ZB-H1's closed form assumes T_W <= T_F, T_B; on CPU the weight-gradient GEMMs (K = rows of a
     # micro-batch) often take longer than the input-gradient ones, and the closed form can even go
     # negative. The simulator with the measured times is then the reference (it equals the
-    # closed form where that holds: tests/test_pipeline_schedules.py).
+    # closed form where that holds: tests/pipeline/test_pipeline_schedules.py).
     # The same schedule simulated with each stage's own median action times (unequal stages, no
     # latency, no noise): measured / this isolates what the executor and transport add.
     stage_ms = {(Kind(kind), stage): ms for g in gathered for (kind, stage), ms in g["stage_ms"].items()}

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistPool", "WorkerPool", "DistributedTestError"]
+__all__ = ["DistPool", "WorkerPool", "DistributedTestError", "forbid_collectives"]
 
 
 class DistributedTestError(AssertionError):
@@ -378,3 +378,31 @@ class DistPool:
         for p in self._pools.values():
             p.close()
         self._pools.clear()
+
+
+# ---- argument checks before any collective ----------------------------------------------------
+#: the torch.distributed calls :func:`forbid_collectives` turns into failures
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather_single", "reduce_scatter_single", "barrier", "all_gather_object")
+
+
+def forbid_collectives() -> Any:
+    """Patch torch.distributed so that any collective fails the body (a bad argument must be
+    rejected before the first collective, on every rank alike); ``.stop()`` the returned patcher.
+
+    Example:
+        >>> patch = forbid_collectives()
+        >>> try:
+        ...     with pytest.raises(ValueError, match="stage"):
+        ...         ShardedDataParallel(model, ctx, stage=4)
+        ... finally:
+        ...     patch.stop()
+    """
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    stack = mock.patch.multiple(dist, **{n: mock.DEFAULT for n in COLLECTIVES})
+    mocks = stack.start()
+    for m in mocks.values():
+        m.side_effect = AssertionError("a collective ran before the argument check")
+    return stack

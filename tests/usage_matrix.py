@@ -7,7 +7,7 @@ decay: a param stepped when it should not be, or by a wrong gradient, moves by f
 :data:`tolerances.FP32`). SGD keeps another order of additions at ``lr * u * sum|g|`` (see
 "Choosing a tolerance" in docs/testing.md), so the cells hold under the reduction-order guard.
 
-``tests/test_usage_matrix.py`` runs :func:`pairwise` cells in ``make test`` and the full product
+``tests/compose/test_usage_matrix.py`` runs :func:`pairwise` cells in ``make test`` and the full product
 under ``-m slow_matrix`` (``make test-matrix``); docs/testing.md, "The usage matrix", says how to
 add an axis value.
 """

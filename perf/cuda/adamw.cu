@@ -1,7 +1,7 @@
 // Hand-written CUDA C AdamW (fp32), the bandwidth baseline for `shardkit bench optim` on CUDA.
 //
 // Loaded with cupy.RawModule (NVRTC) by perf/optim.py; compiled to PTX without a
-// device by tests/test_bench_smoke.py. Plain C: no headers, no templates, extern "C" names.
+// device by tests/benchmarks/test_bench_smoke.py. Plain C: no headers, no templates, extern "C" names.
 //
 // Math, per element, fp32 (the same as shardkit.kernels.adam's Triton kernel, decoupled decay):
 //     w = w * (1 - lr * wd)
