@@ -77,7 +77,7 @@ from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 from .loss_scaler import DynamicLossScaler
 from .memory_report import replicated_memory_report
 from .pipeline import PipelineParallel
-from .strategy import Strategy, StrategyReport, make_strategy, report_memory
+from .strategy import Strategy, StrategyReport, make_strategy, report_memory, step_unless_overflow
 from .strategy_names import DP_STRATEGIES
 from .tensor import share_sequence_parallel_grads, tensor_parallelize, vocab_parallel_cross_entropy
 from .tensor.layers import is_tp_sharded
@@ -426,15 +426,10 @@ class ParallelModel:
             # [Note: fp16 loss scaling through the pipeline]: unscaled and agreed once per step
             overflow, _ = self._pp_state if self._pp_state is not None else self._unscale_and_clip(None)
             self._pp_state = None
-            if not overflow:
-                with record_function("shardkit::step"):
-                    optimizer.step()
-            self.skipped_steps += int(overflow)
-            self.loss_scaler.update(overflow)
-            return not overflow
-        with record_function("shardkit::step"):
-            optimizer.step()
-        return True
+            stepped = step_unless_overflow(optimizer, overflow, self.loss_scaler)
+            self.skipped_steps += int(not stepped)
+            return stepped
+        return step_unless_overflow(optimizer, False, None)
 
     def report(self, optimizer: Any = None) -> StrategyReport:
         """This rank's memory by category and communication so far."""

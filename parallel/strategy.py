@@ -54,6 +54,7 @@ __all__ = [
     "make_strategy",
     "register_strategy",
     "report_memory",
+    "step_unless_overflow",
 ]
 
 
@@ -74,6 +75,22 @@ class StrategyReport:
     comm: dict[str, Any] | None = None
     loss_scale: float | None = None
     skipped_steps: int = 0
+
+
+def step_unless_overflow(optimizer: Any, overflow: bool, loss_scaler: DynamicLossScaler | None) -> bool:
+    """The optimizer step of every replicated layout: skipped when an overflow was agreed (every
+    rank passes the same ``overflow``), then the loss scale updated. Returns whether it stepped.
+    (ZeRO's :class:`~shardkit.parallel.zero.ZeroOptimizer` makes the same decision on its shard.)
+
+    Example:
+        >>> stepped = step_unless_overflow(opt, overflow=False, loss_scaler=None)
+    """
+    with record_function("shardkit::step"):
+        if not overflow:
+            optimizer.step()
+        if loss_scaler is not None:
+            loss_scaler.update(overflow)
+    return not overflow
 
 
 def report_memory(mem: dict[str, Any]) -> dict[str, int]:
@@ -187,15 +204,9 @@ class Strategy(ABC):
         """
         if not self._finalized:
             self.clip(None)
-        with record_function("shardkit::step"):
-            stepped = not self._overflow
-            if stepped:
-                optimizer.step()
-            else:
-                self.skipped_steps += 1
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(self._overflow)
-            self._overflow = False
+        stepped = step_unless_overflow(optimizer, self._overflow, self.loss_scaler)
+        self.skipped_steps += int(not stepped)
+        self._overflow = False
         return stepped
 
     def report(self, optimizer: torch.optim.Optimizer | None = None) -> StrategyReport:
