@@ -59,6 +59,22 @@ def _adam_kernel_rows(res: dict) -> list[str]:
     return rows
 
 
+def _cross_entropy_cuda_rows(res: dict) -> list[str]:
+    """The cross-entropy kernels (tp = 1, bf16 logits) vs torch's fused cross-entropy on the GPU."""
+    rows, mib = [], 2**20
+    for r in res["rows"]:
+        ours, bf16, fp32 = r["shardkit"], r["torch_bf16"], r["torch_fp32_upcast"]
+        rows.append(
+            f"| cross-entropy fwd+bwd kernels, T={r['tokens']}, V={r['vocab']}, bf16 logits, {res['device']} "
+            f"| {ours['median_ms']:.3f} ms, +{ours['peak_extra_bytes'] / mib:.0f} MiB (the gradient itself) "
+            f"| F.cross_entropy bf16 {bf16['median_ms']:.3f} ms, +{bf16['peak_extra_bytes'] / mib:.0f} MiB; "
+            f"on fp32 upcast {fp32['median_ms']:.3f} ms, +{fp32['peak_extra_bytes'] / mib:.0f} MiB "
+            f"| **{r['ratio_vs_torch_bf16']:.3f}×** (vs fp32 upcast {r['ratio_vs_torch_fp32']:.3f}×) "
+            f"| `{res['command']}` |"
+        )
+    return rows
+
+
 def _ddp_rows(res: dict) -> list[str]:
     return [
         f"| DDP step, {res['params'] / 1e6:.1f}M-param MLP, {res['nproc']} ranks {res['backend']} "
@@ -159,6 +175,9 @@ def render() -> str:
     sweep = _load("adam_sweep_cuda.json")
     if sweep:
         rows += _adam_kernel_rows(sweep)
+    ce = _load("cross_entropy_cuda.json")
+    if ce:
+        rows += _cross_entropy_cuda_rows(ce)
     ddp = _load("ddp_cpu.json")
     if ddp:
         rows += _ddp_rows(ddp)
