@@ -1,4 +1,4 @@
-"""The usage matrix (issue 17): axes as data, the pairwise generator, and the cell runner.
+"""The usage matrix: axes as data, the pairwise generator, and the cell runner.
 
 A cell is one (model, usage, layout) triple: a model family trained the way people use it, on one
 composition of the parallel strategies, against the dense single-process model built from the

@@ -39,14 +39,14 @@ use to the end of backward. Two compositions break that, and get one node per *s
 * **ZeRO-3** re-points ``p.data`` at its gathered buffer just before each unit's forward and
   reduce-scatters the unit's gradients at the unit's post-backward. A model-wide node built at
   the first norm took views of the later units' placeholders, so their norms computed with
-  stale values (issue 17, item 11), and it delivered their gradients at the end of backward,
+  stale values, and it delivered their gradients at the end of backward,
   after their reduce-scatter. With one scope per unit, a unit's node is built inside its forward
   (its params gathered) and runs in its backward before the unit's post-backward (it becomes ready
   with the unit's first layer's backward, like the unit's input node, and was created after it:
   the engine runs the later-created node first). Cost: one all-reduce per unit.
 * **A pipeline** splits a model that ``tensor_parallelize`` converted whole: one node over every
   block made each pp rank all-reduce every stage's norms (zeros for the other stages') and kept
-  the other stages' parameters alive (item 18). One scope per held stage sums this rank's
+  the other stages' parameters alive. One scope per held stage sums this rank's
   parameters only, one all-reduce per stage and micro-batch.
 
 Independently, :meth:`SequenceParallelGrads.use` starts a new node when a parameter no longer

@@ -390,7 +390,7 @@ def test_cli_train_ddp_two_processes_matches_single_process(tmp_path: Path) -> N
 
 def _check_planned_memory(out: str, ranks: list[dict], strategy: str, *, stage: int) -> None:
     """Each rank's summary carries the planner's figures for the run's config, printed next to the
-    measured ones, and the two agree within 5% (issue 7); the plan is recomputed here from a meta
+    measured ones, and the two agree within 5%; the plan is recomputed here from a meta
     model with plan_memory's own arguments (TINY + --seq-len 32, default 25 MiB buckets)."""
     with torch.device("meta"):
         model = TinyGPT(VOCAB, d_model=32, n_layers=1, n_heads=2, seq_len=32)

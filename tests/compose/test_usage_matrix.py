@@ -1,10 +1,10 @@
-"""The usage matrix (issue 17): model families x usage patterns x layouts, each cell against the
+"""The usage matrix: model families x usage patterns x layouts, each cell against the
 dense single-process model (tests/usage_matrix.py has the axes, constraints, generator and runner).
 
 ``make test`` runs the pairwise cover (every pair of values of any two axes in some cell; SGD with
 momentum, robust to another order of additions by construction, so not re-run under the guard);
 ``make test-matrix`` runs the full product (``-m slow_matrix``).
-A cell that hits a known open bug of issue 17 is ``xfail(strict=True)`` naming the item, so it
+A cell that hits a known open bug is ``xfail(strict=True)`` naming the item, so it
 fails loudly once fixed; a failure not in that list is a new bug (``reason="new: ..."``).
 """
 

@@ -1,4 +1,4 @@
-"""The fused optimizers as real clients use them (issue 6, "What real clients hit").
+"""The fused optimizers as real clients use them.
 
 ``torch.compile(opt.step)``; state_dict interchange with ``torch.optim`` that keeps the target's
 fast-path flags; ``master_weights=True`` noticing params written by the user; and Hugging Face

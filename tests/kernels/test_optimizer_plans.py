@@ -181,7 +181,7 @@ def _conv_net(seed: int = 0) -> torch.nn.Module:
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_channels_last_sgd_momentum_survives_replans_and_state_dict(backend) -> None:
-    """Bug 3 of issue 6: momentum must be created in the param's layout, or a re-plan (a step with
+    """Momentum must be created in the param's layout, or a re-plan (a step with
     a grad-less param, load_state_dict) permutes it and the exported state_dict is scrambled."""
     kw = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
     ours, ref = _conv_net(), _conv_net()

@@ -1,4 +1,4 @@
-"""The pipeline used the way people use it (issue 17, items 10, 17 and 19), against the dense
+"""The pipeline used the way people use it, against the dense
 single-process model with the same seed:
 
 * padded batches with the default loss (``ignore_index`` targets spread unevenly over the
@@ -32,7 +32,7 @@ from tolerances import FP32
 VOCAB, B, T, IGNORE = 59, 8, 8, -100
 
 
-# ---- item 10: padded batches with the default loss --------------------------------------------
+# ---- padded batches with the default loss --------------------------------------------
 def _gpt() -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(VOCAB, d_model=16, n_layers=2, n_heads=2, seq_len=T, tie_embeddings=False)
@@ -98,7 +98,7 @@ def test_default_loss_weights_micro_batches_and_replicas_by_their_valid_tokens(d
     dist_pool.run(_padded_body, dp_strategy, schedule, world_size=world_size, timeout=120)
 
 
-# ---- items 17 and 19: a rank raising -----------------------------------------------------------
+# ---- a rank raising -----------------------------------------------------------
 D = 8
 
 

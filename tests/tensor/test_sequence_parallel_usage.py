@@ -1,4 +1,4 @@
-"""Sequence parallelism composed with ZeRO-3 and with a pipeline (issue 17, items 11 and 18), against
+"""Sequence parallelism composed with ZeRO-3 and with a pipeline, against
 the dense single-process TinyGPT of ``test_parallelize`` (same seed, same global batch, clipping
 active, SGD with momentum).
 
@@ -35,15 +35,15 @@ _REPLICATED = re.compile(r"(^|\.)(ln1|ln2|ln_f)\.|\.proj\.bias$")
 def test_sequence_parallel_with_zero3_trains_like_the_dense_model(dist_pool, world_size):
     """tp 2 (x dp 2) with dp="zero3" and sequence parallelism: every block's norms compute with
     the values ZeRO-3 gathered for that block, so losses, clipped norms, evaluation and every
-    parameter equal the dense model's, as with zero2 (item 11)."""
+    parameter equal the dense model's, as with zero2."""
     dist_pool.run(train_parallelized, 2, 1, True, "1f1b", False, "zero3", True, world_size=world_size, timeout=240)
 
 
 @pytest.mark.reduction_order
 def test_sequence_parallel_under_a_pipeline_sums_only_the_held_stages_norms(dist_pool):
     """tp 2 x pp 2 with sequence parallelism: each pp rank registers and all-reduces over tp the
-    norm and row-bias gradients of the blocks it holds, once per micro-batch, not every stage's
-    (item 18), and trains like the dense model."""
+    norm and row-bias gradients of the blocks it holds, once per micro-batch, not every stage's,
+    and trains like the dense model."""
     results = dist_pool.run(_pipeline_body, world_size=4, timeout=240)
     assert {r["model"] for r in results} == {832}
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism used the way models use it (issue 17, items 13-16), against dense torch.
+"""Tensor parallelism used the way models use it, against dense torch.
 
 13. dropout under TP: masks differ across tp ranks where the activations are sharded (heads, MLP
     features, sequence shards) and agree where they are replicated; together they are one dense

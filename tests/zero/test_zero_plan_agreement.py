@@ -1,6 +1,6 @@
 """The memory planner against real runs: ``plan_memory(model, ...)`` vs what the ranks report.
 
-Issue 7 asks the planner to agree with ``memory_report()`` within 5%, buffers included. Each
+The planner must agree with ``memory_report()`` within 5%, buffers included. Each
 case trains a small real model for 2 steps on gloo (2 and 4 ranks) and compares every category
 of each rank's ``ShardedDataParallel.memory_report()`` (stages 1-3; stage 3's peak includes the
 gathered units and the prefetch) or ``DataParallel``'s

@@ -5,7 +5,7 @@ extra backward's reduce-scatter pairs with the other rank's parameter all-gather
 reduce-scatter (wrong values or a hang until the timeout). With ``check_sync=True`` every ZeRO
 collective is preceded by an all-gather of ``(count, kind, bucket, phase)``
 ([Note: diverged ranks] in parallel/zero/sync_check.py). Stage 3's unit order is covered in
-test_zero3_cases.py.
+test_zero3_memory_traffic_prefetch.py.
 """
 
 from __future__ import annotations

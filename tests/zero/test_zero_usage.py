@@ -1,4 +1,4 @@
-"""ZeRO used the way people use it (issue 17, items 1, 2 and 7), against independent references.
+"""ZeRO used the way people use it, against independent references.
 
 * An MoE layer whose experts some ranks never route to (HF Mixtral runs only the experts a token
   reached): stage 3 must not hang and must train like one process on the whole batch; an
@@ -127,7 +127,7 @@ def _train_moe(stage: int, schedule: list[list[int]], offload: str | None = None
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_stage3_param_unused_on_one_rank_trains_like_single_process(dist_pool, world_size: int) -> None:
-    """Issue 17 item 1: the experts 1 get a grad on the first rank only (step 0) and on the last
+    """The experts 1 get a grad on the first rank only (step 0) and on the last
     rank only (step 1); their buckets used to launch at a rank-dependent point between the
     backward gathers, and every rank timed out in an all-gather."""
     schedule = [[0], [GLOBAL_BATCH - 1], [0, GLOBAL_BATCH - 1]]
@@ -136,7 +136,7 @@ def test_stage3_param_unused_on_one_rank_trains_like_single_process(dist_pool, w
 
 @pytest.mark.parametrize(("stage", "offload"), [(1, None), (2, None), (3, None), (2, "cpu"), (3, "nvme")])
 def test_param_unused_on_every_rank_is_not_stepped(dist_pool, stage: int, offload: str | None) -> None:
-    """Issue 17 item 2: at step 1 no rank routes a token to expert 1, so torch.optim leaves those
+    """At step 1 no rank routes a token to expert 1, so torch.optim leaves those
     params (and their momentum) alone; steps 0 and 2 reach it on one rank only, which must step it
     with the average (the other rank's zeros included). Offload steps its own shard params on the
     host (cpu) or per bucket from files (nvme): the same rule."""
@@ -243,7 +243,7 @@ def _direct_calls_match(family: str) -> None:
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_stage3_module_called_directly_and_generate_match_the_unsharded_model(dist_pool, family: str) -> None:
-    """Issue 17 item 7: only ShardedDataParallel.forward used to gather the root unit, so
+    """Only ShardedDataParallel.forward used to gather the root unit, so
     ``sdp.module(x)`` and ``generate`` ran on freed placeholders and returned other values, and a
     block's ``state_dict()`` returned zeros, with nothing raised."""
     dist_pool.run(_direct_calls_match, family, world_size=2, timeout=120)

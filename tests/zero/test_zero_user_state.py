@@ -1,8 +1,7 @@
 """ZeRO with state the user touches: params written between steps, zero-size and frozen params in
 checkpoints, steps skipped after clipping, a bad ``nvme_dir`` on one rank, groups added later.
 
-Each test is a way people use ZeRO that the strategy's own tests did not try (issue 17, items 4,
-5, 8 and 9), checked against an independent reference: the offloaded optimizer (documented as
+Each test is a way people use ZeRO that the strategy's own tests did not try, checked against an independent reference: the offloaded optimizer (documented as
 bitwise the device one), torch.optim on one process, or torch's own semantics.
 """
 
@@ -39,7 +38,7 @@ def _step(sdp: ShardedDataParallel, opt: ZeroOptimizer, ctx: ParallelContext, st
     opt.step()
 
 
-# ---- item 4: a write to the params between steps is kept ----------------------------------------
+# ---- a write to the params between steps is kept ----------------------------------------
 def _written_params_survive(stage: int, how: str) -> None:
     ctx = ParallelContext.from_world()
     finals = {}
@@ -73,7 +72,7 @@ def test_bf16_params_written_between_steps_are_kept(dist_pool, stage: int, how: 
     dist_pool.run(_written_params_survive, stage, how, world_size=2, timeout=60)
 
 
-# ---- item 5: zero-size and frozen params in checkpoints -----------------------------------------
+# ---- zero-size and frozen params in checkpoints -----------------------------------------
 class _WithOddParams(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -129,7 +128,7 @@ def test_zero_checkpoint_with_zero_size_and_frozen_params_loads_without_zero(dis
     assert float(plain_opt.state[plain.a.weight]["step"]) == 2
 
 
-# ---- item 8: steps skipped after clipping do not grow the transient figure ----------------------
+# ---- steps skipped after clipping do not grow the transient figure ----------------------
 def _skipped_steps_memory() -> list[int]:
     ctx = ParallelContext.from_world()
     sdp = ShardedDataParallel(_model(), ctx, 2, bucket_mb=0.002, grad_dtype=torch.bfloat16)
@@ -153,7 +152,7 @@ def test_skipped_steps_after_clipping_keep_the_transient_figure(dist_pool) -> No
         assert len(set(peaks[1:])) == 1 and peaks[1] <= peaks[0], peaks
 
 
-# ---- item 9: a constructor check failing on one rank fails on every rank, at once ----------------
+# ---- a constructor check failing on one rank fails on every rank, at once ----------------
 def _nvme_dir_missing_on_one_rank(root: str) -> str:
     ctx = ParallelContext.from_world(timeout=timedelta(seconds=20))
     good = os.path.join(root, "nvme")

@@ -411,7 +411,7 @@ def test_zero_clip_without_a_loss_scaler_reads_nothing_on_the_host(dist_pool, st
 
 def _step_without_backward(stage: int) -> None:
     """``opt.step()`` after ``zero_grad()`` with no backward in between: no param has a gradient,
-    so nothing is stepped, as torch.optim does (issue 17 item 2; [Note: params without a gradient
+    so nothing is stepped, as torch.optim does ([Note: params without a gradient
     are not stepped] in ``zero/flat_shards.py``), and the global norm reads zero — the reduced
     shards still hold the last step's sums (they are zeroed lazily, in the epilogue, not in
     ``zero_grad``), which must not leak into it."""
