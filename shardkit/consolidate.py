@@ -43,7 +43,9 @@ def consolidate(src: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, P
     """Write ``out/model.pt`` and ``out/optimizer.pt`` from the checkpoint at ``src``.
 
     Args:
-        src: a directory written by :func:`shardkit.parallel.save_checkpoint`.
+        src: a directory written by :func:`shardkit.parallel.save_checkpoint`; or, for
+            ``shardkit.initialize``'s DeepSpeed layout (``DIR/<tag>/`` plus a ``DIR/latest`` file
+            naming the newest tag), ``DIR`` or ``DIR/latest`` (the tag it names is read).
         out: output directory (created); the two files are replaced.
 
     Returns:
@@ -62,7 +64,7 @@ def consolidate(src: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, P
     from shardkit.parallel.checkpoint import load_meta, read_manifest, verify_files
 
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
+    src, out = resolve_tag(Path(src)), Path(out)
     errors = verify_files(src, read_manifest(src))
     if errors:
         raise ValueError(f"checkpoint {src}: " + "; ".join(errors))
@@ -86,6 +88,32 @@ def consolidate(src: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, P
     nbytes = sum(p.stat().st_size for p in paths)
     log.info("consolidate %s: read %.2fs, wrote %.1f MiB in %.2fs", src, t1 - t0, nbytes / 2**20, time.perf_counter() - t1)
     return paths
+
+
+def resolve_tag(src: Path) -> Path:
+    """The checkpoint directory ``src`` means: ``src`` itself, or with DeepSpeed's layout (a
+    ``latest`` file holding the newest tag, as ``Engine.save_checkpoint`` writes) the tag it names,
+    whether ``src`` is that file or the directory holding it.
+
+    Raises:
+        ValueError: ``src`` does not exist, or its ``latest`` names no directory beside it.
+
+    Example:
+        >>> resolve_tag(Path("ckpt/latest"))     # a tag file holding "global_step100"
+        PosixPath('ckpt/global_step100')
+    """
+    from shardkit.parallel.checkpoint.api import MANIFEST
+
+    if not src.exists():
+        raise ValueError(f"checkpoint {src}: no such file or directory")
+    latest = src if src.is_file() and src.name == "latest" else src / "latest"
+    if not latest.is_file() or (src.is_dir() and (src / MANIFEST).exists()):
+        return src
+    tag = latest.read_text().strip()
+    target = latest.parent / tag
+    if not tag or not target.is_dir():
+        raise ValueError(f"checkpoint {latest}: names tag {tag!r}, but {target} is not a directory")
+    return target
 
 
 def _optimizer_state(meta: dict[str, Any], full: dict[str, torch.Tensor], shapes: dict[str, Any]) -> dict[str, Any]:
