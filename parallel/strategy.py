@@ -1,24 +1,24 @@
-"""The one interface a training loop sees: wrap, backward, clip, step, report.
+"""The data-parallel plug-in behind :class:`~shardkit.parallel.ParallelModel`: wrap, backward,
+clip, step, report for one dp layout (``"none"``, ``"ddp"``, ``"zero1"``-``"zero3"``).
 
-A training step written against :class:`Strategy` reads the same whatever the parallelism::
+Not the API a training loop uses: loops build with :func:`~shardkit.parallel.parallelize` and
+talk to the ``ParallelModel`` it returns, which drives the strategy on the dp axis and adds
+tensor and pipeline parallelism around it. The strategy is internal (it is not exported from
+``shardkit.parallel``); what it does per phase::
 
-    strategy = make_strategy("ddp", ctx=ctx, loss_scaler=scaler)   # or "none", "zero1", "zero2", "zero3"
+    strategy = make_strategy("ddp", ctx=ctx, loss_scaler=scaler)   # parallelize does this
     model = strategy.wrap(model)
     optimizer = strategy.make_optimizer(FusedAdamW, model.parameters(), lr=3e-4)
-    for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(x), y)
-        strategy.backward(loss)          # loss scaling (fp16); gradient communication starts here
-        strategy.clip(max_norm=1.0)      # finalize: unscale, inf/nan agreed over ranks, clip
-        strategy.step(optimizer)         # skipped on overflow; loss-scale update
-    strategy.report(optimizer)           # per-rank bytes by category, comm stats
+    strategy.backward(loss)          # loss scaling (fp16); gradient communication starts here
+    strategy.clip(max_norm=1.0)      # finalize: unscale, inf/nan agreed over ranks, clip
+    strategy.step(optimizer)         # skipped on overflow; loss-scale update
+    strategy.report(optimizer)       # per-rank bytes by category, comm stats
 
-Each phase runs under a profiler label ``shardkit::<phase>`` (backward, finalize, step), so a
-``torch.profiler`` trace of any strategy splits the same way. New strategies (ZeRO, tensor and
-pipeline parallelism) subclass :class:`Strategy`, decorate the class with
-:func:`register_strategy`, and override the phases whose data path differs (ZeRO: what the
-wrapped model's post-backward launches, the norm group in :meth:`Strategy.clip`, the sharded
-step); the loop does not change.
+Each phase runs under a profiler label ``shardkit::<phase>`` (backward, finalize, step). A dp
+layout subclasses :class:`Strategy`, is decorated with :func:`register_strategy`, and overrides
+the phases whose data path differs (ZeRO: what the wrapped model's post-backward launches, the
+norm group in :meth:`Strategy.clip`, the sharded step). The built-in names are
+:mod:`~shardkit.parallel.strategy_names`'.
 
 Memory categories of :class:`StrategyReport` follow docs/reference.md, "ZeRO memory and
 communication" (params, grads, optimizer state per rank), so a ZeRO stage can be checked against
