@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -76,7 +77,7 @@ def build_config_check_parser(parser: argparse.ArgumentParser | None = None) -> 
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help='what "auto" stands for, e.g. lr=3e-4, hidden_size=768 (load_config\'s keywords; repeatable)',
+        help='what "auto" stands for, e.g. lr=3e-4, hidden_size=768 (repeatable; a run lists every one missing)',
     )
     p.add_argument("--params", type=_count, metavar="N", help="parameter count for the memory plan: 124e6, 124M, 1.5B")
     p.add_argument("--lenient", action="store_true", help="warn about unknown keys instead of failing")
@@ -189,8 +190,77 @@ def config_check_main(argv: Sequence[str] | None = None) -> int:
     return run_config_check(args)
 
 
+#: stand-ins for an "auto" nothing fills, so that one run finds every such key (never printed as
+#: results: a config with a missing "auto" is reported invalid, listing them all)
+_STAND_IN: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 1,
+    "train_batch_size": None,
+    "gradient_accumulation_steps": 1,
+    "betas": [0.9, 0.999],
+    "hidden_size": 1024,
+    "fp16": False,
+    "bf16": False,
+}
+_AUTO_MISSING = re.compile(r'^(?P<key>\S+) is "auto" but nothing fills it: pass (?P<how>.+?) to load_config')
+_BATCH_MISSING = "train_batch_size or train_micro_batch_size_per_gpu must be given"
+
+
+def _stand_in(name: str) -> Any:
+    if name in _STAND_IN:
+        return _STAND_IN[name]
+    return 1 if name.endswith(("steps", "step_size", "count", "iteration")) else 1e-3
+
+
+def _cli_words(message: str) -> str:
+    """A load_config error in the CLI's words: its Python keywords as this command's flags."""
+    return message.replace("(strict=False warns instead)", "(--lenient warns instead)").replace(
+        " to load_config", " with --auto NAME=VALUE"
+    )
+
+
+def load_listing_missing_autos(
+    config: dict[str, Any], *, world_size: int, strict: bool, auto: dict[str, Any]
+) -> tuple[EngineConfig | None, list[tuple[str, list[str]]]]:
+    """``load_config``, but every ``"auto"`` that nothing fills is found in one call: each is
+    recorded with the ``--auto`` names that would fill it and replaced by a stand-in, and the
+    config read again. Other errors raise as ``load_config``'s.
+
+    Returns:
+        ``(config, [])`` when everything is filled, else ``(None, [(dotted key, names), ...])``.
+
+    Example:
+        >>> cfg, missing = load_listing_missing_autos(raw, world_size=2, strict=True, auto={})
+        >>> missing[:1]
+        [('optimizer.params.lr', ['lr'])]
+    """
+    values, missing = dict(auto), []
+    for _ in range(64):  # one more key per try; a config has far fewer "auto" values
+        try:
+            cfg = load_config(config, world_size=world_size, strict=strict, **values)
+        except ValueError as e:
+            m = _AUTO_MISSING.match(str(e))
+            if m is not None:
+                names = [part.split("=")[0] for part in m["how"].split(" or ")]
+            elif str(e).startswith(_BATCH_MISSING):
+                names, m = ["train_micro_batch_size_per_gpu", "train_batch_size"], None
+            else:
+                raise
+            key = m["key"] if m is not None else "train_batch_size / train_micro_batch_size_per_gpu"
+            if names[0] in values:  # the stand-in did not help: report the error itself
+                raise
+            missing.append((key, names))
+            values[names[0]] = _stand_in(names[0])
+            continue
+        return (None if missing else cfg), missing
+    raise ValueError('config: too many unfilled "auto" values')
+
+
 def run_config_check(args: argparse.Namespace) -> int:
-    """The body of ``shardkit config check`` for already-parsed ``args`` (see :func:`config_check_main`)."""
+    """The body of ``shardkit config check`` for already-parsed ``args`` (see :func:`config_check_main`).
+
+    Every ``"auto"`` that ``--auto`` does not fill is listed in one run, each with the flag that
+    fills it; errors name the CLI's flags, not ``load_config``'s keywords.
+    """
     engine_logger = logging.getLogger("shardkit.engine")
     level = engine_logger.level
     try:
@@ -198,12 +268,21 @@ def run_config_check(args: argparse.Namespace) -> int:
         for key, value in args.set:
             _set_dotted(config, key, value)
         engine_logger.setLevel(logging.ERROR)  # the ignored keys are printed below, not logged twice
-        cfg = load_config(config, world_size=args.world_size, strict=not args.lenient, **dict(args.auto))
+        cfg, missing = load_listing_missing_autos(
+            config, world_size=args.world_size, strict=not args.lenient, auto=dict(args.auto)
+        )
     except ValueError as e:
-        print(f"shardkit config check: error: {e}", file=sys.stderr)
+        print(f"shardkit config check: error: {_cli_words(str(e))}", file=sys.stderr)
         return 1
     finally:
         engine_logger.setLevel(level)
+    if missing:
+        lines = [f'shardkit config check: error: {len(missing)} "auto" value(s) nothing fills; pass them with --auto:']
+        for key, names in missing:
+            lines.append(f"  {key}: " + " or ".join(f"--auto {n}=VALUE" for n in names))
+        print("\n".join(lines), file=sys.stderr)
+        return 1
+    assert cfg is not None
     print(f"{args.config}: valid")
     print(describe(cfg))
     if args.params is not None:

@@ -406,6 +406,33 @@ def test_config_check_prints_the_resolution_and_the_plan(capsys) -> None:
     assert "config keys accepted but ignored" not in err  # printed once, not logged as well
 
 
+def test_config_check_lists_every_unfilled_auto_in_one_run_with_its_flag(capsys) -> None:
+    rc, out, err = _check([str(ZERO2), "--world-size", "2"], capsys)
+    assert rc == 1 and "valid" not in out
+    head, *rows = err.strip().splitlines()
+    assert head == 'shardkit config check: error: 6 "auto" value(s) nothing fills; pass them with --auto:'
+    listed = {row.split(":")[0].strip(): row for row in rows}
+    assert set(listed) == {
+        "train_batch_size / train_micro_batch_size_per_gpu",
+        "gradient_clipping",
+        "optimizer.params.lr",
+        "optimizer.params.weight_decay",
+        "scheduler.params.total_num_steps",
+        "scheduler.params.warmup_num_steps",
+    }
+    assert listed["optimizer.params.lr"].endswith("--auto lr=VALUE")
+    assert "load_config" not in err
+    # everything the listing asks for, given: valid (warmup_max_lr is lr's, as in HF's Trainer)
+    names = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "lr": 3e-4, "weight_decay": 0.1}
+    names |= {"total_num_steps": 100, "warmup_num_steps": 10}
+    rc, out, err = _check(
+        [str(ZERO2), "--world-size", "2", *(a for k, v in names.items() for a in ("--auto", f"{k}={v}"))], capsys
+    )
+    assert rc == 0, err
+    rc, out, err = _check([str(ZERO2), *_auto_args(), "--set", "typo_key=1"], capsys)
+    assert rc == 1 and "--lenient" in err and "strict=False" not in err
+
+
 def test_config_check_prints_the_tensor_and_pipeline_layout(capsys) -> None:
     sets = ["tensor_parallel.size=2", "tensor_parallel.gather_logits=false", "pipeline.stages=2", "pipeline.microbatches=8"]
     args = [str(ZERO2), "--world-size", "8", *_auto_args(), "--set", "zero_optimization.stage=1", "--set", "fp16.enabled=false"]
