@@ -57,6 +57,9 @@ __all__ = ["AXES", "DEFAULT_TIMEOUT", "ParallelContext"]
 
 #: Mesh axes, outermost first; see [Note: mesh layout].
 AXES: tuple[str, ...] = ("pp", "dp", "tp")
+#: How long :meth:`ParallelContext.destroy` waits for the other ranks before tearing down anyway.
+TEARDOWN_WAIT = timedelta(seconds=10)
+
 #: Timeout of the process groups shardkit creates; see [Note: process-group timeouts].
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
@@ -464,7 +467,7 @@ class ParallelContext:
         return torch.device(self.mesh.device_type)
 
     # ---- lifetime ----------------------------------------------------------------------------
-    def destroy(self) -> None:
+    def destroy(self, *, wait_for_peers: bool = True) -> None:
         """Destroy the process groups this context created, and the default group if
         :meth:`from_env` initialized it.
 
@@ -473,7 +476,18 @@ class ParallelContext:
         worker threads still hold work when Python tears down). A default group that existed
         before the context (``from_world``, ``from_mesh``, or ``from_env`` finding one) is the
         caller's and is left alone. The context (and meshes/groups taken from it) must not be
-        used afterwards. Idempotent; local (no collective).
+        used afterwards. Idempotent.
+
+        When the context owns the world (``from_env`` created it), the ranks first meet: a
+        barrier on each group the context made, then on the world, each waited on for at most
+        :data:`TEARDOWN_WAIT`, so no rank tears a group down while a peer's last
+        collective on it (a ZeRO-3 prefetch, an offload copy) is still running, which aborted
+        the process now and then (seen once in 36 two-rank ZeRO-3 runs). A rank whose peers do not come
+        (one raised) destroys its groups anyway once the wait expires; ``with ParallelContext...``
+        skips the wait when its block raised. Contexts on a caller's world destroy locally.
+
+        Args:
+            wait_for_peers: meet the other ranks first (see above); False destroys at once.
 
         Example:
             >>> ctx = ParallelContext.from_env(tp=2)
@@ -482,6 +496,8 @@ class ParallelContext:
             ... finally:
             ...     ctx.destroy()          # also destroys the default group from_env created
         """
+        if wait_for_peers and self._owns_world and dist.is_initialized():
+            self._meet_before_teardown()
         while self._owned:
             group = self._owned.pop()
             if dist.is_initialized():  # else they went with the world (another context owned it)
@@ -491,11 +507,22 @@ class ParallelContext:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
+    def _meet_before_teardown(self) -> None:
+        """A barrier on each group this context made (in creation order, the same on every rank),
+        then on the world: a gloo barrier also waits for the group's earlier work."""
+        for group in [*self._owned, None]:
+            try:
+                work = dist.barrier(group=group, async_op=True)
+                if work is not None:
+                    work.wait(timeout=TEARDOWN_WAIT)
+            except Exception:  # noqa: BLE001 - a peer that raised or left: tear down regardless
+                return
+
     def __enter__(self) -> ParallelContext:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.destroy()
+        self.destroy(wait_for_peers=exc_type is None)
 
     def __repr__(self) -> str:
         s = self.sizes

@@ -221,7 +221,7 @@ def initialize(
         return engine, engine.optimizer, loader, engine.lr_scheduler
     except BaseException:
         if made is not None:  # the world this call created goes with it: nothing left to abort at exit
-            made.destroy()
+            made.destroy(wait_for_peers=False)
         raise
 
 

@@ -186,10 +186,8 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
 
     tp, pp = axis_sizes(cfg.config, auto_values(cfg))  # the config's tensor_parallel / pipeline axes
     ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp)
-    try:
+    with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         return _train(cfg, ctx, device, t_start)
-    finally:
-        ctx.destroy()  # and the default group, when from_env created it
 
 
 def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start: float) -> dict[str, Any]:

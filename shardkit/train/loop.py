@@ -189,10 +189,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     # The backend follows the device, not CUDA's presence: --device cpu trains over gloo even on
     # a GPU machine (from_env's default would pick NCCL there and then fail on CPU tensors).
     ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp)
-    try:
+    with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         return _train(cfg, ctx, device, t_start)
-    finally:
-        ctx.destroy()  # and the default group, when from_env created it
 
 
 def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, t_start: float) -> TrainResult:
