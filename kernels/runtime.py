@@ -73,7 +73,7 @@ import contextvars
 import functools
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -319,7 +319,12 @@ def is_aligned(tensors: Sequence[torch.Tensor]) -> bool:
 
     Multi-tensor kernels pass this as ``ALIGNED`` (see [Note: aligned full chunks]).
     """
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+    return _all_aligned(t.data_ptr() for t in tensors)
+
+
+def _all_aligned(ptrs: Iterable[int]) -> bool:
+    """The one alignment rule: every address on a 16-byte boundary."""
+    return all(ptr % 16 == 0 for ptr in ptrs)
 
 
 @dataclass(frozen=True)
@@ -390,7 +395,7 @@ def multi_tensor_table(roles: Sequence[Sequence[torch.Tensor]], block: int) -> M
         chunk_index=chunk_index,
         n_tensors=len(first),
         n_chunks=int(chunk_tensor.numel()),
-        aligned=all(ptr % 16 == 0 for row in ptr_rows for ptr in row),  # is_aligned, from the same pointers
+        aligned=_all_aligned(ptr for row in ptr_rows for ptr in row),  # is_aligned, from the same pointers
     )
 
 
