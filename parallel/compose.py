@@ -61,7 +61,7 @@ optimizer); autocast inside the stages is not applied.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,15 +72,18 @@ from torch.nn import functional as F
 from torch.profiler import record_function
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce
-from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 
-from .loss_scaler import DynamicLossScaler
+from .loss_scaler import DynamicLossScaler, step_unless_overflow
 from .memory_report import replicated_memory_report
 from .pipeline import PipelineParallel
-from .strategy import Strategy, StrategyReport, make_strategy, report_memory, step_unless_overflow
+from .strategy import Strategy, StrategyReport, make_strategy, report_memory
 from .strategy_names import DP_STRATEGIES
-from .tensor import share_sequence_parallel_grads, tensor_parallelize, vocab_parallel_cross_entropy
-from .tensor.layers import is_tp_sharded
+from .tensor import (
+    share_sequence_parallel_grads,
+    tensor_parallelize,
+    unscale_and_clip_model_parallel_,
+    vocab_parallel_cross_entropy,
+)
 from .tensor.plan import VocabParallelLMHead
 from .zero.units import select_units
 
@@ -385,37 +388,21 @@ class ParallelModel:
             return None
         return self._unscale_and_clip(max_norm)[1]
 
-    @torch.no_grad()
     def _unscale_and_clip(self, max_norm: float | None) -> tuple[bool, torch.Tensor | None]:
-        """``(overflow, norm)``: unscale ``p.grad`` by ``1/S`` (with a loss scaler), Σg² with
-        each element counted once, one all-reduce over tp and one over pp of ``Σg²`` (with the
-        inf/nan flag in front when there is a scaler), clip unless an overflow."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        device = params[0].grad.device if params else self.ctx.device if self.ctx is not None else torch.device("cpu")
+        """``(overflow, norm)``: unscale ``p.grad`` by ``1/S`` (with a pipeline's loss scaler),
+        then the global norm over tp and pp, each element counted once, and the clip unless an
+        overflow (:func:`~shardkit.parallel.tensor.unscale_and_clip_model_parallel_`)."""
         scaler = self.loss_scaler if self.pipeline is not None else None
-        inv = None if scaler is None else 1.0 / scaler.scale
-        copies = self._tie_copies()
-        found_inf = torch.zeros(1, device=device)
-        sharded, replicated = torch.zeros(1, device=device), torch.zeros(1, device=device)
-        for acc, want in ((sharded, True), (replicated, False)):
-            for grads in _by_dtype([p.grad for p in params if is_tp_sharded(p) == want and id(p) not in copies]):
-                unscale_and_norm_(grads, inv_scale=inv, found_inf=found_inf, sumsq=acc)
-        if inv is not None and copies:  # uncounted tie copies: unscaled too, their flag counts
-            for grads in _by_dtype([p.grad for p in params if id(p) in copies]):
-                unscale_and_norm_(grads, inv_scale=inv, found_inf=found_inf)
-        sumsq = sharded + replicated / axis_size(self.ctx, "tp")
-        both = sumsq if scaler is None else torch.cat([found_inf, sumsq])
-        for axis in ("tp", "pp"):
-            if axis_size(self.ctx, axis) > 1:
-                all_reduce(both, group=self.ctx.group(axis), stats=self.stats)
-        sumsq = both[-1:]
-        overflow = scaler is not None and bool(both[0].item() > 0)
-        if overflow:
-            return True, torch.full((), float("inf"), device=device)
-        if max_norm is not None:
-            for grads in _by_dtype([p.grad for p in params]):
-                clip_grads_(grads, sumsq, max_norm=max_norm)
-        return False, sumsq.sqrt().reshape(())
+        uncounted = [] if self.pipeline is None else _uncounted_tie_copies(self.pipeline, self.ctx)
+        return unscale_and_clip_model_parallel_(
+            self.parameters(),
+            max_norm,
+            ctx=self.ctx,
+            axes=("tp", "pp"),
+            inv_scale=None if scaler is None else 1.0 / scaler.scale,
+            uncounted=uncounted,
+            stats=self.stats,
+        )
 
     def step(self, optimizer: Any) -> bool:
         """Step the optimizer (skipped on an fp16 overflow agreed over dp, and with a pipeline
@@ -426,10 +413,10 @@ class ParallelModel:
             # [Note: fp16 loss scaling through the pipeline]: unscaled and agreed once per step
             overflow, _ = self._pp_state if self._pp_state is not None else self._unscale_and_clip(None)
             self._pp_state = None
-            stepped = step_unless_overflow(optimizer, overflow, self.loss_scaler)
+            stepped = step_unless_overflow(optimizer.step, overflow, self.loss_scaler)
             self.skipped_steps += int(not stepped)
             return stepped
-        return step_unless_overflow(optimizer, False, None)
+        return step_unless_overflow(optimizer.step, False, None)
 
     def report(self, optimizer: Any = None) -> StrategyReport:
         """This rank's memory by category and communication so far."""
@@ -441,10 +428,6 @@ class ParallelModel:
         memory = report_memory(replicated_memory_report(self.parameters(), optimizer))
         scale = self.loss_scaler.scale if self.loss_scaler is not None else None
         return StrategyReport(memory=memory, comm=self.stats.summary(), loss_scale=scale, skipped_steps=self.skipped_steps)
-
-    def _tie_copies(self) -> set[int]:
-        """ids of :func:`_uncounted_tie_copies`."""
-        return set() if self.pipeline is None else {id(q) for q in _uncounted_tie_copies(self.pipeline, self.ctx)}
 
     def close(self) -> None:
         """Release the process groups made for this model (the pipeline's tie groups, ZeRO's
@@ -642,10 +625,3 @@ def _vocab_parallel_loss(ctx: ParallelContext, vocab_size: int, *, pair: bool = 
         return total, (targets != _IGNORE_INDEX).sum()
 
     return loss_and_count if pair else loss
-
-
-def _by_dtype(grads: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    out: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        out.setdefault(g.dtype, []).append(g)
-    return list(out.values())

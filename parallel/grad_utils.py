@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from shardkit.comm import all_reduce
+from shardkit.comm import CommStats, all_reduce
 from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
 from shardkit.kernels.layout import is_dense
 
-__all__ = ["OverflowReport", "UnscaledGrads", "unscale_grads_", "clip_grad_norm_"]
+__all__ = ["OverflowReport", "UnscaledGrads", "agree_and_clip_", "unscale_grads_", "clip_grad_norm_"]
 
 
 @dataclass
@@ -138,6 +138,78 @@ def _split_unscaled(
     return done, todo
 
 
+@torch.no_grad()
+def agree_and_clip_(
+    sumsq: torch.Tensor,
+    found_inf: torch.Tensor | None = None,
+    *,
+    sum_over: Sequence[Any] = (),
+    flag_over: Any = None,
+    riders: torch.Tensor | None = None,
+    max_norm: float | None = None,
+    grads: Sequence[Sequence[torch.Tensor]] = (),
+    backend: str = "auto",
+    stats: CommStats | None = None,
+) -> tuple[bool, torch.Tensor]:
+    """The one place a step's gradients become final: agree the inf/nan flag and the global Σg²
+    across ranks, decide overflow, clip.
+
+    Every unscale/clip path calls this after its own local pass (which unscales and measures
+    the grads as they are laid out there: :func:`unscale_grads_` and :func:`clip_grad_norm_`
+    over ``p.grad``, :func:`~shardkit.parallel.tensor.unscale_and_clip_model_parallel_` with
+    tensor-parallel weights, ZeRO's epilogue over its flat shards).
+
+    ``[found_inf, Σg²]`` is summed over each group of ``sum_over`` in turn (the axes across
+    which the grads are partitioned: ZeRO's dp, tp, pp), one all-reduce each; then the flag
+    alone takes the ``max`` over ``flag_over`` (replicas, e.g. DDP's dp, whose Σg² is already
+    global). ``riders`` (fp32 ``[k]``, e.g. ZeRO's per-param "had a gradient" flags) travel in
+    the first ``sum_over`` all-reduce and are written back in place. With ``found_inf=None``
+    only Σg² is reduced and nothing is read on the host: a clip-only step has no host sync,
+    and a non-finite norm simply propagates, as in ``torch.nn.utils.clip_grad_norm_``.
+
+    Args:
+        sumsq: fp32 ``[1]``, this rank's share of Σg² (after unscaling).
+        found_inf: fp32 ``[1]``, > 0 when this rank saw an inf/nan; None: no loss scaler.
+        sum_over: process groups (None entries are skipped) that add flags and squares.
+        flag_over: process group that agrees the overflow flag only, or None.
+        riders: extra fp32 values summed in the first ``sum_over`` all-reduce, or None.
+        max_norm: clip to this global L2 norm unless an overflow (None: measure only).
+        grads: lists of same-dtype, same-device gradients to clip in place.
+        backend: kernel backend of the clip launches.
+        stats: optional :class:`~shardkit.comm.CommStats` for the all-reduces.
+
+    Returns:
+        ``(overflow, norm)``: whether any rank saw an inf/nan (always False without
+        ``found_inf``), and the global L2 norm before clipping (0-d fp32; ``inf`` on overflow).
+
+    Example:
+        >>> sumsq, found = torch.zeros(1), torch.zeros(1)
+        >>> unscale_and_norm_(grads, inv_scale=1 / 1024, found_inf=found, sumsq=sumsq)
+        >>> overflow, norm = agree_and_clip_(sumsq, found, sum_over=[ctx.group("tp")], max_norm=1.0, grads=[grads])
+    """
+    both = sumsq if found_inf is None else torch.cat([found_inf.to(sumsq.device), sumsq])
+    for group in [g for g in sum_over if g is not None]:
+        if riders is not None:
+            packed = torch.cat([both, riders.to(both.device)])
+            all_reduce(packed, group=group, op="sum", stats=stats)
+            riders.copy_(packed[both.numel() :])
+            both, riders = packed[: both.numel()].clone(), None
+        else:
+            all_reduce(both, group=group, op="sum", stats=stats)
+    if flag_over is not None and found_inf is not None:
+        flag = both[:1].clone()
+        all_reduce(flag, group=flag_over, op="max", stats=stats)
+        both = torch.cat([flag, both[1:]])
+    total = both[-1:]
+    if found_inf is not None and bool(both[0].item() > 0):
+        return True, torch.full((), float("inf"), device=total.device)
+    if max_norm is not None:
+        for group_grads in grads:
+            if group_grads:
+                clip_grads_(list(group_grads), total.to(group_grads[0].device), max_norm=max_norm, backend=backend)
+    return False, total.sqrt().reshape(())
+
+
 def unscale_grads_(
     named_params: Sequence[tuple[str, torch.Tensor]],
     *,
@@ -207,16 +279,16 @@ def unscale_grads_(
         )
         if report_nonfinite:
             nonfinite += [items[i][0] for i in stats.nonfinite_indices()]
-    if group is not None:
-        all_reduce(found_inf, group=group, op="max")
-    if norm_group is not None:
-        all_reduce(sumsq, group=norm_group, op="sum")
-    overflow = bool(found_inf.item())
-    norm = float(sumsq.sqrt().item()) if not overflow else float("inf")
-    if max_norm is not None and not overflow:
-        for items in groups.values():
-            clip_grads_(_grads(items), sumsq, max_norm=max_norm, backend=backend)
-    return OverflowReport(overflow=overflow, grad_norm=norm, nonfinite=nonfinite)
+    overflow, norm = agree_and_clip_(
+        sumsq,
+        found_inf,
+        sum_over=[norm_group],
+        flag_over=group,
+        max_norm=max_norm,
+        grads=[_grads(items) for items in groups.values()],
+        backend=backend,
+    )
+    return OverflowReport(overflow=overflow, grad_norm=float(norm.item()), nonfinite=nonfinite)
 
 
 def clip_grad_norm_(
@@ -256,8 +328,7 @@ def clip_grad_norm_(
     sumsq = torch.zeros(1, device=device)
     for items in groups.values():
         unscale_and_norm_(_grads(items), sumsq=sumsq, backend=backend)
-    if norm_group is not None:
-        all_reduce(sumsq, group=norm_group, op="sum")
-    for items in groups.values():
-        clip_grads_(_grads(items), sumsq, max_norm=max_norm, backend=backend)
-    return sumsq.sqrt().reshape(())
+    _, norm = agree_and_clip_(
+        sumsq, sum_over=[norm_group], max_norm=max_norm, grads=[_grads(items) for items in groups.values()], backend=backend
+    )
+    return norm

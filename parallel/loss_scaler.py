@@ -26,14 +26,15 @@ DeepSpeed >= 0.17.1 ``DynamicLossScaler.update_scale`` — a differential test d
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from .grad_utils import OverflowReport, UnscaledGrads, unscale_grads_
 
-__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError"]
+__all__ = ["DynamicLossScaler", "LossScaleAtMinimumError", "step_unless_overflow"]
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -235,6 +236,24 @@ class DynamicLossScaler:
         for key, value in state.items():
             setattr(self, key, value)
         self._unscaled = None
+
+
+def step_unless_overflow(step: Callable[[], Any], overflow: bool, loss_scaler: DynamicLossScaler | None) -> bool:
+    """The one optimizer-step decision of every layout: ``step()`` unless an overflow was agreed
+    (every rank passes the same ``overflow``), then the loss scale updated. Returns whether it
+    stepped. Replicated layouts pass ``optimizer.step``; ZeRO's
+    :class:`~shardkit.parallel.zero.ZeroOptimizer` its shard step and all-gather.
+
+    Example:
+        >>> report = scaler.unscale_(model.parameters(), group=ctx.group("dp"))
+        >>> stepped = step_unless_overflow(opt.step, report.overflow, scaler)
+    """
+    with record_function("shardkit::step"):
+        if not overflow:
+            step()
+        if loss_scaler is not None:
+            loss_scaler.update(overflow)
+    return not overflow
 
 
 def _named(params: Iterable[Any]) -> Sequence[tuple[str, torch.Tensor]]:

@@ -40,7 +40,7 @@ from shardkit.comm import ParallelContext
 
 from .data_parallel import DataParallel
 from .grad_utils import clip_grad_norm_
-from .loss_scaler import DynamicLossScaler
+from .loss_scaler import DynamicLossScaler, step_unless_overflow
 from .memory_report import replicated_memory_report
 from .strategy_names import DP_STRATEGIES, STRATEGY_MODULES
 
@@ -54,7 +54,6 @@ __all__ = [
     "make_strategy",
     "register_strategy",
     "report_memory",
-    "step_unless_overflow",
 ]
 
 
@@ -75,22 +74,6 @@ class StrategyReport:
     comm: dict[str, Any] | None = None
     loss_scale: float | None = None
     skipped_steps: int = 0
-
-
-def step_unless_overflow(optimizer: Any, overflow: bool, loss_scaler: DynamicLossScaler | None) -> bool:
-    """The optimizer step of every replicated layout: skipped when an overflow was agreed (every
-    rank passes the same ``overflow``), then the loss scale updated. Returns whether it stepped.
-    (ZeRO's :class:`~shardkit.parallel.zero.ZeroOptimizer` makes the same decision on its shard.)
-
-    Example:
-        >>> stepped = step_unless_overflow(opt, overflow=False, loss_scaler=None)
-    """
-    with record_function("shardkit::step"):
-        if not overflow:
-            optimizer.step()
-        if loss_scaler is not None:
-            loss_scaler.update(overflow)
-    return not overflow
 
 
 def report_memory(mem: dict[str, Any]) -> dict[str, int]:
@@ -204,7 +187,7 @@ class Strategy(ABC):
         """
         if not self._finalized:
             self.clip(None)
-        stepped = step_unless_overflow(optimizer, self._overflow, self.loss_scaler)
+        stepped = step_unless_overflow(optimizer.step, self._overflow, self.loss_scaler)
         self.skipped_steps += int(not stepped)
         self._overflow = False
         return stepped

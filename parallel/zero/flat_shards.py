@@ -59,7 +59,7 @@ from torch import nn
 
 from shardkit.comm import CommStats, all_gather, reduce_scatter
 from shardkit.kernels.flatten import Segment, flatten_into
-from shardkit.kernels.grad_epilogue import clip_grads_, unscale_and_norm_
+from shardkit.kernels.grad_epilogue import unscale_and_norm_
 
 from ..buckets import FIRST_BUCKET_BYTES, plan_buckets
 from ..reducer import GradBucket
@@ -461,14 +461,11 @@ class FlatShards:
             if not sb.stepped[seg.index]
         ]
 
-    @torch.no_grad()
-    def clip_(self, sumsq: torch.Tensor, max_norm: float) -> None:
-        """Scale every shard gradient by ``min(1, max_norm / (sqrt(sumsq) + eps))`` (global sumsq;
-        with offload the host copies, ``sumsq`` brought to the host)."""
+    def clip_targets(self) -> tuple[list[torch.Tensor], str]:
+        """The shard gradients a clip scales (with offload the host copies) and the kernel
+        backend where they live."""
         grads = [sb.opt_grad for sb in self.buckets if sb.opt_grad is not None and sb.shard]
-        if grads:
-            backend = self.backend if self.host is None else self.host.backend
-            clip_grads_(grads, sumsq.to(grads[0].device), max_norm=max_norm, backend=backend)
+        return grads, self.backend if self.host is None else self.host.backend
 
     def release_step_buffers(self) -> None:
         """Drop the transient fp32 gradient copies after the optimizer step (offload: the host

@@ -29,6 +29,7 @@ from torch.profiler import record_function
 
 from .nvme import NvmeOffload, validate_nvme_dir
 from .offload import CpuOffload
+from ..loss_scaler import step_unless_overflow
 from ..param_groups import resolve_param_groups
 from .sharded import ShardedDataParallel
 
@@ -190,30 +191,31 @@ class ZeroOptimizer:
             with torch.enable_grad():
                 loss = closure()
         overflow, _ = self.sdp.finalize_gradients()
-        shards = self.sdp._shards
-        if not overflow:
-            if self._offload is None and self.sdp.stage < 3:  # offload re-reads its own masters
-                shards.refresh_written_masters()  # [Note: params written between steps]
-            hidden = self._hide_unstepped_grads()
-            try:
-                with record_function("shardkit::step"):
-                    if self._offload is not None:
-                        self._offload.step()  # also writes sb.local_param_shard()
-                    else:
-                        self.optimizer.step()
-            finally:  # an NVMe write that failed leaves params and state as before this step
-                for sp, grad in hidden:
-                    sp.grad = grad
-                shards.release_step_buffers()
-            with record_function("shardkit::all_gather"):
-                shards.all_gather_params()
-        else:
-            shards.release_step_buffers()
+        stepped = step_unless_overflow(self._step_shard, overflow, self.sdp.loss_scaler)
+        if not stepped:
+            self.sdp._shards.release_step_buffers()
             self.skipped_steps += 1
-        self.last_step_skipped = overflow
-        if self.sdp.loss_scaler is not None:
-            self.sdp.loss_scaler.update(overflow)
+        self.last_step_skipped = not stepped
         return loss
+
+    def _step_shard(self) -> None:
+        """Step this rank's shard (after the agreed no-overflow decision), then all-gather the
+        updated params into every rank's full params."""
+        shards = self.sdp._shards
+        if self._offload is None and self.sdp.stage < 3:  # offload re-reads its own masters
+            shards.refresh_written_masters()  # [Note: params written between steps]
+        hidden = self._hide_unstepped_grads()
+        try:
+            if self._offload is not None:
+                self._offload.step()  # also writes sb.local_param_shard()
+            else:
+                self.optimizer.step()
+        finally:  # an NVMe write that failed leaves params and state as before this step
+            for sp, grad in hidden:
+                sp.grad = grad
+            shards.release_step_buffers()
+        with record_function("shardkit::all_gather"):
+            shards.all_gather_params()
 
     def _hide_unstepped_grads(self) -> list[tuple[torch.nn.Parameter, torch.Tensor | None]]:
         """Set ``.grad = None`` on the shard params of params that no rank had a gradient for, so

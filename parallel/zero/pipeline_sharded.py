@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,7 +46,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
-from shardkit.comm import AXES, CommStats, ParallelContext, all_reduce
+from shardkit.comm import AXES, CommStats, ParallelContext
 
 from ..loss_scaler import DynamicLossScaler
 from .sharded import ShardedDataParallel, _validate
@@ -189,20 +190,16 @@ class PipelineShardedDataParallel(ShardedDataParallel):
         with record_function("shardkit::reduce_scatter"):
             self._reducer.finalize_backward()
 
-    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-        """``[found_inf, Σg²]`` summed over dp, tp and pp: every stage takes one overflow decision
-        for the whole model, and each element counts once in the GLOBAL norm (this rank's copies
-        of cross-stage-tied params that another rank counts are taken out first). The per-param
-        gradient ``flags`` are summed over dp only, in the dp all-reduce (the other axes hold
-        other params)."""
-        if self._uncounted:
-            sumsq = sumsq - self._uncounted_sumsq(sumsq.device)
-        both = self._agree_dp(found_inf, sumsq, flags)
+    def _norm_groups(self) -> list[Any]:
+        """dp, then tp and pp: every stage takes one overflow decision for the whole model (the
+        per-param gradient flags ride the dp all-reduce only: the other axes hold other params)."""
         ctx = self.pipeline_ctx
-        for axis in ("tp", "pp"):
-            if ctx.size(axis) > 1:
-                all_reduce(both, group=ctx.group(axis), op="sum", stats=self.comm_stats)
-        return both
+        return [self._group] + [ctx.group(axis) for axis in ("tp", "pp") if ctx.size(axis) > 1]
+
+    def _counted_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """Each element counts once in the GLOBAL norm: this rank's copies of cross-stage-tied
+        params that another rank counts are taken out."""
+        return sumsq - self._uncounted_sumsq(sumsq.device) if self._uncounted else sumsq
 
     def _uncounted_sumsq(self, device: torch.device) -> torch.Tensor:
         """Σg² (already averaged) of this rank's pieces of :attr:`_uncounted`, with the weight the

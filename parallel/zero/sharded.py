@@ -43,6 +43,7 @@ from torch import nn
 from shardkit.comm import CommStats, ParallelContext, all_reduce
 
 from ..data_parallel import broadcast_module_state, check_same_model
+from ..grad_utils import agree_and_clip_
 from ..loss_scaler import DynamicLossScaler
 from ..tensor.layers import is_tp_sharded
 from ..reducer import GradReducer
@@ -286,9 +287,10 @@ class ShardedDataParallel(nn.Module):
     def finalize_gradients(self, max_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
         """Average/unscale this rank's gradient shards, agree the overflow and global norm, clip.
 
-        Runs once per step (the second call returns the first's result). The all-reduce
-        (8 bytes: the inf/nan flag and Σg² summed over dp) is issued only when it is needed:
-        with a loss scaler or a ``max_norm``. With ``offload`` the average, flag, Σg² and clip
+        Runs once per step (the second call returns the first's result). The all-reduce of
+        Σg² summed over dp (with a loss scaler also the inf/nan flag: 8 bytes instead of 4;
+        :func:`~shardkit.parallel.grad_utils.agree_and_clip_` decides and clips) is issued only
+        when it is needed: with a loss scaler or a ``max_norm``. With ``offload`` the average, flag, Σg² and clip
         run on the host copies of the shards made during backward (the all-reduce stays on the
         device): [Note: gradient copies overlapped with backward] in ``offload.py``.
 
@@ -310,15 +312,20 @@ class ShardedDataParallel(nn.Module):
         local = self._shards.got_grad_flags()
         flags = torch.tensor(local, dtype=torch.float32).to(sumsq.device)
         if self.loss_scaler is not None or max_norm is not None:
-            both = self._agree(found_inf, sumsq, flags)
-            sumsq = both[1:2]
             # Read the flag on the host only with a loss scaler (the step must be skipped): a
             # clip-only step stays free of host syncs, and, as torch's clip_grad_norm_ and our
             # DataParallel path, a non-finite norm then simply propagates.
-            overflow = self.loss_scaler is not None and bool(both[0].item() > 0)
-            norm = torch.full((), float("inf"), device=sumsq.device) if overflow else sumsq.sqrt().reshape(())
-            if max_norm is not None and not overflow:
-                self._shards.clip_(sumsq, max_norm)
+            grads, backend = self._shards.clip_targets()
+            overflow, norm = agree_and_clip_(
+                self._counted_sumsq(sumsq),
+                found_inf if self.loss_scaler is not None else None,
+                sum_over=self._norm_groups(),
+                riders=flags,
+                max_norm=max_norm,
+                grads=[grads],
+                backend=backend,
+                stats=self.comm_stats,
+            )
         elif flags.numel():
             all_reduce(flags, group=self._group, op="sum", stats=self.comm_stats)
         # only a rank that missed a gradient itself needs the others' flags (a host read)
@@ -326,24 +333,15 @@ class ShardedDataParallel(nn.Module):
         self._step_state = (overflow, norm)
         return self._step_state
 
-    def _agree(self, found_inf: torch.Tensor, sumsq: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-        """``[found_inf, Σg²]`` of this rank's shards summed over every rank holding a part of the
-        model: dp, then tp (the other tp ranks' slices and their overflows). One all-reduce per
-        axis; a pipeline adds its pp axis (PipelineShardedDataParallel). The dp one also sums the
-        per-param gradient ``flags`` (in place; [Note: params without a gradient are not
-        stepped] in ``flat_shards.py``): the other axes hold other params, so only 8 bytes."""
-        both = self._agree_dp(found_inf, sumsq, flags)
-        if self._tp > 1:
-            all_reduce(both, group=self.ctx.group("tp"), op="sum", stats=self.comm_stats)
-        return both
+    def _norm_groups(self) -> list[Any]:
+        """The groups across which this rank's gradient shards are partitioned, in the order of
+        their all-reduces: dp (its flags ride along), then tp (the other tp ranks' slices). A
+        pipeline adds its pp axis (PipelineShardedDataParallel)."""
+        return [self._group] + ([self.ctx.group("tp")] if self._tp > 1 else [])
 
-    def _agree_dp(self, found_inf: torch.Tensor, sumsq: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
-        """``[found_inf, Σg²]`` summed over dp, with ``flags`` summed over dp in the same
-        all-reduce (written back into ``flags``)."""
-        packed = torch.cat([found_inf, sumsq, flags])
-        all_reduce(packed, group=self._group, op="sum", stats=self.comm_stats)
-        flags.copy_(packed[2:])
-        return packed[:2].clone()
+    def _counted_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the global Σg² (all of it here; a pipeline's tie copies out)."""
+        return sumsq
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the GLOBAL gradient norm (sum of squares over every rank's shard).

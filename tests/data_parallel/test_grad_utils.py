@@ -38,15 +38,22 @@ def _norm(tensors) -> float:
 
 
 class _FakeOtherRank:
-    """Stands in for ``all_reduce`` over a 2-rank group: combines with the other rank's value."""
+    """Stands in for ``all_reduce`` over a 2-rank group: combines with the other rank's values.
+
+    The other rank holds ``[found_inf, Σg²]``: a 2-element all-reduce (flag and squares packed,
+    as over a group that partitions the grads) combines with both, a 1-element ``max`` with the
+    flag, a 1-element ``sum`` with the squares."""
 
     def __init__(self, other_found_inf: float = 0.0, other_sumsq: float = 0.0) -> None:
-        self.other = {"max": other_found_inf, "sum": other_sumsq}
+        self.other_found_inf, self.other_sumsq = other_found_inf, other_sumsq
         self.calls: list[tuple[object, str]] = []
 
-    def __call__(self, t: torch.Tensor, *, group, op: str = "sum") -> None:
+    def __call__(self, t: torch.Tensor, *, group, op: str = "sum", stats=None) -> None:
         self.calls.append((group, op))
-        other = torch.full_like(t, self.other[op])
+        if t.numel() == 2:
+            other = torch.tensor([self.other_found_inf, self.other_sumsq])
+        else:
+            other = torch.full_like(t, self.other_found_inf if op == "max" else self.other_sumsq)
         t.copy_(torch.maximum(t, other) if op == "max" else t + other)
 
 
@@ -133,8 +140,8 @@ def test_bad_max_norm_params_without_grad_and_sparse():
 
 
 def test_group_agrees_overflow_with_max_and_norm_group_sums_squares():
-    """The other rank has an inf / a Σg² of 9: the flag is max-reduced over ``group`` only, Σg²
-    sum-reduced over ``norm_group`` only, each with one call."""
+    """The other rank has an inf / a Σg² of 9: flag and Σg² are summed over ``norm_group`` in one
+    call (the grads are partitioned there), then the flag alone is max-reduced over ``group``."""
     named = _params()
     local = [p.grad * 0.5 for _, p in named]
     fake = _FakeOtherRank(other_found_inf=1.0, other_sumsq=9.0)
@@ -145,7 +152,7 @@ def test_group_agrees_overflow_with_max_and_norm_group_sums_squares():
     fake = _FakeOtherRank(other_found_inf=0.0, other_sumsq=9.0)
     with mock.patch("shardkit.parallel.grad_utils.all_reduce", fake):
         report = unscale_grads_(named, group="G", norm_group="N")
-    assert fake.calls == [("G", "max"), ("N", "sum")] and not report.overflow
+    assert fake.calls == [("N", "sum"), ("G", "max")] and not report.overflow
     assert report.grad_norm == pytest.approx((_norm(local) ** 2 + 9.0) ** 0.5, rel=1e-6)
     fake = _FakeOtherRank(other_sumsq=9.0)
     with mock.patch("shardkit.parallel.grad_utils.all_reduce", fake):

@@ -49,8 +49,8 @@ def train_parallelized(strategy: str, schedule: str, tie: bool, tp: int) -> dict
         steps = len(losses)
 
         # communication over dp: per step and bucket one reduce-scatter of the full gradient and
-        # one all-gather of the params; the only dp all-reduce is the 8-byte norm/overflow pair
-        # with one fp32 flag per param of this stage folded in (which params got a gradient on
+        # one all-gather of the params; the only dp all-reduce is the 4-byte Σg² (8 with a loss
+        # scaler: the overflow flag too) with one fp32 flag per param of this stage folded in (which params got a gradient on
         # some rank: [Note: params without a gradient are not stepped] in zero/flat_shards.py)
         # (dp 1: every collective over dp takes the local path and records nothing)
         buckets = sdp.sharded_buckets
@@ -61,7 +61,8 @@ def train_parallelized(strategy: str, schedule: str, tie: bool, tp: int) -> dict
         assert st.calls("all_gather", group=dp_group) == n * len(buckets)
         assert st.bytes("all_gather", group=dp_group) == n * full_bytes
         flags = 4 * sum(len(sb.grad_bucket.params) for sb in buckets)
-        assert st.bytes("all_reduce", group=dp_group) == n * (8 + flags)
+        head = 4 if sdp.loss_scaler is None else 8
+        assert st.bytes("all_reduce", group=dp_group) == n * (head + flags)
         # not the ddp path's coalesced all-reduce: only the pipeline's 16-byte global token count
         # ([Note: pipeline loss normalization])
         assert par.stats.bytes("all_reduce", group=dp_group) == n * 16
