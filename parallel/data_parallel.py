@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext, all_reduce, broadcast
-from shardkit.kernels.flatten import ALIGN_ELEMENTS, bucket_layout, flatten_into, unflatten_from
+from shardkit.kernels.flatten import ALIGN_ELEMENTS, flatten_into, unflatten_from
 from shardkit.kernels.grad_epilogue import unscale_and_norm_
 from shardkit.kernels.layout import is_dense
 from shardkit.kernels.runtime import resolve_backend
@@ -302,8 +302,7 @@ class DataParallel(nn.Module):
     # -- construction ------------------------------------------------------------------------
     def _make_bucket(self, index: int, params: list[nn.Parameter]) -> GradBucket:
         align = ALIGN_ELEMENTS if self.gradient_as_bucket_view else 1
-        offsets, total = bucket_layout([p.numel() for p in params], align=align)
-        bucket = GradBucket(index=index, params=params, offsets=list(offsets), buffer=torch.empty(0))
+        bucket, total = GradBucket.laid_out(index, params, align=align)
         # + one used flag per param after the grads: [Note: used flags ride in the buckets]
         self._new_buffer(bucket, total + len(params), dtype=_grad_dtype(params[0]), device=params[0].device)
         return bucket

@@ -49,6 +49,8 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from shardkit.kernels.flatten import bucket_layout
+
 __all__ = ["GradBucket", "GradReducer", "TrainingState"]
 
 
@@ -91,6 +93,28 @@ class GradBucket:
     copied: set[int] = field(default_factory=set)
     views: list[torch.Tensor] = field(default_factory=list)
     used: list[bool] | None = None
+
+    @classmethod
+    def laid_out(
+        cls, index: int, params: list[torch.nn.Parameter], *, align: int, pad_to_multiple_of: int = 1
+    ) -> tuple[GradBucket, int]:
+        """The one bucket builder of DataParallel and ZeRO: ``params`` packed in order, each at an
+        ``align``-element boundary (:func:`~shardkit.kernels.flatten.bucket_layout`), the total
+        padded to ``pad_to_multiple_of`` (ZeRO: equal shards). The caller allocates ``buffer``
+        (DataParallel: the gradients and its used flags; ZeRO: a placeholder beside its flat
+        parameter buffer).
+
+        Returns:
+            ``(bucket, total)``: the bucket (empty ``buffer``) and the laid-out length in elements.
+
+        Example:
+            >>> bucket, total = GradBucket.laid_out(0, [w, b], align=4)
+            >>> bucket.offsets, total
+            ([0, 12], 15)
+        """
+        offsets, total = bucket_layout([p.numel() for p in params], align=align, pad_to_multiple_of=pad_to_multiple_of)
+        device = params[0].device if params else None
+        return cls(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device)), total
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardkit.kernels.flatten import ALIGN_ELEMENTS, Segment, bucket_layout, flatten_into, shard_segments
+from shardkit.kernels.flatten import ALIGN_ELEMENTS, Segment, flatten_into, shard_segments
 
 from ..reducer import GradBucket
 
@@ -95,8 +95,8 @@ class ShardedBucket:
             >>> sb.flat_param.numel() == 2 * sb.shard
             True
         """
-        numels = [p.numel() for p in params]
-        offsets, total = bucket_layout(numels, align=ALIGN_ELEMENTS, pad_to_multiple_of=size * ALIGN_ELEMENTS)
+        gb, total = GradBucket.laid_out(index, params, align=ALIGN_ELEMENTS, pad_to_multiple_of=size * ALIGN_ELEMENTS)
+        numels, offsets = [p.numel() for p in params], gb.offsets
         shard = total // size
         start = rank * shard
         device = params[0].device
@@ -105,7 +105,6 @@ class ShardedBucket:
         views = [flat.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, offsets)]
         for p, v in zip(params, views):
             p.data = v  # the param now lives in the bucket
-        gb = GradBucket(index=index, params=list(params), offsets=list(offsets), buffer=torch.empty(0, device=device))
         segments = shard_segments(offsets, numels, start=start, stop=start + shard)
         return cls(gb, total, shard, start, segments, flat, None, param_views=views)
 
