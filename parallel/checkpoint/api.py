@@ -22,7 +22,6 @@ import shutil
 import time
 import uuid
 import warnings
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..compose import ParallelModel
+from ..durable_files import file_crc32, fsync_dir
 from ..loss_scaler import DynamicLossScaler
 from .content import Layout, dcp_state, layout_of, merge_meta, merge_model_meta, model_meta, save_content
 from .loading import apply_load, plan_load
@@ -79,22 +79,6 @@ def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 23):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _is_checkpoint_or_empty(path: Path) -> bool:
@@ -181,7 +165,7 @@ def save_checkpoint(
         if layout.distributed:
             dist.barrier()
         files = sorted(p.name for p in tmp.iterdir())
-        sums = {f: (os.path.getsize(tmp / f), _crc32(tmp / f)) for f in files[layout.rank :: layout.size]}
+        sums = {f: (os.path.getsize(tmp / f), file_crc32(tmp / f)) for f in files[layout.rank :: layout.size]}
         sums = {k: v for part in _all_gather(layout, sums) for k, v in part.items()}
         t3 = time.perf_counter()
         if layout.rank == 0:
@@ -231,12 +215,12 @@ def _publish(tmp: Path, final: Path, layout: Layout, keys: list[str], sums: dict
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     old = final.parent / f"{final.name}.old-{tmp.name.rsplit('-', 1)[1]}"
     if final.exists():
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
     # leftovers of earlier saves that were killed (before their manifest, or between the two
     # renames): a complete checkpoint now exists at ``final``, so they are never read again
@@ -297,7 +281,7 @@ def verify_files(path: str | os.PathLike, manifest: dict[str, Any], rank: int = 
             errors.append(f"file {f}: missing")
         elif f.stat().st_size != want["bytes"]:
             errors.append(f"file {f}: {f.stat().st_size} bytes, the manifest says {want['bytes']} (truncated?)")
-        elif i % size == rank and _crc32(f) != want["crc32"]:
+        elif i % size == rank and file_crc32(f) != want["crc32"]:
             errors.append(f"file {f}: CRC-32 mismatch (corrupt)")
     return errors
 

@@ -32,6 +32,7 @@ shards and back, with the same plan.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 import re
 from dataclasses import dataclass
 
@@ -451,6 +452,17 @@ def _fused_order(style: Style, n: int, tp: int) -> torch.Tensor | None:
     return torch.arange(n).view(k, tp, n // (k * tp)).transpose(0, 1).reshape(-1)
 
 
+def _split_entries(
+    sd: dict[str, torch.Tensor], plan: dict[str, Style]
+) -> Iterator[tuple[str, torch.Tensor, Style | None, int | None]]:
+    """``(key, tensor, style, dim)`` of each state-dict entry under ``plan``: the style that
+    converts its module and the dimension it is split along (None: replicated)."""
+    styles = _styles_by_param(list(sd), plan)
+    for key, t in sd.items():
+        style = styles.get(key)
+        yield key, t, style, None if style is None else _shard_dim(style, key.rpartition(".")[2])
+
+
 def shard_state_dict(dense_sd: dict[str, torch.Tensor], plan: dict[str, Style], ctx: ParallelContext) -> dict[str, torch.Tensor]:
     """This rank's shards of a dense state dict, keyed like the tensor-parallelized model's.
 
@@ -461,11 +473,8 @@ def shard_state_dict(dense_sd: dict[str, torch.Tensor], plan: dict[str, Style], 
         >>> tp_model.load_state_dict(shard_state_dict(torch.load("dense.pt"), gpt_plan(), ctx))
     """
     tp, r = ctx.size("tp"), ctx.rank("tp")
-    styles = _styles_by_param(list(dense_sd), plan)
     out = {}
-    for key, t in dense_sd.items():
-        style = styles.get(key)
-        dim = None if style is None else _shard_dim(style, key.rpartition(".")[2])
+    for key, t, style, dim in _split_entries(dense_sd, plan):
         if dim is None:
             out[key] = t
             continue
@@ -499,11 +508,8 @@ def gather_state_dict(
         >>> dense_sd = gather_state_dict(model.state_dict(), gpt_plan(), ctx, vocab_sizes={"tok_emb.weight": 59, "head.weight": 59})
     """
     tp = ctx.size("tp")
-    styles = _styles_by_param(list(tp_sd), plan)
     out = {}
-    for key, t in tp_sd.items():
-        style = styles.get(key)
-        dim = None if style is None else _shard_dim(style, key.rpartition(".")[2])
+    for key, t, style, dim in _split_entries(tp_sd, plan):
         if dim is None:
             out[key] = t
             continue

@@ -62,6 +62,7 @@ import torch
 
 from shardkit.comm import all_reduce
 
+from ..durable_files import fsync_dir
 from .offload import CpuOffload, _piece, host_param_shards, placeholder
 
 __all__ = ["NvmeOffload", "claim_model_dir", "read_tensors", "validate_nvme_dir", "write_tensors"]
@@ -184,14 +185,6 @@ def read_tensors(path: str, specs: list[tuple[torch.dtype, tuple[int, ...]]]) ->
     return out
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 #: a sub-group's layout on disk: the master's numel, then per shard param a list of
 #: (state key, dtype, shape) of its tensors and a dict of its non-tensor state values
 Layout = tuple[int, list[tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], dict[str, Any]]]]
@@ -273,7 +266,7 @@ class NvmeOffload(CpuOffload):
                     pending.append(writer.submit(write_tensors, self._path(target, b), tensors, nvme_dir=self.nvme_dir))
                 for fut in pending:
                     fut.result()
-                _fsync_dir(os.path.join(self.root, f"slot{target}"))
+                fsync_dir(os.path.join(self.root, f"slot{target}"))
                 write_tensors(pointer + ".next", [torch.tensor([target, self.generation + 1])], nvme_dir=self.nvme_dir)
             except Exception as e:  # agreed below, so that no rank commits while another cannot
                 error = e
@@ -290,7 +283,7 @@ class NvmeOffload(CpuOffload):
                 f"their nvme_dir; nothing was committed on any rank (previous state and params unchanged)"
             )
         os.replace(pointer + ".next", pointer)  # the commit: a rename needs no free space
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self.active, self.generation, self.layouts = target, self.generation + 1, layouts
         self._dirty = {}
 
