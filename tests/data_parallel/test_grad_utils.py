@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from shardkit.parallel import clip_grad_norm_, unscale_grads_
-from shardkit.parallel.grad_utils import UnscaledGrads
+from shardkit.parallel.grad_utils import UnscaledGrads, agree_and_clip_
 from tolerances import FP32
 
 BACKENDS = ["torch", "triton"]
@@ -280,3 +280,39 @@ def test_clip_grad_norm_without_grads_and_bad_max_norm():
     for bad in (0.0, -2.0, float("nan")):
         with pytest.raises(ValueError, match="max_norm"):
             clip_grad_norm_([p], bad)
+
+
+class _AddOne:
+    """Stands in for ``all_reduce``: every other rank of the group contributes 1 per element."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, str, int]] = []
+
+    def __call__(self, t: torch.Tensor, *, group, op: str = "sum", stats=None) -> None:
+        self.calls.append((group, op, t.numel()))
+        t.add_(1.0) if op == "sum" else t.clamp_(min=1.0)
+
+
+def test_agree_and_clip_riders_travel_in_the_first_sum_group_only():
+    """Riders (ZeRO's per-param gradient flags) are summed with flag and Σg² over the first
+    partitioning group and written back; the later groups reduce only ``[flag, Σg²]``."""
+    riders = torch.tensor([1.0, 0.0, 1.0])
+    fake = _AddOne()
+    with mock.patch("shardkit.parallel.grad_utils.all_reduce", fake):
+        overflow, norm = agree_and_clip_(torch.tensor([3.0]), torch.zeros(1), sum_over=["A", None, "B"], riders=riders)
+    assert fake.calls == [("A", "sum", 5), ("B", "sum", 2)]
+    assert riders.tolist() == [2.0, 1.0, 2.0]
+    assert overflow and norm.item() == float("inf")  # another rank's flag arrived
+
+
+def test_agree_and_clip_without_a_flag_clips_by_the_agreed_norm():
+    """No loss scaler: only Σg² travels, and the grads are clipped by the GLOBAL norm with torch's
+    coefficient ``max_norm / (norm + 1e-6)``."""
+    g = torch.tensor([3.0, 4.0])
+    want = g * (1.0 / ((25.0 + 2.0) ** 0.5 + 1e-6))
+    fake = _AddOne()
+    with mock.patch("shardkit.parallel.grad_utils.all_reduce", fake):
+        overflow, norm = agree_and_clip_(torch.tensor([25.0]), sum_over=["A", "B"], max_norm=1.0, grads=[[g]], backend="torch")
+    assert fake.calls == [("A", "sum", 1), ("B", "sum", 1)] and not overflow
+    assert norm.item() == pytest.approx(27.0**0.5, rel=1e-6)
+    torch.testing.assert_close(g, want, **FP32)
