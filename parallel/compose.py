@@ -408,15 +408,16 @@ class ParallelModel:
         """Step the optimizer (skipped on an fp16 overflow agreed over dp, and with a pipeline
         over pp and tp too; the loss scaler then updated). Returns whether it stepped."""
         if self.strategy is not None:
-            return self.strategy.step(optimizer)
-        if self.pipeline is not None and self.loss_scaler is not None:
+            stepped = self.strategy.step(optimizer)
+        elif self.pipeline is not None and self.loss_scaler is not None:
             # [Note: fp16 loss scaling through the pipeline]: unscaled and agreed once per step
             overflow, _ = self._pp_state if self._pp_state is not None else self._unscale_and_clip(None)
             self._pp_state = None
             stepped = step_unless_overflow(optimizer.step, overflow, self.loss_scaler)
-            self.skipped_steps += int(not stepped)
-            return stepped
-        return step_unless_overflow(optimizer.step, False, None)
+        else:
+            stepped = step_unless_overflow(optimizer.step, False, None)
+        self.skipped_steps += int(not stepped)  # every layout's count (the report's, too)
+        return stepped
 
     def report(self, optimizer: Any = None) -> StrategyReport:
         """This rank's memory by category and communication so far."""

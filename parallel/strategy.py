@@ -175,7 +175,7 @@ class Strategy(ABC):
                 self._overflow = report.overflow
                 norm = torch.tensor(report.grad_norm)
             elif max_norm is not None:
-                norm = clip_grad_norm_(self.model.parameters(), max_norm, norm_group=self.norm_group())
+                norm = clip_grad_norm_(self.model.parameters(), max_norm)  # replicated grads: the local norm is global
             self._finalized = True
         return norm
 
@@ -207,10 +207,6 @@ class Strategy(ABC):
     # ---- what subclasses vary --------------------------------------------------------------
     def overflow_group(self) -> Any:
         """Ranks that must agree on an fp16 overflow (None: this process alone)."""
-        return None
-
-    def norm_group(self) -> Any:
-        """Ranks across which gradients are partitioned, whose squared norms add (None: replicated)."""
         return None
 
     def grad_buffers(self) -> list[torch.Tensor]:

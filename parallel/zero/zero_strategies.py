@@ -155,12 +155,6 @@ class _ZeroStrategy(Strategy):
         self._overflow = False
         return not optimizer.last_step_skipped
 
-    def overflow_group(self) -> Any:
-        return self.ctx.group("dp")
-
-    def norm_group(self) -> Any:
-        return self.ctx.group("dp")  # gradients are partitioned: squared norms add over dp
-
     def report(self, optimizer: Any = None) -> StrategyReport:
         model = self._require_model()
         mem = model.memory_report()
