@@ -1,4 +1,4 @@
-"""The model, batches and helpers shared by the DataParallel tests (test_data_parallel*.py)."""
+"""The model, batches and helpers shared by the DataParallel tests (tests/data_parallel/test_data_parallel_*.py)."""
 
 from __future__ import annotations
 

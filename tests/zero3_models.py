@@ -1,4 +1,4 @@
-"""The small ZeRO-3 model, batches and replica check shared by the stage-3 tests (tests/test_zero3*.py, test_zero_sync_check.py)."""
+"""The small ZeRO-3 model, batches and replica check shared by the stage-3 tests (tests/zero/test_zero3_*.py, test_zero_sync_check.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DataParallel over NCCL on 2 GPUs vs a single-process reference (``make test-gpu``).
 
-The gloo tests (tests/data_parallel/test_data_parallel.py) run the CPU path; this one runs what production
+The gloo tests (tests/data_parallel/test_data_parallel_trains_like_one_process.py) run the CPU path; this one runs what production
 runs: NCCL, CUDA tensors, the compiled Triton flatten/copy-back kernels, the fused fp16 unscale,
 and the training loop's strategy interface. Skipped cleanly with fewer than 2 GPUs.
 

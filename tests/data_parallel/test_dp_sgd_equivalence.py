@@ -1,7 +1,7 @@
 """DataParallel + plain SGD equals single-process SGD on the same global batch, step by step.
 
 AdamW's update is nearly invariant to a constant gradient scale (m / sqrt(v)), so the AdamW
-equivalence tests in ``test_data_parallel.py`` cannot see a wrong averaging factor. Plain SGD
+equivalence tests in ``test_data_parallel_trains_like_one_process.py`` cannot see a wrong averaging factor. Plain SGD
 (no momentum, no weight decay) moves each parameter by exactly ``lr * grad``: a grad that is the
 dp-*sum* instead of the dp-*average* (a dropped ``/ dp``), or one averaged twice, changes the
 parameters by a factor of ``dp`` after the first step. The grads themselves are compared too.

@@ -4,7 +4,7 @@ For random shapes (0-d, 0 and 1 element, odd sizes, more elements than the kerne
 (fp32, and fp16/bf16 with and without fp32 master weights), grad dtypes, hyper-parameters and
 numbers of tensors, the Triton kernel (interpreted) and the torch fast path agree with each other
 and with an fp32 reference (``torch.optim`` or the written-out references in
-``test_optimizers.py``).
+``test_fused_optimizers_match_torch.py``).
 
 Interpreter cost is per program instance, so tensors stay small; "more elements than BLOCK" is
 reached by drawing a small BLOCK for the launch-config function (patched where the launcher

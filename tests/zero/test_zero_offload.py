@@ -1,7 +1,7 @@
 """ZeRO-Offload (``offload="cpu"``) and NVMe offload (``offload="nvme"``) against ``offload=None``.
 
 Every body trains the same model twice on the same dp ranks, once without offload (the path
-tests/zero/test_zero.py checks against one process) and once with, and requires the params to be
+tests/zero/test_zero12_trains_like_one_process.py checks against one process) and once with, and requires the params to be
 BITWISE equal after every step: the offloaded step must do the same arithmetic on the same
 fp32 values, only elsewhere. fp32 runs are also compared with a single-process replica
 (tolerance FP32). Plus: the memory report against the written-out formula, state_dict round

@@ -2,7 +2,7 @@
 
 [Note: gradient copies overlapped with backward] in parallel/zero/offload.py. Each test trains
 the same model with ``offload=None`` (the device epilogue, itself checked against one process in
-tests/zero/test_zero.py) and with offload, on the same 2 gloo ranks, and requires:
+tests/zero/test_zero12_trains_like_one_process.py) and with offload, on the same 2 gloo ranks, and requires:
 
 * the order of events: bucket k's host copy is issued after its reduce-scatter and before the
   LAST bucket's reduce-scatter is launched (≥ 3 buckets), every copy before backward returns;

@@ -245,7 +245,7 @@ def _checkpoint(tmp: str, dtype: torch.dtype) -> None:
         want = sdp.full_state_dict()
         for params, offload in loaders:
             # "stage2": the checkpoint resharded into another stage (other buckets: equal within
-            # the one-process tolerance, as tests/checkpoint/test_checkpoint.py's stage changes)
+            # the one-process tolerance, as tests/checkpoint/test_checkpoint_resume_reshard_corruption.py's stage changes)
             sdp2, opt2 = build(params, "cpu", 2) if offload == "stage2" else build(params, offload)
             assert load_checkpoint(path, sdp2, opt2) == {"step": 3}
             train(sdp2, opt2, range(3, 6))

@@ -104,7 +104,7 @@ def _cli_eval_losses(name: str, args: list[str], tmp_path: Path) -> list[float]:
 @pytest.mark.slow  # starts its own processes: run first (conftest.py)
 def test_cli_train_zero2_and_zero3_two_processes_match_the_single_process(tmp_path: Path) -> None:
     """``shardkit train --nproc 2 --strategy zero2|zero3`` (2 ranks x 4 rows) against one process
-    on the same 8-row global batch (the ddp CLI run is compared with it in test_train.py)."""
+    on the same 8-row global batch (the ddp CLI run is compared with it in test_demo_trainer_and_cli.py)."""
     single = _cli_eval_losses("single", ["--batch-size", "8"], tmp_path)
     for zero in ("zero2", "zero3"):
         ours = _cli_eval_losses(zero, ["--nproc", "2", "--strategy", zero, "--batch-size", "4"], tmp_path)

@@ -4,7 +4,7 @@ Every expectation is computed independently: ``p.grad * inv_scale``, the L2 norm
 concatenated unscaled grads, ``torch.nn.utils.clip_grad_norm_`` on a copy. The collectives
 over ``group`` (overflow, ``max``) and ``norm_group`` (Σg², ``sum``) are replaced by a fake
 that plays the other rank, so which tensor goes to which group with which op is checked
-without processes (the real all-reduces run in tests/data_parallel/test_data_parallel.py).
+without processes (the real all-reduces run in tests/data_parallel/test_data_parallel_trains_like_one_process.py).
 """
 
 from __future__ import annotations
