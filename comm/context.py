@@ -265,7 +265,16 @@ class ParallelContext:
             for var in ("MASTER_ADDR", "MASTER_PORT"):
                 if var not in env:
                     raise RuntimeError(f"environment variable {var} is not set (launch with torchrun)")
-        cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp)  # before any process group exists
+        try:
+            cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp)  # before any process group exists
+        except ValueError as e:
+            if "WORLD_SIZE" in env or not all(type(v) is int and v >= 1 or v == -1 for v in (dp, tp, pp)):
+                raise
+            raise ValueError(
+                f"{e}: this process was not started by torchrun (no RANK/WORLD_SIZE in the environment), so it "
+                f"is a one-process world; launch it with `torchrun --nproc-per-node {pp * tp if dp == -1 else pp * tp * dp} "
+                "your_script.py`"
+            ) from None
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         device_id = None

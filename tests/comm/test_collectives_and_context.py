@@ -780,3 +780,13 @@ def _p2p_defaults_body() -> None:
 
 def test_send_recv_default_to_blocking_and_refuse_self(dist_pool):
     dist_pool.run(_p2p_defaults_body, world_size=2)
+
+
+def test_from_env_without_torchrun_says_how_to_launch(monkeypatch) -> None:
+    """A tp/pp layout started with plain ``python`` is a one-process world: the error says to use
+    torchrun, with the process count the layout needs, before any process group exists."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match=r"not started by torchrun.*torchrun --nproc-per-node 4 your_script\.py"):
+        ParallelContext.from_env(tp=2, pp=2)
+    assert not torch.distributed.is_initialized()
