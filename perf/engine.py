@@ -1,7 +1,7 @@
 """``shardkit.initialize`` vs ``deepspeed.initialize``: seed 002's ZeRO-2 config, a Hugging Face GPT-2
 built from config, 2 gloo ranks on the CPU — step time and model-state memory per rank.
 
-Both engines get the same config dict (``tests/configs/zero2_config_accelerate.json``, its "auto"
+Both engines get the same config dict (``shardkit/examples/zero2_config_accelerate.json``, its "auto"
 values filled as Hugging Face's Trainer fills them; DeepSpeed reads no "auto"), the same model
 (same seed) and the same batches; the loop is the DeepSpeed loop, only the engine differs:
 ``loss = engine(input_ids=x, labels=x).loss; engine.backward(loss); engine.step()``. Steps of
@@ -31,7 +31,9 @@ import torch
 
 from bench_workers import machine_info, run_workers, worker_env
 
-CONFIG = Path(__file__).resolve().parent.parent / "tests" / "configs" / "zero2_config_accelerate.json"
+from shardkit.examples import config_path
+
+CONFIG = config_path("zero2_config_accelerate.json")
 ENGINES = ("shardkit", "deepspeed")
 CATEGORIES = ("params", "grads", "master_params", "optimizer_state")
 
@@ -214,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "params": raw["n_params"],
         "model": f"transformers GPT2LMHeadModel from config: n_embd={args.d_model} n_layer={args.n_layers} "
         f"n_head={args.n_heads} vocab={args.vocab} seq_len={args.seq_len} (tied), batch/rank={args.batch}",
-        "config": "tests/configs/zero2_config_accelerate.json (seed 002), auto values filled"
+        "config": "shardkit/examples/zero2_config_accelerate.json (seed 002), auto values filled"
         + ("" if args.precision == "config" else ", fp16.enabled=false"),
         "settings": {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats, "precision": args.precision},
         "units": {

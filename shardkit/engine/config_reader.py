@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardkit.examples import EXAMPLE_CONFIGS, config_path
+
 from ._reader import MISSING, Reader, to_bool, to_float, to_int
 from .deepspeed_keys import IGNORED_KEYS, UNSUPPORTED_KEYS
 from .resolved import (
@@ -90,8 +92,13 @@ def load_raw(config: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         return dict(pairs)
 
     path = Path(config)
+    if not path.is_file() and path.name == str(config) and path.name in EXAMPLE_CONFIGS:
+        path = config_path(path.name)  # a shipped example, named without a directory
     if not path.is_file():
-        raise ValueError(f"config: {str(config)!r} is not a file (pass a path to a JSON file or a dict)")
+        raise ValueError(
+            f"config: {str(config)!r} is not a file (pass a path to a JSON file, a dict, or the name of a "
+            f"shipped example: {', '.join(EXAMPLE_CONFIGS)})"
+        )
     try:
         return json.loads(path.read_text(), object_pairs_hook=no_duplicates)
     except json.JSONDecodeError as e:

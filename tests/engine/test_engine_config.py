@@ -1,6 +1,6 @@
 """DeepSpeed-style configs: seed 002's two configs, every error naming its key, DeepSpeed's batch rule.
 
-tests/configs/*_accelerate.json are seed 002's configs copied verbatim (the Accelerate blog's
+shardkit/examples/*_accelerate.json are seed 002's configs copied verbatim (the Accelerate blog's
 zero2_config_accelerate.json and zero3_offload_config_accelerate.json). The batch-size triple is
 checked against a written-out rule and, when deepspeed is installed, against DeepSpeed's own
 ``DeepSpeedConfig`` (its process-group queries patched to a fake world size).
@@ -19,11 +19,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardkit.examples import config_path
 from shardkit.engine import WarmupDecayLR, load_config
 from shardkit.kernels import FusedAdam, FusedAdamW
 from shardkit.parallel import DynamicLossScaler
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = config_path("zero2_config_accelerate.json").parent
 ZERO2 = CONFIGS / "zero2_config_accelerate.json"
 ZERO3 = CONFIGS / "zero3_offload_config_accelerate.json"
 # what the blog's Trainer/Accelerate run supplies for the "auto"s
@@ -485,3 +486,17 @@ def test_config_check_offload_set_and_errors(capsys) -> None:
     assert rc == 0
     rc, _, err = _check([str(ZERO2), "--params", "lots"], capsys)
     assert rc == 2 and "not a parameter count" in err
+
+
+def test_a_shipped_config_is_found_by_its_name_from_any_directory(tmp_path, monkeypatch) -> None:
+    """``config="zero2_config_accelerate.json"`` works after ``pip install``, from any directory;
+    a local file of that name wins; another missing name lists the shipped ones."""
+    monkeypatch.chdir(tmp_path)
+    by_name = load_config("zero2_config_accelerate.json", world_size=2, **AUTO)
+    assert by_name == load_config(str(ZERO2), world_size=2, **AUTO)
+    local = json.loads(ZERO2.read_text())
+    local["zero_optimization"]["stage"] = 1
+    (tmp_path / "zero2_config_accelerate.json").write_text(json.dumps(local))
+    assert load_config("zero2_config_accelerate.json", world_size=2, **AUTO).zero.stage == 1
+    with pytest.raises(ValueError, match="not a file.*zero2_config_accelerate.json, zero3_offload_config_accelerate.json"):
+        load_config("zero4_config.json", world_size=2, **AUTO)

@@ -1,4 +1,4 @@
-"""``shardkit.initialize``: seed 002's DeepSpeed configs (tests/configs/) train a Hugging Face GPT-2
+"""``shardkit.initialize``: seed 002's DeepSpeed configs (shipped in shardkit/examples/) train a Hugging Face GPT-2
 built from config on 2 gloo ranks.
 
 References are independent of the engine: a plain single-process torch loop (``torch.optim.AdamW``,
@@ -19,13 +19,14 @@ from unittest import mock
 import pytest
 import torch
 
+from shardkit.examples import config_path
 from shardkit.comm import ParallelContext
 from distributed import forbid_collectives
 from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
 
 transformers = pytest.importorskip("transformers")
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = config_path("zero2_config_accelerate.json").parent
 ZERO2, ZERO3 = "zero2_config_accelerate.json", "zero3_offload_config_accelerate.json"
 VOCAB, SEQ, MICRO, GAS, STEPS = 128, 16, 2, 2, 5
 AUTO = dict(

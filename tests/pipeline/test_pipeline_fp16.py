@@ -146,7 +146,7 @@ FP16 = {
     "initial_scale_power": 15,
     "hysteresis": 2,
     "min_loss_scale": 1,
-}  # fmt: skip  (tests/configs/zero2_config_accelerate.json's fp16 section)
+}  # fmt: skip  (shardkit/examples/zero2_config_accelerate.json's fp16 section)
 
 
 def _mlp(seed: int = 0) -> torch.nn.Sequential:
