@@ -15,16 +15,24 @@ Example:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import fields
+from pathlib import Path
 
 import shardkit
 from shardkit.bench import BENCHMARKS
 from shardkit.bench import run as run_benchmark
 from shardkit.train.config import TrainConfig, add_arguments, from_args, to_argv
+from shardkit.train.worker_logs import failure_report, rank_stderr
+
+#: more CPU ranks per core than this is refused by ``shardkit train`` (see ``_check_cores``)
+MAX_RANKS_PER_CORE = 4
 
 __all__ = ["build_parser", "launch", "main", "run_consolidate", "run_plan"]
 
@@ -199,7 +207,9 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.nproc > 1:  # with nproc == 1, train() validates against the world it runs in (torchrun's)
         cfg.validate()
     # Before starting any worker: local rank r would take cuda:r, so N ranks need N GPUs here.
-    check_device(cfg.device, ranks_per_node=cfg.nproc)
+    device = check_device(cfg.device, ranks_per_node=cfg.nproc)
+    if _check_cores(cfg, device):
+        print(f"shardkit train: warning: {cfg.nproc} ranks share {_cpu_count()} CPU cores: steps will be slow", file=sys.stderr)
     if cfg.nproc == 1:
         from shardkit.train import train
 
@@ -207,12 +217,17 @@ def launch(cfg: TrainConfig) -> int:
         return 0
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // cfg.nproc)))
+    log_dir = Path(tempfile.mkdtemp(prefix="shardkit-train-"))
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={cfg.nproc}",
+        # every worker's stderr to its own file, read once below: one copy of a warning, one line
+        # per failed rank instead of N interleaved tracebacks (shardkit/train/worker_logs.py)
+        "--redirects=2",
+        f"--log-dir={log_dir}",
         # Workers get no --nproc (so each trains in process); torchrun's parser also scans the
         # script's flags and would reject --nproc as an ambiguous prefix of --nproc-per-node.
         "-m",
@@ -220,7 +235,41 @@ def launch(cfg: TrainConfig) -> int:
         "train",
         *to_argv(cfg, skip={"nproc"}),
     ]
-    return subprocess.run(cmd, env=env, check=False).returncode
+    run = subprocess.run(cmd, env=env, check=False, stderr=subprocess.PIPE, text=True)
+    if run.returncode == 0:
+        sys.stderr.write(rank_stderr(log_dir, 0))  # warnings once (rank 0's), not once per rank
+        shutil.rmtree(log_dir, ignore_errors=True)
+    else:
+        report = failure_report(log_dir, cfg.nproc)
+        print(f"shardkit train: {report}", file=sys.stderr)
+        if not report[0].isdigit():  # no worker traceback: torchrun's own account of what happened
+            print(f"(torchrun: {_tail(run.stderr, 8)})", file=sys.stderr)
+    return run.returncode
+
+
+def _tail(text: str, n: int) -> str:
+    """The last ``n`` non-empty lines of ``text``, joined with `` / ``."""
+    return " / ".join([line.strip() for line in text.splitlines() if line.strip()][-n:])
+
+
+def _check_cores(cfg: TrainConfig, device: str) -> bool:
+    """Whether CPU ranks oversubscribe the cores (more ranks than cores: slow, warned about by
+    :func:`launch`); more than :data:`MAX_RANKS_PER_CORE` per core is an error before anything
+    starts (each rank would get a sliver of a core: minutes per step).
+
+    Args:
+        cfg: the run.
+        device: ``check_device``'s answer, ``"cpu"`` or ``"cuda"``.
+    """
+    cores = _cpu_count()
+    if device != "cpu" or cfg.nproc <= cores:
+        return False
+    if cfg.nproc > MAX_RANKS_PER_CORE * cores:
+        raise ValueError(
+            f"--nproc {cfg.nproc} on {cores} CPU cores: at most {MAX_RANKS_PER_CORE * cores} ranks "
+            f"({MAX_RANKS_PER_CORE} per core) train at a usable speed here"
+        )
+    return True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,12 +367,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a torchrun worker runs with nproc=1 (see launch) in a world of WORLD_SIZE ranks
         world = int(os.environ.get("WORLD_SIZE", "1")) if cfg.nproc == 1 else cfg.nproc
         cfg.validate(world_size=world)
-        check_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
+        device = check_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
+        _check_cores(cfg, device)  # far more ranks than CPU cores: likewise
         if cfg.config:  # the config's own errors (unknown key, unfilled "auto") before any worker starts
             from shardkit.engine import load_config
             from shardkit.train.engine_loop import auto_values
 
-            load_config(cfg.config, world_size=world, **auto_values(cfg))
+            # quietly: the run itself loads the config again and reports its ignored keys once
+            engine_log = logging.getLogger("shardkit.engine")
+            previous, engine_log.disabled = engine_log.disabled, True
+            try:
+                load_config(cfg.config, world_size=world, **auto_values(cfg))
+            finally:
+                engine_log.disabled = previous
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     return launch(cfg)

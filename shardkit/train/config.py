@@ -146,6 +146,12 @@ class TrainConfig:
     eval_iters: int = _opt(8, "fixed validation batches per estimate", _LOG, metavar="N")
     sample: int = _opt(0, "print a generated sample of CHARS characters at the end", _LOG, metavar="CHARS")
     log_json: str | None = _opt(None, "write the config, loss curves and per-rank summaries here", _LOG, metavar="PATH")
+    plot: str | None = _opt(
+        None,
+        "draw the loss curves and per-rank memory vs the planner into this .png/.svg/.pdf (needs matplotlib)",
+        _LOG,
+        metavar="PATH",
+    )
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first invalid field.
@@ -230,8 +236,24 @@ class TrainConfig:
                 )
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs --schedule interleaved")
+        for flag, path in (("--log-json", self.log_json), ("--plot", self.plot)):
+            if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"{flag} {path!r}: the directory {os.path.dirname(os.path.abspath(path))!r} does not exist")
+        if self.plot is not None:
+            from shardkit.train.run_plot import check_plot_path
+
+            check_plot_path(self.plot)
         if self.offload == "nvme" and not self.nvme_dir:
             raise ValueError("offload=nvme needs --nvme-dir DIR")
+        if self.offload == "nvme":  # missing or read-only: said here, before any worker starts
+            from shardkit.parallel.zero.nvme import validate_nvme_dir
+
+            try:
+                validate_nvme_dir(self.nvme_dir)
+            except ValueError as e:
+                raise ValueError(f"--nvme-dir: {e}") from None
+        if self.schedule == "interleaved" and self.pp > 1 and self.virtual_stages == 1:
+            raise ValueError("--schedule interleaved needs --virtual-stages V >= 2 (stages per rank; with V = 1 it is 1f1b)")
         if self.offload != "none" and not self.strategy.startswith("zero"):
             raise ValueError(f"offload={self.offload} needs --strategy zero1, zero2 or zero3")
 

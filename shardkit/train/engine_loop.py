@@ -45,7 +45,8 @@ from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
 
 from .config import TrainConfig
-from .progress import ProgressBar, fmt_bytes, fmt_memory_vs_plan
+from .run_plot import plot_run
+from .progress import fmt_rank_summary, fmt_total_throughput, ProgressBar, fmt_memory_vs_plan
 
 __all__ = ["auto_values", "build_model", "train_from_config"]
 
@@ -180,7 +181,7 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
         FloatingPointError: the eval loss became NaN/inf (fp32/bf16).
 
     Example:
-        >>> train(TrainConfig(config="tests/configs/zero2_config_accelerate.json", steps=10))
+        >>> train(TrainConfig(config="zero2_config_accelerate.json", steps=10))
     """
     from shardkit.engine.model_layout import axis_sizes
 
@@ -289,7 +290,9 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
     summary: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
-        "final_train_loss": sum(tail) / len(tail),
+        "final_train_loss": train_losses[-1],  # this rank's last step
+        "mean_train_loss": sum(tail) / len(tail),  # and its mean over the last <= 10 steps
+        "tail_steps": len(tail),
         "final_eval_loss": evals[-1][1],
         "tokens_per_s": cfg.steps * tokens_per_step / train_time,
         "train_time_s": train_time,
@@ -312,6 +315,10 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
         result["ranks"] = gathered or []
     if rank == 0:
         _print_summary(cfg, ecfg, result["ranks"], n_params)
+        if cfg.plot:
+            title = f"{cfg.model} {n_params / 1e6:.2f}M params, {cfg.config} (ZeRO-{stage}, {dtype}), {cfg.steps} steps"
+            plot_run(cfg.plot, title=title, train_loss=train_losses, evals=evals, ranks=result["ranks"])
+            print(f"plot: {cfg.plot}")
         if cfg.log_json:
             log = {
                 "config": asdict(cfg),
@@ -349,13 +356,8 @@ def _print_summary(cfg: TrainConfig, ecfg: Any, ranks: list[dict[str, Any]], n_p
     )
     for s in ranks:
         scale = f" | loss scale {s['loss_scale']:g}, {s['skipped_steps']} skipped" if s["loss_scale"] is not None else ""
-        print(
-            f"rank {s['rank']} | train loss {s['final_train_loss']:.4f} | eval loss {s['final_eval_loss']:.4f} | "
-            f"{s['tokens_per_s'] / 1e3:.1f}k tok/s | wall {s['wall_time_s']:.1f} s | "
-            f"params {fmt_bytes(s['param_bytes'])} | grads {fmt_bytes(s['grad_bytes'])} | "
-            f"optim state {fmt_bytes(s['optim_state_bytes'])}{scale}"
-        )
+        print(fmt_rank_summary(s) + scale)
         print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")  # engine.memory_report() vs plan_memory
     if len(ranks) > 1:
-        print(f"total  | {sum(s['tokens_per_s'] for s in ranks) / 1e3:.1f}k tok/s over {len(ranks)} ranks")
+        print(fmt_total_throughput(ranks, ecfg.tensor_parallel.size * ecfg.pipeline.stages))
     sys.stdout.flush()

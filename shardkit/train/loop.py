@@ -39,7 +39,8 @@ from shardkit.parallel.zero import plan_memory
 from .config import Precision, TrainConfig
 from .device import resolve_device
 from .engine_loop import build_model
-from .progress import ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan
+from .run_plot import plot_run
+from .progress import fmt_rank_summary, fmt_total_throughput, ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan
 from .schedule import lr_at
 
 __all__ = ["TrainResult", "make_loss_scaler", "planned_memory", "train"]
@@ -245,9 +246,14 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     ]
 
     bar = ProgressBar(cfg.steps, enabled=rank == 0)
+    options = "".join(
+        f" {name}={value}" for name, value in (("checkpointing", cfg.checkpointing), ("offload", cfg.offload)) if value != "none"
+    )
+    scaler = par.loss_scaler
+    scale = f" (dynamic loss scale from {scaler.scale:g})" if scaler is not None else ""
     bar.write(
-        f"{cfg.model} {n_params / 1e6:.2f}M params | strategy={cfg.strategy}{_layout(cfg, dp_size)} world={world} {cfg.precision} "
-        f"{device.type} | {cfg.steps} steps x {cfg.batch_size * dp_size} seqs x {cfg.seq_len} tokens"
+        f"{cfg.model} {n_params / 1e6:.2f}M params | strategy={cfg.strategy}{_layout(cfg, dp_size)}{options} world={world} "
+        f"{cfg.precision}{scale} {device.type} | {cfg.steps} steps x {cfg.batch_size * dp_size} seqs x {cfg.seq_len} tokens"
     )
     losses: list[torch.Tensor] = []  # this rank's micro-batch losses, kept on device (no sync)
     lrs: list[float] = []
@@ -283,7 +289,8 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
             if not math.isfinite(evals[-1][1]) and cfg.precision != "fp16":
                 raise FloatingPointError(f"rank {rank}: eval loss is {evals[-1][1]} at step {step}")
             width = len(str(cfg.steps))
-            bar.write(f"step {step:>{width}}: train loss {float(losses[-1]):.4f} | eval loss {evals[-1][1]:.4f}")
+            now = f" | loss scale {scaler.scale:g}, {par.skipped_steps} skipped" if scaler is not None else ""
+            bar.write(f"step {step:>{width}}: train loss {float(losses[-1]):.4f} | eval loss {evals[-1][1]:.4f}{now}")
         bar.update(step, loss=losses[-1], tokens_per_s=step * tokens_per_step / train_time, elapsed=train_time)
     bar.close()
 
@@ -293,7 +300,9 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     summary: dict[str, Any] = {
         "rank": rank,
         "world_size": world,
-        "final_train_loss": sum(tail) / len(tail),  # this rank's mean over the last <= 10 steps
+        "final_train_loss": train_losses[-1],  # this rank's last step
+        "mean_train_loss": sum(tail) / len(tail),  # and its mean over the last <= 10 steps
+        "tail_steps": len(tail),
         "final_eval_loss": evals[-1][1],
         "tokens_per_s": cfg.steps * tokens_per_step / train_time,  # this rank's tokens, train time only
         "train_time_s": train_time,
@@ -323,6 +332,10 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         result.ranks = gathered or []
     if rank == 0:
         _print_summary(cfg, result.ranks, n_params)
+        if cfg.plot:
+            title = f"{cfg.model} {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, dp_size)}, {cfg.steps} steps"
+            plot_run(cfg.plot, title=title, train_loss=train_losses, evals=evals, ranks=result.ranks)
+            print(f"plot: {cfg.plot}")
         if cfg.log_json:
             log = {"config": asdict(cfg), "params": n_params, "train_loss": train_losses, "lr": lrs, "eval": evals}
             with open(cfg.log_json, "w") as f:
@@ -345,15 +358,13 @@ def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int)
     )
     for s in ranks:
         print(
-            f"rank {s['rank']} | train loss {s['final_train_loss']:.4f} | eval loss {s['final_eval_loss']:.4f} | "
-            f"{s['tokens_per_s'] / 1e3:.1f}k tok/s | wall {s['wall_time_s']:.1f} s | "
-            f"params {fmt_bytes(s['param_bytes'])} | grads {fmt_bytes(s['grad_bytes'])} | "
-            f"optim state {fmt_bytes(s['optim_state_bytes'])}"
+            fmt_rank_summary(s)
             + (f" (+ {fmt_bytes(s['offloaded_bytes'])} offloaded)" if s.get("offloaded_bytes") else "")
+            + (f" | loss scale {s['loss_scale']:g}, {s['skipped_steps']} skipped" if s["loss_scale"] is not None else "")
             + f" | comm {fmt_comm(s['comm'])}"
         )
         if s.get("plan"):
             print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")
     if len(ranks) > 1:
-        print(f"total  | {sum(s['tokens_per_s'] for s in ranks) / 1e3:.1f}k tok/s over {len(ranks)} ranks")
+        print(fmt_total_throughput(ranks, cfg.tp * cfg.pp))
     sys.stdout.flush()

@@ -24,12 +24,47 @@ def fmt_time(seconds: float) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    """Binary-prefixed size, e.g. ``fmt_bytes(3 * 2**20) == "3.00 MB"``."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+    """Binary-prefixed size (2^10 steps, labelled so), e.g. ``fmt_bytes(3 * 2**20) == "3.00 MiB"``.
+    (``shardkit plan`` prints the ZeRO paper's decimal GB/MB, 10^9 / 10^6 bytes.)"""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} GB"
+    return f"{n:.2f} GiB"
+
+
+def fmt_rank_summary(s: dict[str, Any]) -> str:
+    """One rank's summary row: last-step and recent-mean train loss, eval loss, throughput, memory.
+
+    Example:
+        >>> fmt_rank_summary(dict(rank=0, final_train_loss=2.0, mean_train_loss=2.1, tail_steps=10,
+        ...     final_eval_loss=2.2, tokens_per_s=5e3, wall_time_s=3.0, param_bytes=2**20,
+        ...     grad_bytes=2**20, optim_state_bytes=2**21))[:58]
+        'rank 0 | train loss 2.0000 (mean of last 10: 2.1000) | eval'
+    """
+    return (
+        f"rank {s['rank']} | train loss {s['final_train_loss']:.4f} (mean of last {s['tail_steps']}: "
+        f"{s['mean_train_loss']:.4f}) | eval loss {s['final_eval_loss']:.4f} | "
+        f"{s['tokens_per_s'] / 1e3:.1f}k tok/s | wall {s['wall_time_s']:.1f} s | "
+        f"params {fmt_bytes(s['param_bytes'])} | grads {fmt_bytes(s['grad_bytes'])} | "
+        f"optim state {fmt_bytes(s['optim_state_bytes'])}"
+    )
+
+
+def fmt_total_throughput(ranks: list[dict[str, Any]], model_parallel: int) -> str:
+    """The job's training throughput, each token counted once: the ranks of one model replica
+    (``model_parallel`` = tp × pp of them) process the same tokens, so the sum over ranks is
+    divided by it.
+
+    Example:
+        >>> fmt_total_throughput([{"tokens_per_s": 4e3}] * 4, model_parallel=2)
+        'total  | 8.0k tok/s over 2 data-parallel replicas (4 ranks, tp x pp = 2)'
+    """
+    replicas = len(ranks) // model_parallel
+    total = sum(s["tokens_per_s"] for s in ranks) / model_parallel
+    layout = f" ({len(ranks)} ranks, tp x pp = {model_parallel})" if model_parallel > 1 else ""
+    noun = "replica" if replicas == 1 else "replicas"
+    return f"total  | {total / 1e3:.1f}k tok/s over {replicas} data-parallel {noun}{layout}"
 
 
 class ProgressBar:
@@ -109,7 +144,7 @@ class ProgressBar:
 
 
 def fmt_comm(comm: dict[str, Any] | None) -> str:
-    """One line for a ``CommStats.summary()``: ``"all_reduce 3.00 MB in 5 calls"`` (``-`` for None)."""
+    """One line for a ``CommStats.summary()``: ``"all_reduce 3.00 MiB in 5 calls"`` (``-`` for None)."""
     if not comm:
         return "-"
     parts = []
@@ -133,7 +168,7 @@ def fmt_memory_vs_plan(measured: dict[str, Any], plan: dict[str, Any]) -> str:
         ...                     "transient_bytes": None},
         ...                    {"stage": "DDP", "param_bytes": 2**20, "grad_bytes": 2**20,
         ...                     "optim_state_bytes": 2**21, "transient_bytes": None, "total_bytes": 2**22})
-        'memory measured (planner DDP): params 1.00 MB (1.00 MB) | grads 1.00 MB (1.00 MB) | optim 2.00 MB (2.00 MB) | total 4.00 MB (4.00 MB, +0.0%)'
+        'memory measured (planner DDP): params 1.00 MiB (1.00 MiB) | grads 1.00 MiB (1.00 MiB) | optim 2.00 MiB (2.00 MiB) | total 4.00 MiB (4.00 MiB, +0.0%)'
     """
     parts, total = [], 0
     for key, name in _MEMORY:

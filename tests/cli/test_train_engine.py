@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from shardkit.examples import config_path
 from shardkit.train.config import TrainConfig
 
 pytestmark = pytest.mark.slow  # starts its own processes: run first (conftest.py)
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = config_path("zero2_config_accelerate.json").parent
 ZERO2, ZERO3 = CONFIGS / "zero2_config_accelerate.json", CONFIGS / "zero3_offload_config_accelerate.json"
 LR, WARMUP, STEPS = 3e-3, 3, 6
 COMMON = ["--steps", str(STEPS), "--eval-every", "3", "--d-model", "32", "--n-layers", "2", "--n-heads", "2"]

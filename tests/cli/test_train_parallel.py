@@ -79,6 +79,11 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
         (dict(virtual_stages=2), "interleaved"),
         (dict(offload="cpu", strategy="ddp", nproc=2), "offload"),
         (dict(offload="nvme", strategy="zero2", nproc=2), "nvme-dir"),
+        (
+            dict(offload="nvme", strategy="zero2", nproc=2, nvme_dir="/no/such/dir"),
+            "--nvme-dir: nvme_dir '/no/such/dir' does not exist",
+        ),
+        (dict(nproc=2, pp=2, schedule="interleaved"), "--virtual-stages V >= 2"),
         (dict(nproc=2, tp=2, n_heads=3, d_model=48), "n_heads"),
         (dict(sequence_parallel=True), "sequence_parallel"),
         (dict(nproc=2, tp=2, seq_len=33, sequence_parallel=True), "seq_len=33"),
