@@ -3,6 +3,8 @@ throughput with each token counted once however the model is split."""
 
 from __future__ import annotations
 
+import pytest
+
 from shardkit.train.progress import fmt_bytes, fmt_rank_summary, fmt_total_throughput
 
 
@@ -29,3 +31,29 @@ def test_rank_row_shows_last_step_and_recent_mean() -> None:
     )  # fmt: skip
     assert row.startswith("rank 1 | train loss 1.5000 (mean of last 4: 1.7500) | eval loss 1.8000 | 2.5k tok/s")
     assert "params 1.00 MiB | grads 512.00 KiB | optim state 2.00 MiB" in row
+
+
+def test_plot_flag_draws_the_run(tmp_path) -> None:
+    """``shardkit train --plot`` writes a PNG of the run; a bad extension is refused up front."""
+    from shardkit.cli import main
+
+    out = tmp_path / "run.png"
+    args = [
+        "train",
+        "--steps",
+        "3",
+        "--d-model",
+        "32",
+        "--n-layers",
+        "1",
+        "--seq-len",
+        "32",
+        "--eval-every",
+        "3",
+        "--device",
+        "cpu",
+    ]
+    assert main([*args, "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with pytest.raises(SystemExit):  # argparse's usage error, before training
+        main([*args, "--plot", str(tmp_path / "run.jpg")])
