@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal
 
+from shardkit.examples import EXAMPLE_CONFIGS
 from shardkit.parallel.strategy_names import DP_STRATEGIES, DpStrategy
 
 __all__ = ["STRATEGIES", "TrainConfig", "add_arguments", "from_args", "to_argv"]
@@ -173,8 +174,8 @@ class TrainConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         if self.config is not None:
-            if not os.path.isfile(self.config):
-                raise ValueError(f"--config {self.config}: no such file")
+            if not os.path.isfile(self.config) and self.config not in EXAMPLE_CONFIGS:
+                raise ValueError(f"--config {self.config}: no such file (nor a shipped example: {', '.join(EXAMPLE_CONFIGS)})")
             for name, default in CONFIG_EXCLUSIVE.items():
                 if getattr(self, name) != default:
                     flag = f"--{getattr(self, name)}" if name == "precision" else f"--{name.replace('_', '-')}"
