@@ -14,7 +14,7 @@ TEST_WORKERS ?= 2
 # that a test timeout kills leaves a `lock` file behind, and in the shared ~/.cache every later
 # run on the machine would wait on that lock forever.
 export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
-PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py notebooks/_src
+PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py notebooks/_src notebooks/scripts
 STEPS  ?= 200
 
 .PHONY: all test test-matrix demo bench install clean test-gpu mutate

@@ -6,32 +6,6 @@ from nbformat.v4 import new_code_cell, new_markdown_cell
 
 NAME = "02_data_parallel.ipynb"
 
-DDP_SCRIPT = """
-import json, sys, torch
-from torch import nn
-from shardkit.comm import ParallelContext
-from shardkit.kernels import FusedAdamW
-from shardkit.parallel import DataParallel
-
-# the model stays on CPU, so gloo explicitly: on a GPU machine the default would be NCCL
-ctx = ParallelContext.from_env(backend="gloo")    # reads torchrun's environment
-rank, world = ctx.rank("dp"), ctx.size("dp")
-torch.manual_seed(0)
-model = DataParallel(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)), ctx, bucket_mb=0.01)
-opt = FusedAdamW(model.parameters(), lr=1e-2)
-g = torch.Generator().manual_seed(1)
-x, y = torch.randn(64, 16, generator=g), torch.randn(64, 1, generator=g)   # the global batch
-mine = slice(rank * 64 // world, (rank + 1) * 64 // world)                  # this rank's rows
-for step in range(20):
-    opt.zero_grad()
-    nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
-    opt.step()
-if rank == 0:
-    out = dict(params=[p.detach().flatten().tolist() for p in model.parameters()],
-               buckets=model.bucket_bytes, comm=model.comm_stats.summary())
-    json.dump(out, open(sys.argv[1], "w"))
-ctx.destroy()
-"""
 
 CELLS = [
     new_markdown_cell("""# 02 — Data parallelism with `shardkit.parallel.DataParallel`
@@ -47,12 +21,11 @@ compiled Triton kernels."""),
     new_markdown_cell("""## The API in a script
 Processes are started by `torchrun`; a notebook cell can't be a worker, so we write the script
 to a file and launch it."""),
-    new_code_cell(f"""from pathlib import Path
+    new_code_cell("""from pathlib import Path
 import subprocess, sys, json, os, tempfile
 
 work = Path(tempfile.mkdtemp())
-script = work / "ddp_example.py"
-script.write_text('''{DDP_SCRIPT}''')
+script = Path("scripts/ddp_example.py").resolve()
 print(script.read_text())
 env = dict(os.environ, OMP_NUM_THREADS="1")
 run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -79,23 +52,29 @@ dev = max((p.detach().flatten() - torch.tensor(q)).abs().max().item() for p, q i
 print(f"max |single process - DDP| after 20 steps: {dev:.2e}")
 assert dev < 1e-5"""),
     new_markdown_cell("""## The demo trainer: `shardkit train`
-`make demo` runs `shardkit train --nproc 2 --strategy ddp`. The training loop sees only the
-strategy interface of `shardkit.parallel.strategy` (`wrap`, `backward`, `clip`, `step`,
-`report`); `--strategy` picks the implementation. Here a shorter run, compared with one process
-on the same global batch (2 × 8 sequences): the eval losses agree."""),
+`make demo` runs `shardkit train --nproc 2 --strategy zero2`; here `--strategy ddp`. The
+training loop talks only to the `ParallelModel` that `parallelize()` returns
+(`forward_backward`, `clip`, `step`, `report`); `--strategy` picks the data-parallel plug-in
+behind it. A short run, compared with one process on the same global batch (2 × 8 sequences):
+the eval losses agree. `--plot` draws the run: loss curves, and each rank's memory next to the
+planner's figure."""),
     new_code_cell("""# --device cpu: the same CPU run (gloo) on any machine, GPU or not
 common = ["--steps", "40", "--d-model", "64", "--n-layers", "2", "--seq-len", "64", "--eval-every", "20",
           "--device", "cpu"]
 shardkit = [sys.executable, "-m", "shardkit.cli", "train"]
 r2 = subprocess.run(shardkit + ["--nproc", "2", "--strategy", "ddp", "--batch-size", "8",
-                    "--log-json", str(work / "ddp.json")] + common, capture_output=True, text=True, timeout=600)
+                    "--log-json", str(work / "ddp.json"), "--plot", str(work / "ddp.png")] + common,
+                    capture_output=True, text=True, timeout=600)
 print(r2.stdout[-1500:]); assert r2.returncode == 0, r2.stderr[-3000:]
 r1 = subprocess.run(shardkit + ["--nproc", "1", "--batch-size", "16", "--log-json", str(work / "one.json")] + common,
                     capture_output=True, text=True, timeout=600)
 assert r1.returncode == 0, r1.stderr[-3000:]
 a, b = json.loads((work / "ddp.json").read_text()), json.loads((work / "one.json").read_text())
 print("eval (ddp, 2 ranks):", a["eval"])
-print("eval (1 process)   :", b["eval"])"""),
+print("eval (1 process)   :", b["eval"])
+assert max(abs(x[1] - y[1]) for x, y in zip(a["eval"], b["eval"])) < 1e-4
+from IPython.display import Image, display
+display(Image(filename=str(work / "ddp.png")))"""),
     new_markdown_cell("""## shardkit DataParallel vs torch DDP, and bucket size
 From `perf/ddp.py` (committed results): step time of both wrappers on the same model in the
 same run, and a bucket-size sweep."""),

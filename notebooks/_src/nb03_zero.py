@@ -6,35 +6,6 @@ from nbformat.v4 import new_code_cell, new_markdown_cell
 
 NAME = "03_zero.ipynb"
 
-ZERO_SCRIPT = """
-import json, sys, tempfile, torch
-from shardkit.comm import ParallelContext
-from shardkit.kernels import FusedAdamW
-from shardkit.models import TinyGPT, lm_loss
-from shardkit.parallel import ShardedDataParallel, ZeroOptimizer
-from shardkit.parallel.zero import plan_memory
-
-ctx = ParallelContext.from_env(backend="gloo")       # 2 processes: dp = 2
-runs = {}
-for name, stage, offload in [("ZeRO-1", 1, None), ("ZeRO-2", 2, None), ("ZeRO-3", 3, None), ("ZeRO-3 + cpu offload", 3, "cpu")]:
-    torch.manual_seed(0)
-    model = TinyGPT(59, d_model=64, n_layers=4, n_heads=4, seq_len=32)
-    plan = plan_memory(model, dp=2, stage=stage, offload=offload)      # before wrapping: the user's model
-    sdp = ShardedDataParallel(model, ctx, stage=stage, offload=offload)
-    opt = ZeroOptimizer(sdp, FusedAdamW, lr=3e-3)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(3):
-        x, y = torch.randint(59, (4, 32), generator=gen), torch.randint(59, (4, 32), generator=gen)
-        loss = lm_loss(sdp(x), y)
-        loss.backward()
-        sdp.clip_grad_norm_(1.0)
-        opt.step(); opt.zero_grad()
-    runs[name] = {"measured": sdp.memory_report(), "planned": plan.memory_report(), "loss": float(loss),
-                  "params": sum(p.numel() for p in model.parameters())}
-if ctx.rank("dp") == 0:
-    json.dump(runs, open(sys.argv[1], "w"))
-ctx.destroy()  # with the default group from_env created: gloo's threads joined before exit
-"""
 
 CELLS = [
     new_markdown_cell("""# 03 — ZeRO: sharded data parallelism, what it saves, what fits
@@ -53,23 +24,22 @@ ranks there are. ZeRO shards it over the N data-parallel ranks:
 and offload moves the optimizer state (and its step) to the CPU or to NVMe files. shardkit's
 planner predicts those bytes *before* you allocate anything; below, 2 processes train TinyGPT at
 each stage and report what they actually hold."""),
-    new_code_cell(f"""from pathlib import Path
+    new_code_cell("""from pathlib import Path
 import subprocess, sys, json, os, tempfile
 
 work = Path(tempfile.mkdtemp())
-script = work / "zero_example.py"
-script.write_text('''{ZERO_SCRIPT}''')
+script = Path("scripts/zero_example.py").resolve()
 env = dict(os.environ, OMP_NUM_THREADS="1")
 run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                       str(script), str(work / "out.json")], capture_output=True, text=True, env=env, timeout=600)
 assert run.returncode == 0, run.stderr[-3000:]
 runs = json.loads((work / "out.json").read_text())
 psi = runs["ZeRO-1"]["params"]
-print(f"TinyGPT: {{psi:,}} parameters, dp = 2")
-print(f"{{'':24s}} {{'measured':>10s}} {{'planned':>10s}}   (model-state bytes per rank)   offloaded")
+print(f"TinyGPT: {psi:,} parameters, dp = 2")
+print(f"{'':24s} {'measured':>10s} {'planned':>10s}   (model-state bytes per rank)   offloaded")
 for name, r in runs.items():
     m, p = r["measured"]["model_state"], r["planned"]["model_state"]
-    print(f"{{name:24s}} {{m:10,d}} {{p:10,d}}   {{m / (16 * psi):.3f}} x DDP's 16Ψ            {{r['measured']['offloaded']}}")
+    print(f"{name:24s} {m:10,d} {p:10,d}   {m / (16 * psi):.3f} x DDP's 16Ψ            {r['measured']['offloaded']}")
     assert abs(m - p) <= 0.05 * p"""),
     new_markdown_cell("""Measured and planned agree (the test suite holds them within 5% for every category,
 padding and buffers included). With 2 ranks ZeRO-3 holds about half of DDP's 16Ψ, and with cpu

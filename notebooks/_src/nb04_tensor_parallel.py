@@ -6,58 +6,6 @@ from nbformat.v4 import new_code_cell, new_markdown_cell
 
 NAME = "04_tensor_parallel.ipynb"
 
-TP_SCRIPT = """
-import json, sys, torch
-import torch.nn.functional as F
-from torch import nn
-from shardkit.comm import CommStats, ParallelContext
-from shardkit.models import TinyGPT
-from shardkit.parallel import ColumnParallelLinear, RowParallelLinear, parallelize
-from shardkit.parallel.tensor import gpt_plan, vocab_parallel_cross_entropy
-
-ctx = ParallelContext.from_env(backend="gloo", tp=2)     # 2 processes, both on the tp axis
-rank, tp = ctx.rank("tp"), ctx.size("tp")
-out = {}
-
-# 1. A Megatron MLP: column-parallel up-projection, row-parallel down-projection.
-torch.manual_seed(0)
-up, down = nn.Linear(16, 64), nn.Linear(64, 16)               # the dense layers, same on every rank
-stats = CommStats()
-col = ColumnParallelLinear(16, 64, ctx=ctx, stats=stats)
-row = RowParallelLinear(64, 16, ctx=ctx, stats=stats)
-with torch.no_grad():                                           # rank r keeps the r-th slice
-    col.weight.copy_(up.weight.chunk(tp, 0)[rank]); col.bias.copy_(up.bias.chunk(tp, 0)[rank])
-    row.weight.copy_(down.weight.chunk(tp, 1)[rank]); row.bias.copy_(down.bias)
-x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-out["mlp_max_diff"] = float((row(F.gelu(col(x))) - down(F.gelu(up(x)))).abs().max())
-out["mlp_comm"] = stats.summary()
-
-# 2. The vocab-parallel cross-entropy on this rank's logits shard vs F.cross_entropy on the full logits.
-logits = torch.randn(32, 100, generator=torch.Generator().manual_seed(2))
-target = torch.randint(100, (32,), generator=torch.Generator().manual_seed(3))
-shard = logits.chunk(tp, -1)[rank]
-out["ce"] = [float(vocab_parallel_cross_entropy(shard, target, ctx=ctx, label_smoothing=0.1)),
-             float(F.cross_entropy(logits, target, label_smoothing=0.1))]
-
-# 3. TinyGPT through parallelize: the TP plan, the vocab-parallel loss, the global-norm clip.
-torch.manual_seed(0)
-model = TinyGPT(59, d_model=32, n_layers=2, n_heads=4, seq_len=16)
-par = parallelize(model, ctx, tp_plan=gpt_plan())
-opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
-gen = torch.Generator().manual_seed(3)
-losses = []
-for step in range(5):
-    x, y = torch.randint(59, (8, 16), generator=gen), torch.randint(59, (8, 16), generator=gen)
-    opt.zero_grad(set_to_none=True)
-    losses.append(float(par.forward_backward(x, y)))
-    par.clip(0.3)
-    par.step(opt)
-out["losses"] = losses
-out["params_per_rank"] = sum(p.numel() for p in par.parameters())
-if rank == 0:
-    json.dump(out, open(sys.argv[1], "w"))
-ctx.destroy()  # with the default group from_env created: gloo's threads joined before exit
-"""
 
 CELLS = [
     new_markdown_cell("""# 04 — Tensor parallelism: Megatron layers, a vocab-parallel loss, declarative plans
@@ -72,12 +20,11 @@ MLP) and 2 in backward — the conjugate operators *f* (identity forward, all-re
 The LM head's vocabulary is split too: the loss is computed from each rank's logits shard (max,
 sum-exp and the target logit, three small all-reduces) by a Triton kernel that writes the
 gradient in place — no rank ever holds the full `[tokens, vocab]` logits."""),
-    new_code_cell(f"""from pathlib import Path
+    new_code_cell("""from pathlib import Path
 import subprocess, sys, json, os, tempfile
 
 work = Path(tempfile.mkdtemp())
-script = work / "tp_example.py"
-script.write_text('''{TP_SCRIPT}''')
+script = Path("scripts/tp_example.py").resolve()
 env = dict(os.environ, OMP_NUM_THREADS="1")
 run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                       str(script), str(work / "out.json")], capture_output=True, text=True, env=env, timeout=300)
@@ -123,5 +70,22 @@ print(f"step: shardkit {step['shardkit']['median_ms']:.1f} ms, DTensor {step['dt
 for vocab, r in res["cross_entropy"].items():
     t = r["time"]
     print(f"cross-entropy V={vocab}: {t['shardkit']['median_ms']:.0f} ms vs gather + F.cross_entropy "
-          f"{t['gather_F_cross_entropy']['median_ms']:.0f} ms; peak memory x{r['ratio_peak_bytes']:.2f}")"""),
+          f"{t['gather_F_cross_entropy']['median_ms']:.0f} ms; peak memory x{r['ratio_peak_bytes']:.2f}")
+
+import matplotlib.pyplot as plt
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+names = ["shardkit", "DTensor"]
+ax1.bar(names, [step["shardkit"]["median_ms"], step["dtensor"]["median_ms"]], color=["C0", "C7"])
+ax1.set(ylabel="ms per step (median)", title=f"training step, tp={res['nproc']}")
+vocabs = list(res["cross_entropy"])
+xs = range(len(vocabs))
+ours = [res["cross_entropy"][v]["time"]["shardkit"]["median_ms"] for v in vocabs]
+gathered = [res["cross_entropy"][v]["time"]["gather_F_cross_entropy"]["median_ms"] for v in vocabs]
+ax2.bar([x - 0.2 for x in xs], ours, 0.4, label="vocab-parallel (shardkit)")
+ax2.bar([x + 0.2 for x in xs], gathered, 0.4, label="gather + F.cross_entropy", color="C7")
+ax2.set_xticks(list(xs), [f"V={v}" for v in vocabs])
+ax2.set(ylabel="ms (median)", title="cross-entropy fwd+bwd")
+ax2.legend()
+fig.tight_layout()
+plt.show()"""),
 ]

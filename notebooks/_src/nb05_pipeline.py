@@ -6,33 +6,6 @@ from nbformat.v4 import new_code_cell, new_markdown_cell
 
 NAME = "05_pipeline.ipynb"
 
-PP_SCRIPT = """
-import json, sys, torch
-from shardkit.comm import ParallelContext
-from shardkit.models import TinyGPT, gpt_blocks
-from shardkit.parallel import parallelize
-
-ctx = ParallelContext.from_env(backend="gloo", pp=2)      # 2 processes: two pipeline stages
-runs = {}
-for schedule in sys.argv[2:]:                             # each schedule from the same init
-    torch.manual_seed(0)
-    model = TinyGPT(59, d_model=32, n_layers=4, n_heads=4, seq_len=16, tie_embeddings=False)
-    par = parallelize(model, ctx, pp={"schedule": schedule, "microbatches": 4}, blocks=gpt_blocks)
-    opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
-    gen = torch.Generator().manual_seed(3)
-    losses = []
-    for step in range(5):
-        x, y = torch.randint(59, (8, 16), generator=gen), torch.randint(59, (8, 16), generator=gen)
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(par.forward_backward(x, y)))   # every micro-batch through both stages
-        par.clip(0.3)                                      # global norm: both stages' grads
-        par.step(opt)
-    runs[schedule] = {"losses": losses, "stage_blocks": [list(r) for r in par.pipeline.stage_blocks]}
-    par.close()
-if ctx.rank("pp") == 0:
-    json.dump(runs, open(sys.argv[1], "w"))
-ctx.destroy()  # with the default group from_env created: gloo's threads joined before exit
-"""
 
 CELLS = [
     new_markdown_cell("""# 05 — Pipeline parallelism: schedules as data, one executor
@@ -94,12 +67,11 @@ display(Image(str(png)))"""),
 head]`, keeps this rank's stages and returns a step whose loss is the token-weighted mean over the
 global batch — the same number for any `m` and `p`. Two processes (gloo), each schedule, against
 one process training the whole model on the same batches."""),
-    new_code_cell(f"""from pathlib import Path
+    new_code_cell("""from pathlib import Path
 import subprocess, sys, json, os, tempfile
 
 work = Path(tempfile.mkdtemp())
-script = work / "pp_example.py"
-script.write_text('''{PP_SCRIPT}''')
+script = Path("scripts/pp_example.py").resolve()
 env = dict(os.environ, OMP_NUM_THREADS="1")
 out = work / "runs.json"
 run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -6,30 +6,6 @@ from nbformat.v4 import new_code_cell, new_markdown_cell
 
 NAME = "06_from_deepspeed.ipynb"
 
-DEEPSPEED_SCRIPT = """
-import json, sys
-import torch, transformers
-from deepspeed import initialize
-
-torch.distributed.init_process_group("gloo")   # CPU processes; on GPUs leave this to the engine
-config = json.load(open(sys.argv[1]))
-torch.manual_seed(0)
-model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-    n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=128,
-    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager"))
-engine, optimizer, _, scheduler = initialize(model=model, model_parameters=model.parameters(), config=config)
-rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-g = torch.Generator().manual_seed(1)
-losses, lrs = [], []
-for step in range(8):
-    x = torch.randint(128, (4 * world, 32), generator=g)[4 * rank : 4 * (rank + 1)]   # this rank's rows
-    loss = engine(input_ids=x, labels=x).loss       # the model's own labels= loss
-    engine.backward(loss)
-    engine.step()
-    losses.append(loss.item()); lrs.append(engine.get_lr()[0])
-if rank == 0:
-    json.dump({"loss": losses, "lr": lrs}, open(sys.argv[2], "w"))
-"""
 
 CELLS = [
     new_markdown_cell("""# 06 — Coming from DeepSpeed: `shardkit.initialize`
@@ -47,18 +23,19 @@ DeepSpeed reads no `"auto"` (Hugging Face's Trainer fills them before calling it
 config's `"auto"` values are written in as numbers here. fp16 is switched off: this CPU run
 compares the two engines exactly, in fp32. The shardkit script is the DeepSpeed script with one
 line changed."""),
-    new_code_cell(f"""from pathlib import Path
+    new_code_cell("""from pathlib import Path
 import difflib, importlib.util, json, os, subprocess, sys, tempfile
+from shardkit.examples import config_path
 
 work = Path(tempfile.mkdtemp())
-config = json.loads(Path("../tests/configs/zero2_config_accelerate.json").read_text())
+config = json.loads(config_path("zero2_config_accelerate.json").read_text())
 config["fp16"]["enabled"] = False
 config["optimizer"]["params"].update(lr=3e-3, weight_decay=0.01)
 config["scheduler"]["params"].update(warmup_min_lr=0, warmup_max_lr=3e-3, warmup_num_steps=3, total_num_steps=8)
 config.update(gradient_clipping=1.0, train_micro_batch_size_per_gpu=4, train_batch_size=8)
 (work / "ds_config.json").write_text(json.dumps(config, indent=1))
 
-ds_script = '''{DEEPSPEED_SCRIPT}'''
+ds_script = Path("scripts/train_deepspeed.py").read_text()
 sk_script = ds_script.replace("from deepspeed import initialize", "from shardkit import initialize")
 (work / "train_deepspeed.py").write_text(ds_script)
 (work / "train_shardkit.py").write_text(sk_script)
@@ -80,7 +57,19 @@ for i, (loss, lr) in enumerate(zip(ours["loss"], ours["lr"])):
     print(f"{i:4d} | {loss:13.6f} | {theirs['loss'][i] if theirs else float('nan'):14.6f} | {lr:.2e}")
 if theirs:
     assert max(abs(a - b) for a, b in zip(ours["loss"], theirs["loss"])) < 1e-5
-    assert max(abs(a - b) for a, b in zip(ours["lr"], theirs["lr"])) < 1e-12"""),
+    assert max(abs(a - b) for a, b in zip(ours["lr"], theirs["lr"])) < 1e-12
+
+import matplotlib.pyplot as plt
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+ax1.plot(ours["loss"], "o-", label="shardkit")
+if theirs:
+    ax1.plot(theirs["loss"], "x--", label="DeepSpeed", ms=9)
+ax1.set(xlabel="step", ylabel="loss", title="the same script, two engines")
+ax1.legend()
+ax2.plot(ours["lr"], "o-")
+ax2.set(xlabel="step", ylabel="lr", title="WarmupDecayLR")
+fig.tight_layout()
+plt.show()"""),
     new_markdown_cell("""The losses agree (bitwise on this machine): the same ZeRO-2 gradient averaging, the same
 AdamW update, the same global-norm clipping and DeepSpeed's WarmupDecayLR (log warmup to
 3e-3 over 3 steps, then linear decay; the scheduler's value at construction, 0, is the first
@@ -94,7 +83,7 @@ auto = [a for kv in ("lr=3e-4", "weight_decay=0.01", "warmup_num_steps=100", "to
                      "gradient_clipping=1.0", "train_micro_batch_size_per_gpu=8", "hidden_size=768")
         for a in ("--auto", kv)]
 for name in ("zero2_config_accelerate.json", "zero3_offload_config_accelerate.json"):
-    check = subprocess.run(shardkit + ["config", "check", f"../tests/configs/{name}", "--world-size", "2",
+    check = subprocess.run(shardkit + ["config", "check", name, "--world-size", "2",
                                        "--params", "124M", *auto], capture_output=True, text=True, timeout=120)
     assert check.returncode == 0, check.stderr[-2000:]
     print(check.stdout)"""),
@@ -104,14 +93,17 @@ its dynamic loss scale), the flags fill its `"auto"` values (`--lr`, `--weight-d
 `--warmup`, `--steps`, `--clip`, `--batch-size` → `train_micro_batch_size_per_gpu`), and
 `--model hf:gpt2` trains a `transformers` GPT-2 built from the size flags on the built-in corpus.
 The summary puts `engine.memory_report()` next to the planner's figure."""),
-    new_code_cell("""train = subprocess.run(shardkit + ["train", "--nproc", "2", "--config", "../tests/configs/zero2_config_accelerate.json",
+    new_code_cell("""train = subprocess.run(shardkit + ["train", "--nproc", "2", "--config", "zero2_config_accelerate.json",
                                    "--model", "hf:gpt2", "--d-model", "64", "--n-layers", "2", "--n-heads", "4",
                                    "--seq-len", "64", "--batch-size", "8", "--steps", "30", "--warmup", "5",
-                                   "--eval-every", "10", "--device", "cpu", "--log-json", str(work / "train.json")],
+                                   "--eval-every", "10", "--device", "cpu", "--log-json", str(work / "train.json"),
+                                   "--plot", str(work / "train.png")],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
 print(train.stdout[-2500:]); assert train.returncode == 0, train.stderr[-3000:]
 log = json.loads((work / "train.json").read_text())
-assert log["eval"][-1][1] < log["eval"][0][1]"""),
+assert log["eval"][-1][1] < log["eval"][0][1]
+from IPython.display import Image, display
+display(Image(filename=str(work / "train.png")))"""),
     new_markdown_cell("""## shardkit vs DeepSpeed: step time and memory
 From `perf/engine.py` (committed results): the seed-002 ZeRO-2 config on a GPT-2 from config,
 2 gloo ranks, both engines in the same processes, interleaved."""),
