@@ -177,6 +177,12 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--offload-params needs --stage 3 (or no --stage)")
     table = plan_table(what, **kw)  # type: ignore[arg-type]
     print(table.render())
+    if unit is None and args.stage in (None, 3):
+        print(
+            "note: ZeRO-3's transient assumes the whole model is gathered at once (no unit size given); "
+            "pass --unit-params N (the largest block's parameters) for the per-block gathers it really does, "
+            "or --model tinygpt to count them"
+        )
     if args.stage is not None:
         if args.stage == 0:
             kw.pop("offload"), kw.pop("offload_params")

@@ -417,3 +417,15 @@ def test_cli_plan_usage_errors(argv: list[str], message: str, capsys: pytest.Cap
     with pytest.raises(SystemExit) as e:
         cli_main(["plan", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_plan_says_when_zero3_assumes_the_whole_model_gathered(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a unit size ZeRO-3's transient is the whole model's gather (it then looks no better
+    than ZeRO-1): the output says so and how to give the real unit; with one, no note."""
+    assert cli_main(["plan", "--params", "7.5e9", "--dp", "64", "--precision", "fp16"]) == 0
+    assert "note: ZeRO-3's transient assumes the whole model is gathered" in capsys.readouterr().out
+    assert cli_main(["plan", "--params", "7.5e9", "--dp", "64", "--precision", "fp16", "--unit-params", "2e8"]) == 0
+    out = capsys.readouterr().out
+    assert "note:" not in out and float(_rows(out)["3"][4]) < 4 * 7.5e9 / 1e9 / 10  # per-unit, not the model
+    assert cli_main(["plan", "--model", "tinygpt", "--dp", "2", "--d-model", "64", "--n-layers", "2"]) == 0
+    assert "note:" not in capsys.readouterr().out  # the demo model's blocks are counted
