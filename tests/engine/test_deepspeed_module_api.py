@@ -1,0 +1,105 @@
+"""``import shardkit.deepspeed as deepspeed``: a DeepSpeed-style script runs with only the import
+line changed, and trains like DeepSpeed itself.
+
+The script below is written in the style of DeepSpeed's examples and calls the module-level API
+they rely on: ``add_config_arguments``, ``init_distributed``, ``comm.get_rank`` /
+``get_world_size`` / ``all_reduce`` / ``barrier``, ``accelerator.get_accelerator()``, then
+``initialize(args=...)``. It runs on 2 gloo ranks once as written (DeepSpeed 0.19.8 on its CPU
+accelerator) and once with ``import deepspeed`` replaced; the per-step losses (the mean over
+ranks, through ``comm.all_reduce``) must agree to fp32 accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """\
+import argparse, json
+import torch
+import deepspeed
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser = deepspeed.add_config_arguments(parser)
+args = parser.parse_args()
+deepspeed.init_distributed()
+rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+device = deepspeed.accelerator.get_accelerator().device_name()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
+engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
+g = torch.Generator().manual_seed(1 + rank)
+losses = []
+for step in range(4):
+    x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
+    loss = torch.nn.functional.mse_loss(engine(x), y)
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().clone()
+    deepspeed.comm.all_reduce(mean)
+    losses.append(mean.item() / world)
+deepspeed.comm.barrier()
+if rank == 0:
+    json.dump({"losses": losses, "world": world, "device": device}, open(args.out, "w"))
+"""
+
+CONFIG = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+    "zero_optimization": {"stage": 2},
+}
+
+
+def _run(script: str, tmp_path: Path, name: str) -> dict:
+    (tmp_path / f"{name}.py").write_text(script)
+    (tmp_path / "ds_config.json").write_text(json.dumps(CONFIG))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"{name}.py"]
+    cmd += ["--deepspeed", "--deepspeed_config", "ds_config.json", "--out", f"{name}.json"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_add_config_arguments_parses_like_deepspeed() -> None:
+    """The same flags, defaults and values as DeepSpeed's parser group (written out)."""
+    from shardkit.deepspeed import add_config_arguments
+
+    parser = add_config_arguments(argparse.ArgumentParser())
+    assert vars(parser.parse_args([])) == dict(deepspeed=False, deepspeed_config=None, deepscale=False, deepscale_config=None)
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed and args.deepspeed_config == "ds.json"
+
+
+def test_comm_and_accelerator_before_any_process_group() -> None:
+    """A script may ask for its rank before init_distributed: rank 0 of 1, on the CPU here."""
+    from shardkit.deepspeed import accelerator, comm
+
+    if not comm.is_initialized():
+        assert (comm.get_rank(), comm.get_world_size()) == (0, 1)
+    acc = accelerator.get_accelerator()
+    assert acc.is_available() and acc.device_name() in ("cpu", "cuda")
+    assert acc.communication_backend_name() == ("nccl" if acc.device_name() == "cuda" else "gloo")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # DeepSpeed JIT-builds its CPU communication op on a fresh checkout
+def test_a_deepspeed_script_runs_with_only_the_import_changed(tmp_path: Path) -> None:
+    ours = _run(SCRIPT.replace("import deepspeed\n", "import shardkit.deepspeed as deepspeed\n"), tmp_path, "shardkit_run")
+    assert ours["world"] == 2 and ours["device"] == "cpu" and len(ours["losses"]) == 4
+    assert ours["losses"][-1] < ours["losses"][0]
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (the bench extra): the differential half needs it")
+    theirs = _run(SCRIPT, tmp_path, "deepspeed_run")
+    assert theirs["world"] == 2
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=1e-7)
