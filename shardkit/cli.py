@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import subprocess
@@ -246,10 +245,7 @@ def launch(cfg: TrainConfig) -> int:
         sys.stderr.write(rank_stderr(log_dir, 0))  # warnings once (rank 0's), not once per rank
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
-        report = failure_report(log_dir, cfg.nproc)
-        print(f"shardkit train: {report}", file=sys.stderr)
-        if not report[0].isdigit():  # no worker traceback: torchrun's own account of what happened
-            print(f"(torchrun: {_tail(run.stderr, 8)})", file=sys.stderr)
+        print(f"shardkit train: {failure_report(log_dir, cfg.nproc, launcher_tail=_tail(run.stderr, 8))}", file=sys.stderr)
     return run.returncode
 
 
@@ -379,13 +375,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shardkit.engine import load_config
             from shardkit.train.engine_loop import auto_values
 
-            # quietly: the run itself loads the config again and reports its ignored keys once
-            engine_log = logging.getLogger("shardkit.engine")
-            previous, engine_log.disabled = engine_log.disabled, True
-            try:
-                load_config(cfg.config, world_size=world, **auto_values(cfg))
-            finally:
-                engine_log.disabled = previous
+            # the run itself loads the config again and reports its ignored keys once
+            load_config(cfg.config, world_size=world, log_ignored=False, **auto_values(cfg))
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     return launch(cfg)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import re
 import sys
 from collections.abc import Sequence
@@ -236,7 +235,8 @@ def load_listing_missing_autos(
     values, missing = dict(auto), []
     for _ in range(64):  # one more key per try; a config has far fewer "auto" values
         try:
-            cfg = load_config(config, world_size=world_size, strict=strict, **values)
+            # the ignored keys are printed by the caller, not logged as well
+            cfg = load_config(config, world_size=world_size, strict=strict, log_ignored=False, **values)
         except ValueError as e:
             m = _AUTO_MISSING.match(str(e))
             if m is not None:
@@ -261,21 +261,16 @@ def run_config_check(args: argparse.Namespace) -> int:
     Every ``"auto"`` that ``--auto`` does not fill is listed in one run, each with the flag that
     fills it; errors name the CLI's flags, not ``load_config``'s keywords.
     """
-    engine_logger = logging.getLogger("shardkit.engine")
-    level = engine_logger.level
     try:
         config = load_raw(args.config)
         for key, value in args.set:
             _set_dotted(config, key, value)
-        engine_logger.setLevel(logging.ERROR)  # the ignored keys are printed below, not logged twice
         cfg, missing = load_listing_missing_autos(
             config, world_size=args.world_size, strict=not args.lenient, auto=dict(args.auto)
         )
     except ValueError as e:
         print(f"shardkit config check: error: {_cli_words(str(e))}", file=sys.stderr)
         return 1
-    finally:
-        engine_logger.setLevel(level)
     if missing:
         lines = [f'shardkit config check: error: {len(missing)} "auto" value(s) nothing fills; pass them with --auto:']
         for key, names in missing:

@@ -328,7 +328,12 @@ def _zero(r: Reader) -> ZeroConfig:
 
 
 def load_config(
-    config: str | Path | Mapping[str, Any], *, world_size: int, strict: bool = True, **auto_values: Any
+    config: str | Path | Mapping[str, Any],
+    *,
+    world_size: int,
+    strict: bool = True,
+    log_ignored: bool = True,
+    **auto_values: Any,
 ) -> EngineConfig:
     """Parse and validate a DeepSpeed-style config; fill its "auto" values.
 
@@ -337,6 +342,8 @@ def load_config(
         world_size: ranks in the job; the data-parallel size is ``world_size / (tensor_parallel.size
             × pipeline.stages)``.
         strict: unknown keys raise (True) or warn, one warning per key (False).
+        log_ignored: log the keys accepted without effect (False: a caller that reports
+            ``.ignored`` itself, or only validates before the run that will log them).
         **auto_values: what ``"auto"`` stands for, by the key's own name (``lr``, ``weight_decay``,
             ``betas``, ``eps``, ``warmup_num_steps``, ``total_num_steps``, ``train_batch_size``,
             ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``,
@@ -428,6 +435,6 @@ def load_config(
         for line in lines:
             warnings.warn(f"unknown config key {line}: ignored", UserWarning, stacklevel=2)
     ignored = tuple(r.report.ignored)
-    if ignored:
+    if ignored and log_ignored:
         logger.warning("config keys accepted but ignored by shardkit: %s", ", ".join(ignored))
     return dataclasses.replace(cfg, ignored=ignored)

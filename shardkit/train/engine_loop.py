@@ -45,8 +45,8 @@ from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
 
 from .config import TrainConfig
+from .progress import ProgressBar, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
 from .run_plot import plot_run
-from .progress import fmt_rank_summary, fmt_total_throughput, ProgressBar, fmt_memory_vs_plan
 
 __all__ = ["auto_values", "build_model", "train_from_config"]
 

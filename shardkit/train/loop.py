@@ -39,8 +39,8 @@ from shardkit.parallel.zero import plan_memory
 from .config import Precision, TrainConfig
 from .device import resolve_device
 from .engine_loop import build_model
+from .progress import ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
 from .run_plot import plot_run
-from .progress import fmt_rank_summary, fmt_total_throughput, ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan
 from .schedule import lr_at
 
 __all__ = ["TrainResult", "make_loss_scaler", "planned_memory", "train"]

@@ -74,12 +74,14 @@ def _error_line(traceback: str) -> str:
     return traceback.splitlines()[-1]
 
 
-def failure_report(log_dir: Path, nproc: int) -> str:
+def failure_report(log_dir: Path, nproc: int, *, launcher_tail: str = "") -> str:
     """One line per rank that raised, then each distinct traceback once (see the module docstring).
 
     Args:
         log_dir: the ``--log-dir`` the workers ran with.
         nproc: how many workers were started.
+        launcher_tail: the end of torchrun's own output, shown only when no rank left a
+            traceback (then it is the only account of what happened).
 
     Returns:
         The report; when no rank left a traceback (killed by a signal, out of memory), it says so
@@ -93,7 +95,8 @@ def failure_report(log_dir: Path, nproc: int) -> str:
             failed[rank] = tb
     if not failed:
         where = ", ".join(str(p) for _, p in sorted(logs.items())) or str(log_dir)
-        return f"a worker failed without a Python traceback (killed by a signal, or out of memory?); logs: {where}"
+        said = f"; torchrun: {launcher_tail}" if launcher_tail else ""
+        return f"a worker failed without a Python traceback (killed by a signal, or out of memory?); logs: {where}{said}"
     lines = [f"{len(failed)} of {nproc} ranks failed:"]
     groups: dict[str, list[int]] = {}
     for rank, tb in failed.items():
