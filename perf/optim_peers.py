@@ -34,7 +34,7 @@ __all__ = ["CUDA_SRC", "HYPER", "PEERS", "SHARDKIT", "CudaToolUnavailable", "Pee
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 SHARDKIT = "shardkit.FusedAdamW"
 PEERS = (SHARDKIT, "torch.AdamW(foreach)", "torch.AdamW(fused)", "deepspeed.DeepSpeedCPUAdam", "cuda_c.adamw")
-CUDA_SRC = Path(__file__).resolve().parents[2] / "perf" / "cuda" / "adamw.cu"  # in a source checkout
+CUDA_SRC = Path(__file__).resolve().parent / "cuda" / "adamw.cu"  # perf/cuda/, beside this file
 
 
 class CudaToolUnavailable(RuntimeError):
