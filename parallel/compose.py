@@ -248,8 +248,9 @@ class ParallelModel:
         self.strategy, self.pipeline, self.dp = strategy, pipeline, dp
         self.stats = CommStats()
         self._autocast = autocast
-        #: the fp16 loss scaler (a pipeline scales its loss with it; see [Note: fp16 loss scaling
-        #: through the pipeline]), or None.
+        #: the fp16 loss scaler of every layout (the dp strategy's, or the one a pipeline scales its
+        #: loss with: [Note: fp16 loss scaling through the pipeline]), or None. Save it with the
+        #: checkpoint: ``save_checkpoint(dir, par, opt, scaler=par.loss_scaler)``.
         self.loss_scaler = loss_scaler
         self.skipped_steps = 0
         # pipeline + ddp + scaler: (overflow, norm) of this step once clip/step computed it
@@ -577,14 +578,26 @@ def parallelize(
         checkpoint_blocks(list(blocks(model)), offload_to_cpu=checkpointing == "cpu")
     # 4. data parallel
     if tp > 1 and (dp == "none" or (dp == "ddp" and axis_size(ctx, "dp") == 1)):  # nothing to replicate over
-        par = ParallelModel(ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast)
+        par = ParallelModel(
+            ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast, loss_scaler=loss_scaler
+        )
     else:
         strategy = make_strategy(dp, ctx=ctx, loss_scaler=loss_scaler, **dict(dp_options or {}))
         if dp == "zero3" and tp > 1:  # a node per stage-3 unit (the strategy's default units): [Note:
             # sequence-parallel grads under ZeRO-3 and pipelines] in parallel/tensor/sequence_parallel.py
             share_sequence_parallel_grads(model, scopes=[spec.module for spec in select_units(model, None)[1:]])
         module = strategy.wrap(model)
-        par = ParallelModel(ctx, module=module, loss_fn=loss_fn, strategy=strategy, pipeline=None, dp=dp, autocast=autocast)
+        # the strategy scales and unscales; par.loss_scaler is the same object, for checkpoints and reports
+        par = ParallelModel(
+            ctx,
+            module=module,
+            loss_fn=loss_fn,
+            strategy=strategy,
+            pipeline=None,
+            dp=dp,
+            autocast=autocast,
+            loss_scaler=loss_scaler,
+        )
     par.stats = stats
     return par
 

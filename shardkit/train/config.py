@@ -26,6 +26,7 @@ STRATEGIES = DP_STRATEGIES
 Precision = Literal["fp32", "bf16", "fp16"]
 
 _LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model", "optimization (FusedAdamW)", "evaluation and logging"
+_CKPT = "checkpoints, restarts and timeouts (docs/operations.md)"
 _PARALLEL = "tensor and pipeline parallelism (composed with --strategy on the dp axis)"
 _CONFIG = "DeepSpeed-style config (shardkit.initialize; docs/engine.md)"
 Model = Literal["tinygpt", "hf:gpt2", "hf:llama"]
@@ -143,6 +144,27 @@ class TrainConfig:
         _OPTIM,
         flags={"fp32": "full precision (default)", "bf16": "bf16 autocast", "fp16": "fp16 autocast with dynamic loss scaling"},
     )
+    ckpt_dir: str | None = _opt(
+        None, "save checkpoints under DIR/step-N (sharded, atomic; see --save-every, --keep)", _CKPT, metavar="DIR"
+    )
+    save_every: int = _opt(
+        0, "with --ckpt-dir: save every N steps, and after the last step (0: after the last step only)", _CKPT, metavar="N"
+    )
+    keep: int = _opt(2, "with --ckpt-dir: complete checkpoints to keep (older ones are deleted)", _CKPT, metavar="K")
+    resume: Literal["none", "auto"] = _opt(
+        "none",
+        "auto: continue from the newest complete checkpoint in --ckpt-dir (or start fresh when there is none), "
+        "at any world size; none: start fresh",
+        _CKPT,
+    )
+    max_restarts: int = _opt(
+        0,
+        "--nproc > 1: relaunch the workers up to K times after a failure (torchrun --max-restarts); with "
+        "--resume auto they continue from the newest checkpoint",
+        _CKPT,
+        metavar="K",
+    )
+    timeout: float = _opt(300.0, "seconds a collective may wait for the other ranks before the run fails", _CKPT, metavar="S")
     eval_every: int = _opt(50, "steps between eval-loss estimates", _LOG, metavar="N")
     eval_iters: int = _opt(8, "fixed validation batches per estimate", _LOG, metavar="N")
     sample: int = _opt(0, "print a generated sample of CHARS characters at the end", _LOG, metavar="CHARS")
@@ -235,6 +257,7 @@ class TrainConfig:
                     f"pp x virtual_stages = {self.pp * self.virtual_stages} stages but TinyGPT has only "
                     f"n_layers + 2 = {self.n_layers + 2} blocks (embedding, layers, head)"
                 )
+        self._validate_checkpoints()
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs --schedule interleaved")
         for flag, path in (("--log-json", self.log_json), ("--plot", self.plot)):
@@ -257,6 +280,31 @@ class TrainConfig:
             raise ValueError("--schedule interleaved needs --virtual-stages V >= 2 (stages per rank; with V = 1 it is 1f1b)")
         if self.offload != "none" and not self.strategy.startswith("zero"):
             raise ValueError(f"offload={self.offload} needs --strategy zero1, zero2 or zero3")
+
+    def _validate_checkpoints(self) -> None:
+        """The checkpoint, restart and timeout flags (see [Note: resuming a training run])."""
+        for name in ("save_every", "max_restarts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        if not self.timeout > 0:
+            raise ValueError(f"timeout must be positive (seconds), got {self.timeout}")
+        if self.ckpt_dir is None:
+            for flag, used in (("--save-every", self.save_every > 0), ("--resume auto", self.resume == "auto")):
+                if used:
+                    raise ValueError(f"{flag} needs --ckpt-dir DIR")
+        else:
+            if self.config is not None:
+                raise ValueError(
+                    "--ckpt-dir with --config: the engine loop saves through engine.save_checkpoint in your own "
+                    "script (docs/operations.md); shardkit train saves the parallelize path only"
+                )
+            parent = os.path.dirname(os.path.abspath(self.ckpt_dir))
+            if not os.path.isdir(parent):
+                raise ValueError(f"--ckpt-dir {self.ckpt_dir!r}: the directory {parent!r} does not exist")
+            if os.path.exists(self.ckpt_dir) and not os.path.isdir(self.ckpt_dir):
+                raise ValueError(f"--ckpt-dir {self.ckpt_dir!r} is a file, not a directory")
 
     def strategy_options(self) -> dict[str, Any]:
         """The options of the chosen strategy, for ``make_strategy(cfg.strategy, **options)``.

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from .config import Precision, TrainConfig
 from .device import resolve_device
 from .engine_loop import build_model
 from .progress import ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
+from .run_checkpoints import RunHistory, resume_run, save_run
 from .run_plot import plot_run
 from .schedule import lr_at
 
@@ -189,7 +191,9 @@ def train(cfg: TrainConfig) -> TrainResult:
         return _train(cfg, None, device, t_start)
     # The backend follows the device, not CUDA's presence: --device cpu trains over gloo even on
     # a GPU machine (from_env's default would pick NCCL there and then fail on CPU tensors).
-    ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp)
+    ctx = ParallelContext.from_env(
+        backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp, timeout=timedelta(seconds=cfg.timeout)
+    )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         return _train(cfg, ctx, device, t_start)
 
@@ -229,7 +233,8 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     # (replicated activations must drop the same elements; tp-sharded regions derive their own
     # per-rank streams from it, parallel/tensor/rng.py).
     pp_rank = ctx.rank("pp") if ctx is not None else 0
-    torch.manual_seed(cfg.seed + 1 + dp_rank + 100_003 * pp_rank)
+    dropout_seed = cfg.seed + 1 + dp_rank + 100_003 * pp_rank
+    torch.manual_seed(dropout_seed)
     decay = [p for p in par.parameters() if p.dim() >= 2]  # no decay on biases / LayerNorm
     no_decay = [p for p in par.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -245,7 +250,18 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         get_batch("val", eval_rows, cfg.seq_len, eval_gen, corpus=corpus, device=device) for _ in range(cfg.eval_iters)
     ]
 
-    bar = ProgressBar(cfg.steps, enabled=rank == 0)
+    history = RunHistory()
+    if cfg.resume == "auto":  # [Note: resuming a training run] in shardkit/train/run_checkpoints.py
+        assert cfg.ckpt_dir is not None  # TrainConfig.validate
+        resumed = resume_run(
+            cfg.ckpt_dir, par, optimizer, data_generator=data_gen, device=device, reseed=dropout_seed * 1_000_003
+        )
+        history = resumed or history
+        if resumed is None and rank == 0:
+            print(f"no checkpoint in {cfg.ckpt_dir}: starting at step 0", flush=True)
+    start = history.step
+
+    bar = ProgressBar(cfg.steps, enabled=rank == 0, start=start)
     options = "".join(
         f" {name}={value}" for name, value in (("checkpointing", cfg.checkpointing), ("offload", cfg.offload)) if value != "none"
     )
@@ -255,12 +271,12 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         f"{cfg.model} {n_params / 1e6:.2f}M params | strategy={cfg.strategy}{_layout(cfg, dp_size)}{options} world={world} "
         f"{cfg.precision}{scale} {device.type} | {cfg.steps} steps x {cfg.batch_size * dp_size} seqs x {cfg.seq_len} tokens"
     )
-    losses: list[torch.Tensor] = []  # this rank's micro-batch losses, kept on device (no sync)
-    lrs: list[float] = []
-    evals: list[tuple[int, float]] = []
+    losses: list[torch.Tensor] = []  # this attempt's losses, kept on device (no sync); earlier ones in history
+    lrs, evals = history.lrs, history.evals
     train_time = 0.0
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    for step in range(1, cfg.steps + 1):
+    save_every = cfg.save_every or cfg.steps
+    for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step - 1, lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -291,10 +307,18 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
             width = len(str(cfg.steps))
             now = f" | loss scale {scaler.scale:g}, {par.skipped_steps} skipped" if scaler is not None else ""
             bar.write(f"step {step:>{width}}: train loss {float(losses[-1]):.4f} | eval loss {evals[-1][1]:.4f}{now}")
-        bar.update(step, loss=losses[-1], tokens_per_s=step * tokens_per_step / train_time, elapsed=train_time)
+        if cfg.ckpt_dir is not None and (step % save_every == 0 or step == cfg.steps):
+            history.train_loss += [float(v) for v in losses[len(history.train_loss) - start :]]
+            history.step, history.skipped_steps = step, par.skipped_steps
+            t_save = time.perf_counter()
+            path = save_run(cfg.ckpt_dir, par, optimizer, history, data_generator=data_gen, device=device, keep=cfg.keep)
+            bar.write(f"step {step:>{len(str(cfg.steps))}}: saved {path} in {time.perf_counter() - t_save:.1f} s")
+        bar.update(step, loss=losses[-1], tokens_per_s=(step - start) * tokens_per_step / train_time, elapsed=train_time)
     bar.close()
+    if not evals:  # resumed at the last step: nothing left to train, evaluate the loaded model once
+        evals.append((cfg.steps, _evaluate(par, eval_batches)))
 
-    train_losses = torch.stack(losses).float().tolist()
+    train_losses = history.train_loss[:start] + [float(v) for v in losses]
     tail = train_losses[-min(10, len(train_losses)) :]
     report = par.report(optimizer)
     summary: dict[str, Any] = {
@@ -304,7 +328,9 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         "mean_train_loss": sum(tail) / len(tail),  # and its mean over the last <= 10 steps
         "tail_steps": len(tail),
         "final_eval_loss": evals[-1][1],
-        "tokens_per_s": cfg.steps * tokens_per_step / train_time,  # this rank's tokens, train time only
+        # this rank's tokens over train time only, of this attempt (a resumed run: since the resume)
+        "tokens_per_s": (cfg.steps - start) * tokens_per_step / train_time if train_time > 0 else 0.0,
+        "resumed_from_step": start if history.resumed_from is not None else None,
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - t_start,
         "param_bytes": report.memory["params"],

@@ -76,6 +76,7 @@ class ProgressBar:
         enabled: False makes every method a no-op (non-zero ranks).
         min_interval: seconds between redraws on a TTY.
         every: steps between lines when ``stream`` is not a TTY (default ``total // 10``).
+        start: steps done before this bar (a resumed run), left out of the ETA's rate.
 
     Example:
         >>> bar = ProgressBar(100)
@@ -92,8 +93,9 @@ class ProgressBar:
         enabled: bool = True,
         min_interval: float = 0.1,
         every: int | None = None,
+        start: int = 0,
     ) -> None:
-        self.total, self.enabled, self.min_interval = total, enabled, min_interval
+        self.total, self.enabled, self.min_interval, self.start = total, enabled, min_interval, start
         self.stream = stream or sys.stdout
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
         self.every = every or max(1, total // 10)
@@ -101,7 +103,7 @@ class ProgressBar:
         self._width = 0  # length of the bar line on screen, to blank it
 
     def update(self, step: int, *, loss: float | torch.Tensor, tokens_per_s: float, elapsed: float) -> None:
-        """Report that ``step`` (1-based) finished; ``elapsed`` = training seconds so far.
+        """Report that ``step`` (1-based) finished; ``elapsed`` = training seconds since ``start``.
 
         A tensor ``loss`` is read (a device sync) only when a line is actually drawn.
         """
@@ -114,7 +116,7 @@ class ProgressBar:
         elif step % self.every and step not in (1, self.total):
             return
         self._last_draw = now
-        eta = elapsed / step * (self.total - step)
+        eta = elapsed / max(step - self.start, 1) * (self.total - step)
         stats = f"loss {float(loss):.3f} | {tokens_per_s / 1e3:.1f}k tok/s | {fmt_time(elapsed)} < {fmt_time(eta)}"
         width = len(str(self.total))
         if not self.tty:
