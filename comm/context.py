@@ -38,6 +38,15 @@ passed to :meth:`ParallelContext.from_mesh` keep the timeout they were created w
 ProcessGroupNCCL reads ``TORCH_NCCL_BLOCKING_WAIT`` once, when a group is constructed; shardkit
 sets it only around its own group creation and restores the previous value, so groups created
 elsewhere are unaffected, and nothing is read at import.
+
+[Note: the store after a torchrun restart]
+After a worker fails, ``torchrun --max-restarts`` starts all workers again on the same agent
+store (``TORCHELASTIC_USE_AGENT_STORE``), which still holds the previous attempt's keys:
+every process group's peer addresses among them. With ``init_method="env://"`` the new ranks
+read those: gloo's connectFullMesh then dials the dead attempt's ports ("Connection refused"),
+and NCCL likewise (pytorch/pytorch#167288). :meth:`ParallelContext.from_env` therefore opens the
+agent store itself under a prefix per attempt (``TORCHELASTIC_RESTART_COUNT``), so each attempt
+sees only its own keys.
 """
 
 from __future__ import annotations
@@ -287,8 +296,17 @@ class ParallelContext:
                 dist.init_process_group(
                     backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
                 )
+            elif env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                # torchrun's agent store, under a prefix of this attempt: [Note: the store after a
+                # torchrun restart]
+                store = dist.PrefixStore(
+                    f"/shardkit/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                    dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=False, timeout=timeout),
+                )
+                dist.init_process_group(
+                    backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+                )
             else:
-                # env:// (not tcp://) so torchrun's agent store is reused when it provides one.
                 dist.init_process_group(
                     backend,
                     init_method="env://",

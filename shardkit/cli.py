@@ -28,7 +28,8 @@ import shardkit
 from shardkit.bench import BENCHMARKS
 from shardkit.bench import run as run_benchmark
 from shardkit.train.config import TrainConfig, add_arguments, from_args, to_argv
-from shardkit.train.worker_logs import failure_report, rank_stderr
+from shardkit.train.process_lifetime import die_with_parent
+from shardkit.train.worker_logs import earlier_failures, failure_report, first_failures, rank_stderr
 
 #: more CPU ranks per core than this is refused by ``shardkit train`` (see ``_check_cores``)
 MAX_RANKS_PER_CORE = 4
@@ -198,10 +199,14 @@ def launch(cfg: TrainConfig) -> int:
     """Run ``cfg`` with ``cfg.nproc`` processes; returns the exit code (0 on success).
 
     ``nproc == 1`` trains in this process (``ddp`` then runs as a world of one; inside a torchrun
-    worker, as that worker's rank). ``nproc > 1`` runs ``python -m torch.distributed.run
-    --standalone --nproc-per-node N -m shardkit.cli train <flags>`` with ``OMP_NUM_THREADS =
-    cores // N`` unless already set, so CPU workers do not oversubscribe the cores. A failure in
-    this process raises; a failed worker gives torchrun's non-zero exit code.
+    worker, as that worker's rank). ``nproc > 1`` (or ``max_restarts > 0``) runs ``python -m
+    torch.distributed.run --standalone --nproc-per-node N --max-restarts K -m shardkit.cli train
+    <flags>`` with ``OMP_NUM_THREADS = cores // N`` unless already set, so CPU workers do not
+    oversubscribe the cores; torchrun and its workers end when this process does
+    (:func:`~shardkit.train.process_lifetime.die_with_parent`). A failure in this process
+    raises; a failed worker gives torchrun's non-zero exit code and a report naming the rank that
+    failed first (:mod:`shardkit.train.worker_logs`), and each restarted attempt's failure is
+    reported the same way.
 
     Example:
         >>> launch(TrainConfig(nproc=2, strategy="ddp", steps=100))
@@ -215,11 +220,19 @@ def launch(cfg: TrainConfig) -> int:
     device = check_device(cfg.device, ranks_per_node=cfg.nproc)
     if _check_cores(cfg, device):
         print(f"shardkit train: warning: {cfg.nproc} ranks share {_cpu_count()} CPU cores: steps will be slow", file=sys.stderr)
-    if cfg.nproc == 1:
+    if cfg.nproc == 1 and cfg.max_restarts == 0:
         from shardkit.train import train
 
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: end with torchrun, never orphaned
+            die_with_parent()
         train(cfg)
         return 0
+    if cfg.max_restarts > 0 and cfg.resume != "auto":
+        print(
+            f"shardkit train: warning: --max-restarts {cfg.max_restarts} without --ckpt-dir/--resume auto: "
+            "a restarted run begins again at step 0",
+            file=sys.stderr,
+        )
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // cfg.nproc)))
     log_dir = Path(tempfile.mkdtemp(prefix="shardkit-train-"))
@@ -233,19 +246,32 @@ def launch(cfg: TrainConfig) -> int:
         # per failed rank instead of N interleaved tracebacks (shardkit/train/worker_logs.py)
         "--redirects=2",
         f"--log-dir={log_dir}",
+        # after a worker fails, torchrun stops the others and starts them all again, K times at
+        # most; with --resume auto they continue from the newest checkpoint (docs/operations.md)
+        f"--max-restarts={cfg.max_restarts}",
         # Workers get no --nproc (so each trains in process); torchrun's parser also scans the
         # script's flags and would reject --nproc as an ambiguous prefix of --nproc-per-node.
         "-m",
         "shardkit.cli",
         "train",
-        *to_argv(cfg, skip={"nproc"}),
+        *to_argv(cfg, skip={"nproc", "max_restarts"}),
     ]
-    run = subprocess.run(cmd, env=env, check=False, stderr=subprocess.PIPE, text=True)
+    # torchrun (and through it the workers) ends when this process does, however it ends
+    run = subprocess.run(cmd, env=env, check=False, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
+    for attempt, report in earlier_failures(log_dir, cfg.nproc, run.stderr):
+        print(f"shardkit train: attempt {attempt} failed and the workers were restarted: {report}", file=sys.stderr)
     if run.returncode == 0:
         sys.stderr.write(rank_stderr(log_dir, 0))  # warnings once (rank 0's), not once per rank
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
-        print(f"shardkit train: {failure_report(log_dir, cfg.nproc, launcher_tail=_tail(run.stderr, 8))}", file=sys.stderr)
+        failures = first_failures(run.stderr)
+        report = failure_report(
+            log_dir,
+            cfg.nproc,
+            launcher_tail=_tail(run.stderr, 8),
+            first_failed=failures[-1] if len(failures) > cfg.max_restarts else None,
+        )
+        print(f"shardkit train: {report}", file=sys.stderr)
     return run.returncode
 
 

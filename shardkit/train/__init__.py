@@ -1,4 +1,4 @@
-"""The demo trainer behind ``shardkit train``, in five parts.
+"""The demo trainer behind ``shardkit train``.
 
 * :mod:`~shardkit.train.config` — :class:`TrainConfig`, whose fields define the CLI flags.
 * :mod:`~shardkit.train.schedule` — :func:`lr_at`, warmup + cosine.
@@ -6,6 +6,11 @@
 * :mod:`~shardkit.train.device` — :func:`resolve_device`, which device a rank trains on.
 * :mod:`~shardkit.train.loop` — :func:`train`, one rank of a run, written against the
   strategy interface of :mod:`shardkit.parallel.strategy`.
+* :mod:`~shardkit.train.run_checkpoints` — ``--ckpt-dir``/``--resume auto``: what a run saves and
+  how a restart continues it.
+* :mod:`~shardkit.train.worker_logs`, :mod:`~shardkit.train.fault_injection` and
+  :mod:`~shardkit.train.process_lifetime` — the failure report that names the rank that failed
+  first, ``--inject-fault`` drills, and no orphaned workers.
 
 Example:
     >>> from shardkit.train import TrainConfig, train

@@ -165,6 +165,13 @@ class TrainConfig:
         metavar="K",
     )
     timeout: float = _opt(300.0, "seconds a collective may wait for the other ranks before the run fails", _CKPT, metavar="S")
+    inject_fault: str | None = _opt(
+        None,
+        "a drill: rank RANK fails at step STEP in the first attempt; KIND is raise, exit, kill, stop or hang "
+        "(docs/operations.md)",
+        _CKPT,
+        metavar="RANK:STEP:KIND",
+    )
     eval_every: int = _opt(50, "steps between eval-loss estimates", _LOG, metavar="N")
     eval_iters: int = _opt(8, "fixed validation batches per estimate", _LOG, metavar="N")
     sample: int = _opt(0, "print a generated sample of CHARS characters at the end", _LOG, metavar="CHARS")
@@ -257,7 +264,7 @@ class TrainConfig:
                     f"pp x virtual_stages = {self.pp * self.virtual_stages} stages but TinyGPT has only "
                     f"n_layers + 2 = {self.n_layers + 2} blocks (embedding, layers, head)"
                 )
-        self._validate_checkpoints()
+        self._validate_checkpoints(world)
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs --schedule interleaved")
         for flag, path in (("--log-json", self.log_json), ("--plot", self.plot)):
@@ -281,7 +288,7 @@ class TrainConfig:
         if self.offload != "none" and not self.strategy.startswith("zero"):
             raise ValueError(f"offload={self.offload} needs --strategy zero1, zero2 or zero3")
 
-    def _validate_checkpoints(self) -> None:
+    def _validate_checkpoints(self, world_size: int) -> None:
         """The checkpoint, restart and timeout flags (see [Note: resuming a training run])."""
         for name in ("save_every", "max_restarts"):
             if getattr(self, name) < 0:
@@ -290,6 +297,9 @@ class TrainConfig:
             raise ValueError(f"keep must be >= 1, got {self.keep}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive (seconds), got {self.timeout}")
+        from shardkit.train.fault_injection import parse_fault
+
+        parse_fault(self.inject_fault, world_size=world_size)
         if self.ckpt_dir is None:
             for flag, used in (("--save-every", self.save_every > 0), ("--resume auto", self.resume == "auto")):
                 if used:

@@ -33,6 +33,7 @@ import math
 import sys
 import time
 from dataclasses import asdict, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
 
 from .config import TrainConfig
+from .fault_injection import parse_fault
 from .progress import ProgressBar, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
 from .run_plot import plot_run
 
@@ -186,7 +188,9 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
     from shardkit.engine.model_layout import axis_sizes
 
     tp, pp = axis_sizes(cfg.config, auto_values(cfg))  # the config's tensor_parallel / pipeline axes
-    ctx = ParallelContext.from_env(backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp)
+    ctx = ParallelContext.from_env(
+        backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp, timeout=timedelta(seconds=cfg.timeout)
+    )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         return _train(cfg, ctx, device, t_start)
 
@@ -253,7 +257,10 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
     evals: list[tuple[int, float]] = []
     train_time = 0.0
     tokens_per_step = micro * gas * cfg.seq_len
+    fault = parse_fault(cfg.inject_fault)
     for step in range(1, cfg.steps + 1):
+        if fault is not None and fault.due(ctx.global_rank, step):
+            fault.fire()
         t0 = time.perf_counter()
         lrs.append(engine.get_lr()[0])
         x_all, y_all = get_batch(

@@ -40,6 +40,7 @@ from shardkit.parallel.zero import plan_memory
 from .config import Precision, TrainConfig
 from .device import resolve_device
 from .engine_loop import build_model
+from .fault_injection import parse_fault
 from .progress import ProgressBar, fmt_bytes, fmt_comm, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
 from .run_checkpoints import RunHistory, resume_run, save_run
 from .run_plot import plot_run
@@ -276,7 +277,10 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     train_time = 0.0
     tokens_per_step = cfg.batch_size * cfg.seq_len
     save_every = cfg.save_every or cfg.steps
+    fault = parse_fault(cfg.inject_fault)
     for step in range(start + 1, cfg.steps + 1):
+        if fault is not None and fault.due(rank, step):
+            fault.fire()
         t0 = time.perf_counter()
         lr = lr_at(step - 1, lr=cfg.lr, warmup=cfg.warmup, total=cfg.steps, min_ratio=cfg.min_lr_ratio)
         for group in optimizer.param_groups:

@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -193,6 +194,27 @@ def test_more_ranks_than_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str
         assert resolve_device("auto", ranks_per_node=4) == torch.device("cpu")
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(save_every=10), "--save-every needs --ckpt-dir"),
+        (dict(resume="auto"), "--resume auto needs --ckpt-dir"),
+        (dict(ckpt_dir="/nonexistent-parent/ckpt"), "does not exist"),
+        (dict(ckpt_dir="ckpt", config="zero2_config_accelerate.json"), "--ckpt-dir with --config"),
+        (dict(keep=0), "keep must be >= 1"),
+        (dict(timeout=0.0), "timeout must be positive"),
+        (dict(max_restarts=-1), "max_restarts must be >= 0"),
+        (dict(inject_fault="1:5"), "RANK:STEP:KIND"),
+        (dict(inject_fault="1:5:segfault"), "kind must be one of"),
+        (dict(inject_fault="2:5:kill", nproc=2, strategy="ddp"), "rank 2 but the run has 2 rank"),
+        (dict(inject_fault="0:0:kill"), "step must be >= 1"),
+    ],
+)
+def test_checkpoint_and_fault_flags_are_checked_before_anything_starts(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**fields).validate()
 
 
 def test_cli_rejects_multiple_processes_without_a_strategy(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.train.worker_logs import failure_report, rank_stderr, stderr_logs
+from shardkit.train.worker_logs import earlier_failures, failure_report, first_failures, rank_stderr, stderr_logs
 
 
 def _traceback(message: str, pid: int) -> str:
@@ -66,6 +66,45 @@ def test_no_traceback_names_the_logs(tmp_path: Path) -> None:
     report = failure_report(logs, nproc=2)
     assert "without a Python traceback" in report and str(stderr_logs(logs)[1]) in report
     assert rank_stderr(logs, 1) == "killed\n" and rank_stderr(logs, 5) == ""
+
+
+_LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242."
+
+
+def test_a_killed_rank_is_named_first_and_the_survivors_error_is_its_consequence(tmp_path: Path) -> None:
+    # rank 1 was killed (no traceback); rank 0 then raised from its broken all-reduce
+    logs = _write_logs(tmp_path, [_traceback(_LOST, 100), ""])
+    report = failure_report(logs, nproc=2, first_failed=(1, -9)).splitlines()
+    assert report[0].startswith("rank 1 failed first: it was killed by SIGKILL (the OOM killer, or kill -9?)")
+    assert report[1].startswith("  rank 0: lost its peers after that: RuntimeError: ") and "Connection closed" in report[1]
+    assert "Traceback" not in "\n".join(report)  # the consequence's traceback is left out
+    # without torchrun's word, the rank that left no traceback is the suspect
+    assert failure_report(logs, nproc=2).startswith("rank 1 failed first, without a Python traceback")
+
+
+def test_a_raised_error_is_the_cause_even_when_torchrun_saw_the_survivor_exit_first(tmp_path: Path) -> None:
+    logs = _write_logs(tmp_path, [_traceback(_LOST, 100), _traceback("ValueError: bad batch", 101)])
+    report = failure_report(logs, nproc=2, first_failed=(0, 1))
+    assert report.startswith("1 of 2 ranks failed:\n  rank 1: ValueError: bad batch (full log: ")
+    assert "\n  rank 0: lost its peers after that: " in report and report.count("Traceback") == 1
+
+
+def test_first_failures_and_earlier_attempts_come_from_torchrun_and_its_log_dir(tmp_path: Path) -> None:
+    launcher = (
+        "E1126 10:23:22.421000 32720 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
+        "local_rank: 1 (pid: 32727) of binary: python\n"
+        "E1126 10:23:40.000000 32720 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) "
+        "local_rank: 0 (pid: 32801) of binary: python\n"
+    )
+    assert first_failures(launcher) == [(1, -9), (0, 1)]
+    for attempt, texts in enumerate([[_traceback(_LOST, 1), ""], ["", ""]]):
+        for rank, text in enumerate(texts):
+            d = tmp_path / "run" / f"attempt_{attempt}" / str(rank)
+            d.mkdir(parents=True)
+            (d / "stderr.log").write_text(text)
+    assert stderr_logs(tmp_path)[0].parent.parent.name == "attempt_1"  # the latest attempt
+    ((attempt, report),) = earlier_failures(tmp_path, 2, launcher)
+    assert attempt == 0 and report.startswith("rank 1 failed first: it was killed by SIGKILL")
 
 
 _FAIL_ON_BROADCAST = """
