@@ -17,7 +17,7 @@ export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch_extensions
 PY_SOURCES := kernels comm parallel shardkit perf tests tools notebooks/_build.py notebooks/_src notebooks/scripts
 STEPS  ?= 200
 
-.PHONY: all test test-matrix demo bench install clean test-gpu mutate
+.PHONY: all test test-matrix demo demo-restart bench install clean test-gpu mutate
 
 all: test
 
@@ -48,6 +48,13 @@ test-matrix: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/shardkit train --nproc $(NPROC) --strategy zero2 --steps $(STEPS)
+
+# A restart drill (docs/operations.md): rank 1 is killed at step 50; torchrun starts the workers
+# again and they resume from the step-40 checkpoint, ending as an uninterrupted run would.
+demo-restart: $(STAMP)
+	rm -rf .demo-restart-ckpt
+	$(BIN)/shardkit train --nproc $(NPROC) --strategy zero2 --steps 100 --eval-every 50 \
+		--ckpt-dir .demo-restart-ckpt --save-every 20 --resume auto --max-restarts 1 --inject-fault 1:50:kill
 
 # On a CUDA machine: GPU-only tests (`-m cuda`: aligned/unaligned kernels, fp16, NCCL DataParallel on 2
 # GPUs, ...) then the optimizer and DDP benchmarks on CUDA, results in perf/results/*_cuda.json.

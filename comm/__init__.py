@@ -4,6 +4,8 @@
 * :func:`all_reduce`, :func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`,
   :func:`send`, :func:`recv` — take ``group=`` explicitly and return a :class:`CommHandle`.
 * :class:`CommStats` — explicit, thread-safe call/byte accounting (``stats=``).
+* :class:`Heartbeat` — each rank beats and watches the next: a frozen rank is named and ended in
+  seconds instead of the collective timeout (see [Note: heartbeats]).
 * :class:`CommTimeoutError` — a collective outlived its group's timeout (gloo; on NCCL only with
   ``blocking_wait=True``, else NCCL's watchdog aborts the process: see [Note: what a timeout
   looks like on each backend] in :mod:`shardkit.comm.context`).
@@ -28,6 +30,7 @@ from .collectives import (
 )
 from .context import AXES, DEFAULT_TIMEOUT, ParallelContext
 from .handle import CommHandle, CommTimeoutError
+from .heartbeat import Heartbeat
 from .stats import CommStats, group_label
 
 __all__ = [
@@ -37,6 +40,7 @@ __all__ = [
     "CommHandle",
     "CommStats",
     "CommTimeoutError",
+    "Heartbeat",
     "ReduceOpName",
     "all_reduce",
     "reduce_scatter",

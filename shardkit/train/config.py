@@ -165,6 +165,12 @@ class TrainConfig:
         metavar="K",
     )
     timeout: float = _opt(300.0, "seconds a collective may wait for the other ranks before the run fails", _CKPT, metavar="S")
+    heartbeat: float = _opt(
+        20.0,
+        "seconds without a heartbeat after which a rank is declared frozen and killed, ending the run (0: off)",
+        _CKPT,
+        metavar="S",
+    )
     inject_fault: str | None = _opt(
         None,
         "a drill: rank RANK fails at step STEP in the first attempt; KIND is raise, exit, kill, stop or hang "
@@ -297,6 +303,8 @@ class TrainConfig:
             raise ValueError(f"keep must be >= 1, got {self.keep}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive (seconds), got {self.timeout}")
+        if self.heartbeat < 0 or 0 < self.heartbeat <= 2:
+            raise ValueError(f"heartbeat must be 0 (off) or more than 2 seconds, got {self.heartbeat}")
         from shardkit.train.fault_injection import parse_fault
 
         parse_fault(self.inject_fault, world_size=world_size)

@@ -27,6 +27,7 @@ the same data and reach the same losses (fp32).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import ParallelContext
+from shardkit.comm import Heartbeat, ParallelContext
 from shardkit.data import get_batch, load_corpus
 from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
@@ -192,10 +193,14 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
         backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp, timeout=timedelta(seconds=cfg.timeout)
     )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
-        return _train(cfg, ctx, device, t_start)
+        # a frozen peer is named and ended in seconds, not after --timeout ([Note: heartbeats])
+        with Heartbeat(stale_after=cfg.heartbeat) if cfg.heartbeat > 0 and ctx.world_size > 1 else contextlib.nullcontext() as hb:
+            return _train(cfg, ctx, device, t_start, hb)
 
 
-def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start: float) -> dict[str, Any]:
+def _train(
+    cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start: float, hb: Heartbeat | None = None
+) -> dict[str, Any]:
     import shardkit
     from shardkit.engine import load_config
 
@@ -259,6 +264,8 @@ def _train(cfg: TrainConfig, ctx: ParallelContext, device: torch.device, t_start
     tokens_per_step = micro * gas * cfg.seq_len
     fault = parse_fault(cfg.inject_fault)
     for step in range(1, cfg.steps + 1):
+        if hb is not None:
+            hb.note(f"step {step}")
         if fault is not None and fault.due(ctx.global_rank, step):
             fault.fire()
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import ParallelContext
+from shardkit.comm import Heartbeat, ParallelContext
 from shardkit.data import get_batch, load_corpus
 from shardkit.hf_models import LogitsOnly, hf_tp_plan
 from shardkit.kernels import FusedAdamW
@@ -196,10 +196,14 @@ def train(cfg: TrainConfig) -> TrainResult:
         backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp, timeout=timedelta(seconds=cfg.timeout)
     )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
-        return _train(cfg, ctx, device, t_start)
+        # a frozen peer is named and ended in seconds, not after --timeout ([Note: heartbeats])
+        with Heartbeat(stale_after=cfg.heartbeat) if cfg.heartbeat > 0 and ctx.world_size > 1 else contextlib.nullcontext() as hb:
+            return _train(cfg, ctx, device, t_start, hb)
 
 
-def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, t_start: float) -> TrainResult:
+def _train(
+    cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, t_start: float, hb: Heartbeat | None = None
+) -> TrainResult:
     rank, world = (ctx.global_rank, ctx.world_size) if ctx is not None else (0, 1)
     # Data sharding follows the data-parallel axis (equal to the world for pure DDP).
     dp_rank, dp_size = (ctx.rank("dp"), ctx.size("dp")) if ctx is not None else (0, 1)
@@ -278,7 +282,9 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
     tokens_per_step = cfg.batch_size * cfg.seq_len
     save_every = cfg.save_every or cfg.steps
     fault = parse_fault(cfg.inject_fault)
+    note = hb.note if hb is not None else (lambda what: None)
     for step in range(start + 1, cfg.steps + 1):
+        note(f"step {step}")  # what a heartbeat verdict about this rank says it was doing
         if fault is not None and fault.due(rank, step):
             fault.fire()
         t0 = time.perf_counter()
@@ -314,6 +320,7 @@ def _train(cfg: TrainConfig, ctx: ParallelContext | None, device: torch.device, 
         if cfg.ckpt_dir is not None and (step % save_every == 0 or step == cfg.steps):
             history.train_loss += [float(v) for v in losses[len(history.train_loss) - start :]]
             history.step, history.skipped_steps = step, par.skipped_steps
+            note(f"step {step}: saving a checkpoint")
             t_save = time.perf_counter()
             path = save_run(cfg.ckpt_dir, par, optimizer, history, data_generator=data_gen, device=device, keep=cfg.keep)
             bar.write(f"step {step:>{len(str(cfg.steps))}}: saved {path} in {time.perf_counter() - t_save:.1f} s")

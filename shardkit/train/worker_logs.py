@@ -14,9 +14,10 @@ When one rank dies, the others fail too, a moment later, with an error of their 
 "Connection closed by peer", NCCL's remote error, a collective timeout. Listing those first would
 blame the survivors. So a traceback whose error only says that a peer went away is a
 *consequence* (``_LOST_PEER``), shown as "lost its peers after that", its traceback left out. The
-*cause* is the rank with any other traceback; when there is none, the rank torchrun saw exit
-first (:func:`first_failures`: its exit code or signal), else the ranks that left no traceback at
-all (killed, frozen, out of memory).
+*cause* is the rank with any other traceback; when there is none, the frozen rank that a
+heartbeat watcher named (``shardkit heartbeat: ...``, :class:`~shardkit.comm.Heartbeat`), else the
+rank torchrun saw exit first (:func:`first_failures`: its exit code or signal), else the ranks
+that left no traceback at all (killed, frozen, out of memory).
 
 Example:
     >>> print(failure_report(Path("/tmp/run-logs"), nproc=2))   # doctest: +SKIP
@@ -112,6 +113,8 @@ _LOST_PEER = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote worker crashing|Broken pipe|"
     r"NCCL (communicator was aborted|error: remote process)|CommTimeoutError|[Tt]imed out in |Timed out waiting"
 )
+#: a watcher's verdict about a frozen rank (shardkit.comm.Heartbeat)
+_HEARTBEAT_VERDICT = re.compile(r"^shardkit heartbeat: rank \d+ .*$", flags=re.M)
 #: torchrun's line for the first worker that failed in an attempt (one per failed attempt, in order)
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
@@ -172,7 +175,10 @@ def failure_report(
     consequences = {rank: tb for rank, tb in failed.items() if _LOST_PEER.search(_error_line(tb))}
     causes = {rank: tb for rank, tb in failed.items() if rank not in consequences}
     lines: list[str] = []
-    if not causes:
+    verdicts = [m.group(0) for path in logs.values() for m in _HEARTBEAT_VERDICT.finditer(path.read_text(errors="replace"))]
+    if verdicts and not causes:  # a watcher found a frozen rank and killed it: that is the cause
+        lines.append(verdicts[0].removeprefix("shardkit heartbeat: "))
+    elif not causes:
         silent = [rank for rank in logs if rank not in failed]
         if first_failed is not None and first_failed[0] not in failed:
             rank, code = first_failed

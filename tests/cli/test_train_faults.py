@@ -8,6 +8,7 @@ Each case runs the real command line (torchrun, gloo) with ``--inject-fault RANK
 * a rank that raises, or exits without a word: the verdict names that rank (not the survivor
   whose collective then broke), and the run ends in seconds, not after the collective timeout;
 * a rank that hangs inside a step: the others' collective times out after ``--timeout``;
+* a frozen rank (SIGSTOP): the rank that watches its heartbeat names it and kills it;
 * ``shardkit train`` itself killed: its torchrun and workers end too (no orphans).
 
 The times are printed; the bounds asserted are far above them (a hang would take the 300 s
@@ -17,6 +18,7 @@ default timeout). perf/faults.py measures the times per case.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,6 +96,17 @@ def test_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path: Path) -> 
     assert run.returncode != 0
     assert run.stderr.startswith("shardkit train: rank 1 failed first, without a Python traceback"), run.stderr[-3000:]
     assert "  rank 0: lost its peers after that: " in run.stderr
+    assert seconds < 120
+
+
+def test_frozen_rank_is_named_and_ended_by_the_rank_watching_it(tmp_path: Path) -> None:
+    """SIGSTOP: the rank holds its sockets and answers nothing, so no collective fails; without the
+    heartbeat the others would wait out the 300 s collective timeout."""
+    run, seconds = _train(tmp_path, "--steps", "20", "--heartbeat", "5", "--inject-fault", "1:3:stop")
+    print(f"stop with --heartbeat 5: every process ended after {seconds:.1f} s (start-up included)")
+    assert run.returncode != 0
+    assert re.match(r"shardkit train: rank 1 \(pid \d+ on .+\) sent no heartbeat for \d+\.\d s", run.stderr), run.stderr[-3000:]
+    assert "frozen or stopped; rank 0 kills it (SIGKILL)" in run.stderr.splitlines()[0]
     assert seconds < 120
 
 

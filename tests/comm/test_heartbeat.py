@@ -1,0 +1,55 @@
+"""The heartbeat watchdog: a rank that stops beating is named by the rank that watches it, with
+what it last said it was doing; a rank that ends normally is never named (comm/heartbeat.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from shardkit.comm import Heartbeat
+
+
+def _one_rank_goes_silent(silent_rank: int) -> str | None:
+    verdicts: list[tuple[int, str]] = []
+    hb = Heartbeat(interval=0.1, stale_after=0.6, on_frozen=lambda rank, verdict: verdicts.append((rank, verdict)))
+    hb.start()
+    hb.note(f"step 7 on rank {dist.get_rank()}")
+    time.sleep(0.3)  # at least one beat with the note
+    if dist.get_rank() == silent_rank:
+        hb._stop.set()  # frozen: no more beats, and not marked done
+        hb._thread.join()
+    deadline = time.monotonic() + 10
+    while dist.get_rank() != silent_rank and not verdicts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.barrier()
+    hb.stop()
+    assert len(verdicts) <= 1
+    return verdicts[0][1] if verdicts else None
+
+
+def test_the_rank_watching_a_silent_one_names_it(dist_pool) -> None:
+    out = dist_pool.run(_one_rank_goes_silent, 2, world_size=3, timeout=60)
+    # the ring: rank 1 watches rank 2; nobody else names anyone
+    assert out[0] is None and out[2] is None
+    assert out[1] is not None and out[1].startswith("shardkit heartbeat: rank 2 (pid ")
+    assert "(last note: step 7 on rank 2): frozen or stopped" in out[1]
+
+
+def _everyone_ends_at_different_times() -> str | None:
+    verdicts: list[str] = []
+    with Heartbeat(interval=0.1, stale_after=0.5, on_frozen=lambda rank, verdict: verdicts.append(verdict)):
+        time.sleep(0.2 + 1.5 * dist.get_rank())  # rank 0 stops first; rank 1 watches it for 1.5 s more
+    dist.barrier()
+    return verdicts[0] if verdicts else None
+
+
+def test_a_rank_that_ended_is_not_called_frozen(dist_pool) -> None:
+    assert dist_pool.run(_everyone_ends_at_different_times, world_size=2, timeout=60) == [None, None]
+
+
+@pytest.mark.parametrize(("interval", "stale_after"), [(0.0, 10.0), (1.0, 2.0)])
+def test_bad_intervals_are_refused_before_anything_else(interval: float, stale_after: float) -> None:
+    with pytest.raises(ValueError, match="interval|stale_after"):
+        Heartbeat(interval=interval, stale_after=stale_after)
