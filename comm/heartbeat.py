@@ -20,6 +20,12 @@ then cannot tell who is to blame. :class:`Heartbeat` finds it sooner and names i
   restart it (``--max-restarts``). On another host the watcher exits itself instead, with status
   1, which ends the run the same way.
 
+A rank that is alive but stuck (a data loader waiting forever, a collective only it skipped)
+still beats. Given the run's :class:`~shardkit.comm.CommStats` (``stats=``), each beat also
+publishes how many collectives the rank has issued and the last one; when a collective times out,
+:meth:`stall_report` compares them: the rank that has issued fewer is the one the others wait for
+("rank 3 is behind: 40 collectives issued (last: all_gather on ...; step 5); ranks 0-2: 41").
+
 A rank that ends (:meth:`stop`, or leaving the ``with`` block) marks itself done and is never
 declared frozen. The threads hold the GIL only for a store request, which torch's collectives and
 kernels release; a C extension that held the GIL for ``stale_after`` seconds would be taken for
@@ -34,10 +40,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import torch.distributed as dist
+
+from .stats import CommStats
 
 __all__ = ["Heartbeat"]
 
@@ -53,6 +61,15 @@ def _start_time(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
+def _ranks(ranks: list[int]) -> str:
+    """``"rank 3"``, ``"ranks 0-2"``, ``"ranks 0, 2, 5"``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
 class Heartbeat:
     """Beat for this rank and watch the next one (see [Note: heartbeats]).
 
@@ -62,6 +79,9 @@ class Heartbeat:
         store: the store to beat into (default: the default process group's).
         on_frozen: ``on_frozen(rank, verdict)`` instead of the default kill-or-exit, called once
             from the watcher thread (e.g. to alert and let the collective timeout end the run).
+        stats: the run's :class:`~shardkit.comm.CommStats` objects, in the same order on every
+            rank: each beat also publishes how many collectives this rank has issued and the
+            last one, which :meth:`stall_report` compares across ranks.
 
     Raises:
         ValueError: ``interval <= 0`` or ``stale_after <= 2 * interval``.
@@ -81,6 +101,7 @@ class Heartbeat:
         stale_after: float = 20.0,
         store: dist.Store | None = None,
         on_frozen: Callable[[int, str], None] | None = None,
+        stats: Sequence[CommStats] = (),
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval}")
@@ -92,6 +113,7 @@ class Heartbeat:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._store = store if store is not None else dist.distributed_c10d._get_default_store()
         self._on_frozen = on_frozen
+        self._stats = list(stats)
         self._note = "started"
         self._count = 0
         self._seen, self._seen_at = "", 0.0  # the watched rank's last beat, and when it changed
@@ -104,6 +126,11 @@ class Heartbeat:
     def note(self, what: str) -> None:
         """Say what this rank is doing now (shown in a verdict about it)."""
         self._note = what
+
+    def track(self, *stats: CommStats) -> None:
+        """Add CommStats objects to the published progress (as ``stats=``; e.g. once the model
+        that owns them is built). Add them in the same order on every rank."""
+        self._stats.extend(stats)
 
     def start(self) -> Heartbeat:
         """Register this rank (pid, host, start time) and start beating and watching."""
@@ -135,6 +162,66 @@ class Heartbeat:
     def _beat(self) -> None:
         self._count += 1
         self._store.set(f"{_PREFIX}{self.rank}/beat", f"{self._count} {self._note}")
+        if self._stats:
+            self._store.set(f"{_PREFIX}{self.rank}/progress", self._progress())
+
+    def _progress(self) -> str:
+        """``"<calls>\t<last op on group>"`` over this run's stats objects."""
+        issued, last = 0, "-"
+        for stats in self._stats:
+            n, op = stats.progress()
+            issued += n
+            if op is not None:
+                last = f"{op[0]} on {op[1]}"
+        return f"{issued}\t{last}"
+
+    def stall_report(self) -> str:
+        """Which rank is behind, from every rank's last published progress (call it when a
+        collective timed out, on any rank; the others need not answer).
+
+        Ranks that run the same program issue the same collectives in the same order, so the
+        rank that has issued fewer is the one the others are waiting for; when all have issued
+        as many, the collective itself is stuck (or a rank skipped one: a bug).
+
+        Returns:
+            One line, ``"shardkit stall: rank 3 is behind: 40 collectives issued (last:
+            all_gather on shardkit_dp[0, 1, 2, 3]; step 5); ranks 0-2: 41 (last: ...)"``.
+
+        Example:
+            >>> try:
+            ...     train_step()
+            ... except CommTimeoutError:
+            ...     print(hb.stall_report(), file=sys.stderr); raise
+        """
+        if not self._stats:
+            return "shardkit stall: no progress recorded (Heartbeat(stats=...) was not given the run's CommStats)"
+        self._store.set(f"{_PREFIX}{self.rank}/progress", self._progress())  # this rank's, current
+        rows: list[tuple[int, int, str, str]] = []
+        for rank in range(self.world):
+            keys = [f"{_PREFIX}{rank}/progress", f"{_PREFIX}{rank}/beat"]
+            if not self._store.check(keys):
+                rows.append((rank, -1, "-", "not started"))
+                continue
+            progress, beat = (v.decode() for v in self._store.multi_get(keys))
+            issued, _, last = progress.partition("\t")
+            rows.append((rank, int(issued), last, beat.partition(" ")[2]))
+        fewest = min(r[1] for r in rows)
+        behind = [r for r in rows if r[1] == fewest]
+        ahead = [r for r in rows if r[1] != fewest]
+
+        def where(group: list[tuple[int, int, str, str]]) -> str:
+            notes = sorted({f"last: {r[2]}; {r[3]}" for r in group})
+            return f"{group[0][1]} collectives issued ({' | '.join(notes)})"
+
+        if not ahead:
+            return f"shardkit stall: every rank has issued {where(rows)}: none is behind, a collective itself is stuck"
+        names = _ranks([r[0] for r in behind])
+        others = "; ".join(
+            f"{_ranks([r[0] for r in ahead if r[1] == n])}: {where([r for r in ahead if r[1] == n])}"
+            for n in sorted({r[1] for r in ahead})
+        )
+        verb = "is" if len(behind) == 1 else "are"
+        return f"shardkit stall: {names} {verb} behind: {where(behind)}; {others}"
 
     def _run(self) -> None:
         watched, watching = (self.rank + 1) % self.world, True

@@ -69,6 +69,8 @@ class CommStats:
         self._lock = threading.Lock()
         # (op, group label) -> [calls, bytes]
         self._counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        self._issued = 0  # every call recorded since construction (reset() keeps it: see progress)
+        self._last: tuple[str, str] | None = None
 
     def record(self, op: str, group: dist.ProcessGroup | str, nbytes: int) -> None:
         """Record one call of ``op`` on ``group`` moving ``nbytes`` payload bytes.
@@ -88,6 +90,8 @@ class CommStats:
             entry = self._counts[(op, label)]
             entry[0] += 1
             entry[1] += int(nbytes)
+            self._issued += 1
+            self._last = (op, label)
 
     def _total(self, index: int, op: str | None, group: dist.ProcessGroup | str | None) -> int:
         label = None if group is None else (group if isinstance(group, str) else group_label(group))
@@ -103,6 +107,19 @@ class CommStats:
     def bytes(self, op: str | None = None, *, group: dist.ProcessGroup | str | None = None) -> int:
         """Payload bytes recorded for ``op`` (all ops if None), optionally on one ``group``."""
         return self._total(1, op, group)
+
+    def progress(self) -> tuple[int, tuple[str, str] | None]:
+        """``(calls issued so far, (op, group label) of the last one)``, for telling which rank is
+        behind when a collective stalls (:meth:`~shardkit.comm.Heartbeat.stall_report`). Unlike
+        :meth:`calls`, the count survives :meth:`reset`: ranks that run the same program have
+        issued the same number of calls at the same point.
+
+        Example:
+            >>> stats.progress()
+            (41, ('all_gather', 'shardkit_dp[0, 1]'))
+        """
+        with self._lock:
+            return self._issued, self._last
 
     def reset(self) -> None:
         """Forget everything recorded so far (e.g. at the start of each measured step)."""

@@ -259,6 +259,18 @@ class ParallelModel:
         self._composite = axis_size(ctx, "tp") > 1 or axis_size(ctx, "pp") > 1
         self._accumulating = False  # inside no_sync() with a pipeline and dp="ddp"
 
+    def comm_stats(self) -> list[CommStats]:
+        """Every :class:`~shardkit.comm.CommStats` this model's collectives record into: the dp
+        wrapper's, then the one of the TP layers, the pipeline and the norm (:attr:`stats`). The
+        order is the same on every rank (for :class:`~shardkit.comm.Heartbeat`'s progress).
+
+        Example:
+            >>> hb.track(*par.comm_stats())
+        """
+        inner = getattr(self.module, "comm_stats", None)
+        out = [inner] if isinstance(inner, CommStats) else []
+        return out + ([self.stats] if self.stats is not inner else [])
+
     # ---- the step ------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters (TP shards of its stages), for the optimizer."""

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import Heartbeat, ParallelContext
+from shardkit.comm import CommTimeoutError, Heartbeat, ParallelContext
 from shardkit.data import get_batch, load_corpus
 from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
@@ -195,7 +195,12 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         # a frozen peer is named and ended in seconds, not after --timeout ([Note: heartbeats])
         with Heartbeat(stale_after=cfg.heartbeat) if cfg.heartbeat > 0 and ctx.world_size > 1 else contextlib.nullcontext() as hb:
-            return _train(cfg, ctx, device, t_start, hb)
+            try:
+                return _train(cfg, ctx, device, t_start, hb)
+            except CommTimeoutError:  # who the others were waiting for ([Note: heartbeats])
+                if hb is not None:
+                    print(hb.stall_report(), file=sys.stderr, flush=True)
+                raise
 
 
 def _train(
@@ -222,6 +227,8 @@ def _train(
     hf = cfg.model != "tinygpt"
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight once
     engine, _, _, _ = shardkit.initialize(model=model, model_parameters=_param_groups(model), config=cfg.config, ctx=ctx, **auto)
+    if hb is not None:  # what the heartbeat publishes as this rank's progress
+        hb.track(*engine.parallel.comm_stats())
     pipelined = ecfg.pipeline.stages > 1
     if ecfg.tensor_parallel.size * ecfg.pipeline.stages > 1:
         # this rank's part: its TP slices (the model was converted in place), of its stages

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import Heartbeat, ParallelContext
+from shardkit.comm import CommTimeoutError, Heartbeat, ParallelContext
 from shardkit.data import get_batch, load_corpus
 from shardkit.hf_models import LogitsOnly, hf_tp_plan
 from shardkit.kernels import FusedAdamW
@@ -198,7 +198,12 @@ def train(cfg: TrainConfig) -> TrainResult:
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         # a frozen peer is named and ended in seconds, not after --timeout ([Note: heartbeats])
         with Heartbeat(stale_after=cfg.heartbeat) if cfg.heartbeat > 0 and ctx.world_size > 1 else contextlib.nullcontext() as hb:
-            return _train(cfg, ctx, device, t_start, hb)
+            try:
+                return _train(cfg, ctx, device, t_start, hb)
+            except CommTimeoutError:  # who the others were waiting for ([Note: heartbeats])
+                if hb is not None:
+                    print(hb.stall_report(), file=sys.stderr, flush=True)
+                raise
 
 
 def _train(
@@ -234,6 +239,8 @@ def _train(
         autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
         dp_options=cfg.strategy_options(),
     )
+    if hb is not None:  # what the heartbeat publishes as this rank's progress
+        hb.track(*par.comm_stats())
     # Dropout: one stream per data-parallel replica and pipeline stage, the SAME on every tp rank
     # (replicated activations must drop the same elements; tp-sharded regions derive their own
     # per-rank streams from it, parallel/tensor/rng.py).

@@ -16,6 +16,7 @@ blame the survivors. So a traceback whose error only says that a peer went away 
 *consequence* (``_LOST_PEER``), shown as "lost its peers after that", its traceback left out. The
 *cause* is the rank with any other traceback; when there is none, the frozen rank that a
 heartbeat watcher named (``shardkit heartbeat: ...``, :class:`~shardkit.comm.Heartbeat`), else the
+rank that a timed-out rank found behind the others (``shardkit stall: ...``), else the
 rank torchrun saw exit first (:func:`first_failures`: its exit code or signal), else the ranks
 that left no traceback at all (killed, frozen, out of memory).
 
@@ -115,6 +116,8 @@ _LOST_PEER = re.compile(
 )
 #: a watcher's verdict about a frozen rank (shardkit.comm.Heartbeat)
 _HEARTBEAT_VERDICT = re.compile(r"^shardkit heartbeat: rank \d+ .*$", flags=re.M)
+#: a rank's account, after its collective timed out, of which rank the others wait for
+_STALL_VERDICT = re.compile(r"^shardkit stall: .*$", flags=re.M)
 #: torchrun's line for the first worker that failed in an attempt (one per failed attempt, in order)
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 
@@ -176,8 +179,11 @@ def failure_report(
     causes = {rank: tb for rank, tb in failed.items() if rank not in consequences}
     lines: list[str] = []
     verdicts = [m.group(0) for path in logs.values() for m in _HEARTBEAT_VERDICT.finditer(path.read_text(errors="replace"))]
+    stalls = [m.group(0) for path in logs.values() for m in _STALL_VERDICT.finditer(path.read_text(errors="replace"))]
     if verdicts and not causes:  # a watcher found a frozen rank and killed it: that is the cause
         lines.append(verdicts[0].removeprefix("shardkit heartbeat: "))
+    elif stalls and not causes:  # a collective timed out: the rank the others waited for
+        lines.append(stalls[0].removeprefix("shardkit "))
     elif not causes:
         silent = [rank for rank in logs if rank not in failed]
         if first_failed is not None and first_failed[0] not in failed:

@@ -1,5 +1,6 @@
 """The heartbeat watchdog: a rank that stops beating is named by the rank that watches it, with
-what it last said it was doing; a rank that ends normally is never named (comm/heartbeat.py)."""
+what it last said it was doing; a rank that ends normally is never named; after a stall, the
+rank that issued fewer collectives is named as the one the others wait for (comm/heartbeat.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from shardkit.comm import Heartbeat
+from shardkit.comm import CommStats, Heartbeat
 
 
 def _one_rank_goes_silent(silent_rank: int) -> str | None:
@@ -47,6 +48,30 @@ def _everyone_ends_at_different_times() -> str | None:
 
 def test_a_rank_that_ended_is_not_called_frozen(dist_pool) -> None:
     assert dist_pool.run(_everyone_ends_at_different_times, world_size=2, timeout=60) == [None, None]
+
+
+def _progress_then_report(calls: list[int]) -> str:
+    stats = CommStats()
+    for i in range(calls[dist.get_rank()]):
+        stats.record("reduce_scatter" if i % 2 else "all_gather", "shardkit_dp[0, 1, 2, 3]", 64)
+    with Heartbeat(interval=0.1, stale_after=30, stats=[stats]) as hb:
+        hb.note(f"step {calls[dist.get_rank()] // 2}")
+        time.sleep(0.3)  # a beat publishes the note and the progress
+        dist.barrier()
+        report = hb.stall_report()
+        dist.barrier()
+    return report
+
+
+def test_stall_report_names_the_rank_that_issued_fewer_collectives(dist_pool) -> None:
+    out = dist_pool.run(_progress_then_report, [6, 6, 5, 6], world_size=4, timeout=60)
+    assert len(set(out)) == 1  # every rank tells the same story
+    assert out[0] == (
+        "shardkit stall: rank 2 is behind: 5 collectives issued (last: all_gather on shardkit_dp[0, 1, 2, 3]; step 2); "
+        "ranks 0, 1, 3: 6 collectives issued (last: reduce_scatter on shardkit_dp[0, 1, 2, 3]; step 3)"
+    )
+    even = dist_pool.run(_progress_then_report, [4, 4, 4, 4], world_size=4, timeout=60)
+    assert even[0].startswith("shardkit stall: every rank has issued 4 collectives") and "none is behind" in even[0]
 
 
 @pytest.mark.parametrize(("interval", "stale_after"), [(0.0, 10.0), (1.0, 2.0)])
