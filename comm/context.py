@@ -5,7 +5,10 @@ Axes are ordered ``("pp", "dp", "tp")``, outermost to innermost, as in torchtita
 ``ParallelDims``: global rank ``r = (i_pp * dp + i_dp) * tp + i_tp``. The tp axis is innermost
 so that a tp group is a run of consecutive ranks, i.e. GPUs of one node joined by NVLink (tp
 communicates every layer); dp is next (one gradient reduction per step); pp outermost (only
-point-to-point activations cross it, which tolerates the slowest links). Every context has all
+point-to-point activations cross it, which tolerates the slowest links). With several machines
+(torchrun gives each ``LOCAL_WORLD_SIZE`` consecutive global ranks), a tp group stays inside one
+machine exactly when tp divides ``LOCAL_WORLD_SIZE``; dp, then pp, cross machines.
+:meth:`ParallelContext.from_env` warns when tp would span machines. Every context has all
 three axes, size 1 where unused, so ``ctx.group("pp")`` always works; collectives on a size-1
 group take the local path.
 
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -129,6 +133,23 @@ def _env_int(name: str) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+
+
+def warn_if_tp_spans_machines(world_size: int, per_machine: int, tp: int) -> bool:
+    """Warn (and return True) when tp groups would span machines of ``per_machine`` ranks.
+
+    Example:
+        >>> warn_if_tp_spans_machines(world_size=8, per_machine=4, tp=2)
+        False
+    """
+    if world_size <= per_machine or per_machine % tp == 0:
+        return False
+    warnings.warn(
+        f"tp={tp} does not divide the {per_machine} ranks per machine (LOCAL_WORLD_SIZE): tp groups span "
+        "machines, and every layer's all-reduce crosses the slowest link ([Note: mesh layout])",
+        stacklevel=3,
+    )
+    return True
 
 
 def _check_gpus_per_node(local_rank: int) -> None:
@@ -274,6 +295,8 @@ class ParallelContext:
             for var in ("MASTER_ADDR", "MASTER_PORT"):
                 if var not in env:
                     raise RuntimeError(f"environment variable {var} is not set (launch with torchrun)")
+        if "LOCAL_WORLD_SIZE" in env:
+            warn_if_tp_spans_machines(world_size, _env_int("LOCAL_WORLD_SIZE"), tp)
         try:
             cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp)  # before any process group exists
         except ValueError as e:

@@ -214,13 +214,13 @@ def launch(cfg: TrainConfig) -> int:
     """
     from shardkit.train.device import check_device  # no torch for --device cpu
 
-    if cfg.nproc > 1:  # with nproc == 1, train() validates against the world it runs in (torchrun's)
+    if cfg.nproc > 1 or cfg.nnodes > 1:  # a worker (nproc == 1) validates against torchrun's world in train()
         cfg.validate()
     # Before starting any worker: local rank r would take cuda:r, so N ranks need N GPUs here.
     device = check_device(cfg.device, ranks_per_node=cfg.nproc)
     if _check_cores(cfg, device):
         print(f"shardkit train: warning: {cfg.nproc} ranks share {_cpu_count()} CPU cores: steps will be slow", file=sys.stderr)
-    if cfg.nproc == 1 and cfg.max_restarts == 0:
+    if cfg.nproc == 1 and cfg.max_restarts == 0 and cfg.nnodes == 1:
         from shardkit.train import train
 
         if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: end with torchrun, never orphaned
@@ -236,11 +236,20 @@ def launch(cfg: TrainConfig) -> int:
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // cfg.nproc)))
     log_dir = Path(tempfile.mkdtemp(prefix="shardkit-train-"))
+    if cfg.nnodes == 1:
+        rendezvous = ["--standalone"]
+    else:  # every machine runs the same command; the ranks meet at the first one's endpoint
+        rendezvous = [
+            f"--nnodes={cfg.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={cfg.rdzv_endpoint}",
+            f"--rdzv-id=shardkit-{cfg.rdzv_endpoint}",
+        ]
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *rendezvous,
         f"--nproc-per-node={cfg.nproc}",
         # every worker's stderr to its own file, read once below: one copy of a warning, one line
         # per failed rank instead of N interleaved tracebacks (shardkit/train/worker_logs.py)
@@ -254,7 +263,7 @@ def launch(cfg: TrainConfig) -> int:
         "-m",
         "shardkit.cli",
         "train",
-        *to_argv(cfg, skip={"nproc", "max_restarts"}),
+        *to_argv(cfg, skip={"nproc", "max_restarts", "nnodes", "rdzv_endpoint"}),
     ]
     # torchrun (and through it the workers) ends when this process does, however it ends
     run = subprocess.run(cmd, env=env, check=False, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
@@ -393,7 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         # a torchrun worker runs with nproc=1 (see launch) in a world of WORLD_SIZE ranks
-        world = int(os.environ.get("WORLD_SIZE", "1")) if cfg.nproc == 1 else cfg.nproc
+        launching = cfg.nproc > 1 or cfg.nnodes > 1
+        world = cfg.nproc * cfg.nnodes if launching else int(os.environ.get("WORLD_SIZE", "1"))
         cfg.validate(world_size=world)
         device = check_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
         _check_cores(cfg, device)  # far more ranks than CPU cores: likewise

@@ -6,7 +6,16 @@ Example:
     >>> extra = load_checkpoint("ckpt/latest", sdp4, opt4)   # e.g. on 4 ranks, or stage 1
 """
 
-from .api import FORMAT_VERSION, load_checkpoint, load_meta, read_manifest, save_checkpoint, verify_files
+from .api import FORMAT_VERSION, AsyncCheckpointer, load_checkpoint, load_meta, read_manifest, save_checkpoint, verify_files
 from .pieces import FlatPiece
 
-__all__ = ["FORMAT_VERSION", "FlatPiece", "load_checkpoint", "load_meta", "read_manifest", "save_checkpoint", "verify_files"]
+__all__ = [
+    "FORMAT_VERSION",
+    "AsyncCheckpointer",
+    "FlatPiece",
+    "load_checkpoint",
+    "load_meta",
+    "read_manifest",
+    "save_checkpoint",
+    "verify_files",
+]

@@ -15,14 +15,17 @@ falls back to the newest of them when ``<dir>`` itself is missing.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +42,7 @@ from ..loss_scaler import DynamicLossScaler
 from .content import Layout, dcp_state, layout_of, merge_meta, merge_model_meta, model_meta, save_content
 from .loading import apply_load, plan_load
 
-__all__ = ["save_checkpoint", "load_checkpoint", "FORMAT_VERSION", "read_manifest", "verify_files"]
+__all__ = ["AsyncCheckpointer", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION", "read_manifest", "verify_files"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -48,11 +51,13 @@ log = logging.getLogger("shardkit.checkpoint")
 
 
 # ---- helpers over the (optional) world ---------------------------------------------------------
-def _all_gather(layout: Layout, obj: Any) -> list[Any]:
+# ``group`` None: the default group. An asynchronous save runs its collectives on a group of its
+# own from a background thread (:class:`AsyncCheckpointer`).
+def _all_gather(layout: Layout, obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     if not layout.distributed:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -62,6 +67,11 @@ def _broadcast(layout: Layout, obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _barrier(layout: Layout, group: dist.ProcessGroup | None = None) -> None:
+    if layout.distributed:
+        dist.barrier(group=group)
 
 
 def _agree(layout: Layout, errors: list[str], what: str) -> None:
@@ -124,69 +134,201 @@ def save_checkpoint(
         >>> extra = {"step": step, "rng": torch.get_rng_state(), "data_pos": loader_pos}
         >>> save_checkpoint("ckpt/latest", sdp, opt, scaler=None, extra=extra)
     """
+    job = _prepare_save(Path(dir), model, optimizer, scaler, extra, stage=False)
+    job.write()
+
+
+@dataclass
+class _SaveJob:
+    """A save whose content is taken (collective on the default group, on the calling thread);
+    :meth:`write` writes, verifies and publishes it (collective on ``group``)."""
+
+    layout: Layout
+    final: Path
+    tmp: Path
+    state: dict[str, Any]
+    metas: list[Any]
+    meta_extra: dict[str, Any]
+    t0: float
+    t1: float
+
+    def write(self, group: dist.ProcessGroup | None = None) -> None:
+        layout, final, tmp = self.layout, self.final, self.tmp
+        try:
+            try:
+                with _quiet_single_process():
+                    md = dcp.save(self.state, checkpoint_id=tmp, process_group=group, no_dist=not layout.distributed)
+            except CheckpointException as e:  # a BaseException, raised on every rank: make it an error
+                raise RuntimeError(f"checkpoint {final}: writing failed on ranks {sorted(e.failures)}: {_first(e)}") from e
+            t2 = time.perf_counter()
+            if layout.rank == 0:
+                shapes, aliases, order = merge_model_meta(self.metas)
+                meta = {
+                    "format": FORMAT_VERSION,
+                    "kind": layout.kind,
+                    "dp_size": layout.axes["dp"],
+                    "axes": layout.axes,
+                    "world_size": layout.size,
+                    "stage": layout.stage,
+                    "shapes": shapes,
+                    "aliases": aliases,
+                    "param_order": order,
+                    "masters": sorted(k.removeprefix("master.") for k in md.state_dict_metadata if k.startswith("master.")),
+                    "optim": {"class": self.meta_extra["optimizer_class"], **merge_meta(self.metas, order)},
+                    "scaler": self.meta_extra["scaler"],
+                    "extra": self.meta_extra["extra"],
+                }
+                torch.save(meta, tmp / META)
+            _barrier(layout, group)
+            files = sorted(p.name for p in tmp.iterdir())
+            sums = {f: (os.path.getsize(tmp / f), file_crc32(tmp / f)) for f in files[layout.rank :: layout.size]}
+            sums = {k: v for part in _all_gather(layout, sums, group) for k, v in part.items()}
+            t3 = time.perf_counter()
+            if layout.rank == 0:
+                _publish(tmp, final, layout, sorted(md.state_dict_metadata), sums)
+                nbytes = sum(n for n, _ in sums.values())
+                log.info(
+                    "checkpoint %s: gather %.2fs, DCP write %.1f MiB in %.2fs (%.0f MiB/s), checksums %.2fs, publish %.2fs",
+                    final,
+                    self.t1 - self.t0,
+                    nbytes / 2**20,
+                    t2 - self.t1,
+                    nbytes / 2**20 / max(t2 - self.t1, 1e-9),
+                    t3 - t2,
+                    time.perf_counter() - t3,
+                )
+        except BaseException:
+            if layout.rank == 0:  # best effort: the previous checkpoint at `final` was never touched
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _barrier(layout, group)
+
+
+def _staged(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _prepare_save(
+    final: Path, model: nn.Module | ParallelModel, optimizer: Any, scaler: DynamicLossScaler | None, extra: Any, *, stage: bool
+) -> _SaveJob:
+    """Check ``final``, create its temporary directory and take this rank's content (collective on
+    the default group). ``stage``: copy every tensor to host memory, so training may go on
+    changing the originals while the job writes."""
     t0 = time.perf_counter()
     layout = layout_of(model, optimizer)
-    final = Path(dir)
     problem = [] if layout.rank != 0 or _is_checkpoint_or_empty(final) else [f"{final} exists and is not a checkpoint"]
     _agree(layout, problem, "dir")
     tmp = final.parent / f"{final.name}.tmp-{_broadcast(layout, uuid.uuid4().hex[:12])}"
     if layout.rank == 0:
         tmp.mkdir(parents=True)
-    if layout.distributed:
-        dist.barrier()
+    _barrier(layout)
     try:
         local = save_content(layout, optimizer)
+        if stage:
+            local.entries = {k: _staged(v) for k, v in local.entries.items()}
+            local.pieces = {k: (n, [(o, _staged(c)) for o, c in chunks]) for k, (n, chunks) in local.pieces.items()}
         metas = _all_gather(layout, local.meta())
-        t1 = time.perf_counter()
-        try:
-            with _quiet_single_process():
-                md = dcp.save(dcp_state(local), checkpoint_id=tmp, no_dist=not layout.distributed)
-        except CheckpointException as e:  # a BaseException, raised on every rank: make it an error
-            raise RuntimeError(f"checkpoint {final}: writing failed on ranks {sorted(e.failures)}: {_first(e)}") from e
-        t2 = time.perf_counter()
-        if layout.rank == 0:
-            shapes, aliases, order = merge_model_meta(metas)
-            meta = {
-                "format": FORMAT_VERSION,
-                "kind": layout.kind,
-                "dp_size": layout.axes["dp"],
-                "axes": layout.axes,
-                "world_size": layout.size,
-                "stage": layout.stage,
-                "shapes": shapes,
-                "aliases": aliases,
-                "param_order": order,
-                "masters": sorted(k.removeprefix("master.") for k in md.state_dict_metadata if k.startswith("master.")),
-                "optim": {"class": _qualname(optimizer), **merge_meta(metas, order)},
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "extra": extra,
-            }
-            torch.save(meta, tmp / META)
-        if layout.distributed:
-            dist.barrier()
-        files = sorted(p.name for p in tmp.iterdir())
-        sums = {f: (os.path.getsize(tmp / f), file_crc32(tmp / f)) for f in files[layout.rank :: layout.size]}
-        sums = {k: v for part in _all_gather(layout, sums) for k, v in part.items()}
-        t3 = time.perf_counter()
-        if layout.rank == 0:
-            _publish(tmp, final, layout, sorted(md.state_dict_metadata), sums)
-            nbytes = sum(n for n, _ in sums.values())
-            log.info(
-                "checkpoint %s: gather %.2fs, DCP write %.1f MiB in %.2fs (%.0f MiB/s), checksums %.2fs, publish %.2fs",
-                final,
-                t1 - t0,
-                nbytes / 2**20,
-                t2 - t1,
-                nbytes / 2**20 / max(t2 - t1, 1e-9),
-                t3 - t2,
-                time.perf_counter() - t3,
-            )
     except BaseException:
-        if layout.rank == 0:  # best effort: the previous checkpoint at `final` was never touched
+        if layout.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if layout.distributed:
-        dist.barrier()
+    meta_extra = {
+        "optimizer_class": _qualname(optimizer),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "extra": copy.deepcopy(extra) if stage else extra,  # a snapshot: the caller may change it
+    }
+    return _SaveJob(layout, final, tmp, dcp_state(local), metas, meta_extra, t0, time.perf_counter())
+
+
+class AsyncCheckpointer:
+    """:func:`save_checkpoint` in the background: the step loop goes on while the files are written.
+
+    :meth:`save` takes the content on the calling thread (a collective: every rank at the same
+    step) and copies every tensor to host memory, then a background thread writes, checksums and
+    publishes it with the same atomic rule as :func:`save_checkpoint`, its collectives on a gloo
+    group of its own (created at the first save, on every rank). One save is in flight at a time:
+    the next :meth:`save` (or :meth:`wait`) waits for the previous one and raises its error, if it
+    had one. The data files are those :func:`save_checkpoint` writes for the same content.
+
+    Costs: host memory for one copy of this rank's checkpoint content while a save is in flight;
+    the copy itself on the calling thread.
+
+    Example:
+        >>> saver = AsyncCheckpointer()
+        >>> for step in range(steps):
+        ...     train_step()
+        ...     if step % 100 == 0:
+        ...         saver.save(f"ckpt/step{step}", par, opt, scaler=par.loss_scaler, extra={"step": step})
+        >>> saver.close()                                   # waits for the last one
+    """
+
+    def __init__(self) -> None:
+        self._group: dist.ProcessGroup | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending: Path | None = None
+
+    def save(
+        self,
+        dir: str | os.PathLike,
+        model: nn.Module | ParallelModel,
+        optimizer: Any,
+        scaler: DynamicLossScaler | None = None,
+        extra: Any = None,
+        *,
+        on_done: Callable[[Path], None] | None = None,
+    ) -> None:
+        """Start saving ``dir`` (see the class docstring); ``on_done(dir)`` runs on the background
+        thread after the checkpoint is published (e.g. deleting older ones).
+
+        Raises:
+            ValueError, TypeError: as :func:`save_checkpoint`, before anything is written.
+            RuntimeError: the previous save failed (its error is chained).
+        """
+        self.wait()
+        job = _prepare_save(Path(dir), model, optimizer, scaler, extra, stage=True)
+        if job.layout.distributed and self._group is None:
+            self._group = dist.new_group(backend="gloo")  # every rank, at its first save
+        self._pending = job.final
+        self._thread = threading.Thread(target=self._write, args=(job, on_done), name="shardkit-checkpoint", daemon=True)
+        self._thread.start()
+
+    def _write(self, job: _SaveJob, on_done: Callable[[Path], None] | None) -> None:
+        try:
+            job.write(self._group)
+            if on_done is not None:
+                on_done(job.final)
+        except BaseException as e:  # noqa: BLE001 - handed to the training thread by wait()
+            self._error = e
+
+    @property
+    def pending(self) -> Path | None:
+        """The directory being written, or None."""
+        return self._pending if self._thread is not None and self._thread.is_alive() else None
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint {self._pending}: the background save failed: {error}") from error
+
+    def close(self) -> None:
+        """Wait for the last save and free the background group."""
+        try:
+            self.wait()
+        finally:
+            if self._group is not None and dist.is_initialized():
+                dist.destroy_process_group(self._group)
+            self._group = None
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _first(e: CheckpointException) -> str:

@@ -64,6 +64,16 @@ class TrainConfig:
     """
 
     nproc: int = _opt(1, "worker processes; > 1 re-launches with torchrun", _LAUNCH, metavar="N")
+    nnodes: int = _opt(
+        1,
+        "machines; run the same command on each (with --rdzv-endpoint): nproc ranks per machine, tp inside a "
+        "machine, dp and pp across (docs/operations.md)",
+        _LAUNCH,
+        metavar="N",
+    )
+    rdzv_endpoint: str | None = _opt(
+        None, "with --nnodes > 1: HOST:PORT of the first machine, where the ranks meet (torchrun's c10d rendezvous)", _LAUNCH
+    )
     config: str | None = _opt(
         None,
         "train through shardkit.initialize with this DeepSpeed JSON config (ZeRO stage, offload, fp16/bf16, "
@@ -151,6 +161,9 @@ class TrainConfig:
         0, "with --ckpt-dir: save every N steps, and after the last step (0: after the last step only)", _CKPT, metavar="N"
     )
     keep: int = _opt(2, "with --ckpt-dir: complete checkpoints to keep (older ones are deleted)", _CKPT, metavar="K")
+    async_save: bool = _opt(
+        False, "with --ckpt-dir: write each checkpoint in the background while training goes on (host memory: one copy)", _CKPT
+    )
     resume: Literal["none", "auto"] = _opt(
         "none",
         "auto: continue from the newest complete checkpoint in --ckpt-dir (or start fresh when there is none), "
@@ -193,10 +206,11 @@ class TrainConfig:
         """Raise ``ValueError`` naming the first invalid field.
 
         Args:
-            world_size: the ranks of the run when they are not ``nproc`` (a torchrun worker runs
-                with ``nproc=1`` in a world of ``WORLD_SIZE``); default ``nproc``.
+            world_size: the ranks of the run when they are not ``nproc × nnodes`` (a torchrun
+                worker runs with ``nproc=1`` in a world of ``WORLD_SIZE``); default
+                ``nproc × nnodes``.
         """
-        for name in ("nproc", "steps", "batch_size", "seq_len", "eval_every", "eval_iters", "bucket_mb"):
+        for name in ("nproc", "nnodes", "steps", "batch_size", "seq_len", "eval_every", "eval_iters", "bucket_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("lr", "warmup", "weight_decay", "clip", "dropout", "sample"):
@@ -236,8 +250,12 @@ class TrainConfig:
         for name in ("tp", "pp", "microbatches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nnodes > 1:
+            host, sep, port = (self.rdzv_endpoint or "").rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, got {self.rdzv_endpoint!r}")
         model_ranks = self.tp * self.pp
-        world = self.nproc if world_size is None else world_size
+        world = self.nproc * self.nnodes if world_size is None else world_size
         if world % model_ranks:
             raise ValueError(f"nproc={world} must be a multiple of tp x pp = {self.tp} x {self.pp}")
         dp = world // model_ranks
@@ -309,7 +327,11 @@ class TrainConfig:
 
         parse_fault(self.inject_fault, world_size=world_size)
         if self.ckpt_dir is None:
-            for flag, used in (("--save-every", self.save_every > 0), ("--resume auto", self.resume == "auto")):
+            for flag, used in (
+                ("--save-every", self.save_every > 0),
+                ("--resume auto", self.resume == "auto"),
+                ("--async-save", self.async_save),
+            ):
                 if used:
                     raise ValueError(f"{flag} needs --ckpt-dir DIR")
         else:

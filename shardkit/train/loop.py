@@ -32,7 +32,7 @@ from shardkit.data import get_batch, load_corpus
 from shardkit.hf_models import LogitsOnly, hf_tp_plan
 from shardkit.kernels import FusedAdamW
 from shardkit.models import gpt_blocks
-from shardkit.parallel import DynamicLossScaler, ParallelModel, parallelize
+from shardkit.parallel import AsyncCheckpointer, DynamicLossScaler, ParallelModel, parallelize
 from shardkit.parallel.strategy import get_strategy_class
 from shardkit.parallel.tensor import gpt_plan
 from shardkit.parallel.zero import plan_memory
@@ -290,6 +290,8 @@ def _train(
     save_every = cfg.save_every or cfg.steps
     fault = parse_fault(cfg.inject_fault)
     note = hb.note if hb is not None else (lambda what: None)
+    saver = AsyncCheckpointer() if cfg.async_save else None
+    save_time = 0.0  # seconds the step loop spent in saves (with --async-save: copying, waiting)
     for step in range(start + 1, cfg.steps + 1):
         note(f"step {step}")  # what a heartbeat verdict about this rank says it was doing
         if fault is not None and fault.due(rank, step):
@@ -329,10 +331,18 @@ def _train(
             history.step, history.skipped_steps = step, par.skipped_steps
             note(f"step {step}: saving a checkpoint")
             t_save = time.perf_counter()
-            path = save_run(cfg.ckpt_dir, par, optimizer, history, data_generator=data_gen, device=device, keep=cfg.keep)
-            bar.write(f"step {step:>{len(str(cfg.steps))}}: saved {path} in {time.perf_counter() - t_save:.1f} s")
+            path = save_run(
+                cfg.ckpt_dir, par, optimizer, history, data_generator=data_gen, device=device, keep=cfg.keep, saver=saver
+            )
+            save_time += time.perf_counter() - t_save
+            how = "saving in the background:" if saver is not None else "saved"
+            bar.write(f"step {step:>{len(str(cfg.steps))}}: {how} {path} ({time.perf_counter() - t_save:.1f} s)")
         bar.update(step, loss=losses[-1], tokens_per_s=(step - start) * tokens_per_step / train_time, elapsed=train_time)
     bar.close()
+    if saver is not None:  # the last checkpoint is complete before the run reports success
+        t_save = time.perf_counter()
+        saver.close()
+        save_time += time.perf_counter() - t_save
     if not evals:  # resumed at the last step: nothing left to train, evaluate the loaded model once
         evals.append((cfg.steps, _evaluate(par, eval_batches)))
 
@@ -350,6 +360,7 @@ def _train(
         "tokens_per_s": (cfg.steps - start) * tokens_per_step / train_time if train_time > 0 else 0.0,
         "resumed_from_step": start if history.resumed_from is not None else None,
         "train_time_s": train_time,
+        "save_time_s": save_time,  # outside train_time: the loop's time in checkpoint saves
         "wall_time_s": time.perf_counter() - t_start,
         "param_bytes": report.memory["params"],
         # the last step's grads plus any flat gradient buckets, shared storage counted once

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardkit.parallel import ParallelModel, load_checkpoint, save_checkpoint
+from shardkit.parallel import AsyncCheckpointer, ParallelModel, load_checkpoint, save_checkpoint
 from shardkit.parallel.checkpoint.api import MANIFEST
 
 __all__ = ["RunHistory", "checkpoint_dir", "complete_checkpoints", "resume_run", "save_run"]
@@ -116,6 +116,7 @@ def save_run(
     data_generator: torch.Generator,
     device: torch.device,
     keep: int = 2,
+    saver: AsyncCheckpointer | None = None,
 ) -> Path:
     """Save the run after ``history.step`` to ``checkpoint_dir(root, step)``; keep the newest ``keep``.
 
@@ -131,6 +132,9 @@ def save_run(
         device: this rank's device (for the CUDA random state).
         keep: complete checkpoints to keep, this one included (older ones are deleted after this
             one is published).
+        saver: write in the background through this :class:`~shardkit.parallel.AsyncCheckpointer`
+            (returns once the content is copied to host memory; older checkpoints are deleted
+            when it is published); None: write before returning.
 
     Returns:
         The checkpoint directory.
@@ -157,10 +161,17 @@ def save_run(
     path = checkpoint_dir(root, history.step)
     if rank == 0:
         Path(root).mkdir(parents=True, exist_ok=True)
-    save_checkpoint(path, par, optimizer, scaler=par.loss_scaler, extra=extra)
-    if rank == 0:
-        for _, old in complete_checkpoints(root)[keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+
+    def prune(_: Path) -> None:
+        if rank == 0:
+            for _, old in complete_checkpoints(root)[keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    if saver is not None:
+        saver.save(path, par, optimizer, scaler=par.loss_scaler, extra=extra, on_done=prune)
+    else:
+        save_checkpoint(path, par, optimizer, scaler=par.loss_scaler, extra=extra)
+        prune(path)
     return path
 
 

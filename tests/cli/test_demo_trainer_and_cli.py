@@ -210,6 +210,9 @@ def test_more_ranks_than_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str
         (dict(inject_fault="1:5:segfault"), "kind must be one of"),
         (dict(inject_fault="2:5:kill", nproc=2, strategy="ddp"), "rank 2 but the run has 2 rank"),
         (dict(inject_fault="0:0:kill"), "step must be >= 1"),
+        (dict(nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (dict(nnodes=2, rdzv_endpoint="node0"), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (dict(nnodes=0), "nnodes must be positive"),
     ],
 )
 def test_checkpoint_and_fault_flags_are_checked_before_anything_starts(fields: dict, message: str) -> None:

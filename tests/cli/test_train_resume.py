@@ -37,6 +37,7 @@ LAYOUTS = {
     "ddp-dropout": dict(strategy="ddp", dropout=0.1),
     "zero2-fp16": dict(strategy="zero2", precision="fp16"),
     "zero3": dict(strategy="zero3"),
+    "zero3-async-save": dict(strategy="zero3", async_save=True),  # B and C write in the background
     "tp-dropout": dict(tp=2, dropout=0.1),
     "pp-zero1": dict(pp=2, microbatches=2, strategy="zero1"),
 }

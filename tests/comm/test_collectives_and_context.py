@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from datetime import timedelta
 from unittest import mock
 
@@ -790,3 +791,14 @@ def test_from_env_without_torchrun_says_how_to_launch(monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"not started by torchrun.*torchrun --nproc-per-node 4 your_script\.py"):
         ParallelContext.from_env(tp=2, pp=2)
     assert not torch.distributed.is_initialized()
+
+
+def test_tp_spanning_machines_is_warned_about() -> None:
+    from shardkit.comm.context import warn_if_tp_spans_machines
+
+    with pytest.warns(UserWarning, match="tp=4 does not divide the 2 ranks per machine"):
+        assert warn_if_tp_spans_machines(world_size=8, per_machine=2, tp=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not warn_if_tp_spans_machines(world_size=8, per_machine=4, tp=2)  # inside a machine
+        assert not warn_if_tp_spans_machines(world_size=4, per_machine=4, tp=4)  # one machine
