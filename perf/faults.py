@@ -7,7 +7,7 @@ failing rank, and whether the newest complete checkpoint still passes its checks
 CRC-32 of every file). Kill and raise and exit run at default settings; the frozen rank (SIGSTOP)
 at the default heartbeat (20 s); the hung rank (alive, stuck before a collective) with
 ``--timeout 30`` (the default is 300 s). Then the heartbeat's cost: the same run's step time with
-``--heartbeat 0`` and the default, interleaved over repeats.
+``--heartbeat 0`` and the default, interleaved over repeats in alternating order.
 
 Usage:
     .venv/bin/python perf/faults.py                      # -> perf/results/faults_cpu.json
@@ -83,7 +83,9 @@ def run_case(kind: str, nproc: int, fault_step: int) -> dict[str, Any]:
             "exit_code": run.returncode,
             "seconds_fault_to_exit": None if fault_at is None else round(ended - fault_at, 2),
             "verdict": first[:300],
-            "verdict_names_rank": bool(re.match(rf"shardkit train: (rank {rank}\b|1 of {nproc} ranks failed:)", first))
+            "verdict_names_rank": bool(
+                re.match(rf"shardkit train: (rank {rank}\b|1 of {nproc} ranks failed:|stall: rank {rank} is behind)", first)
+            )
             and (kind != "raise" or f"rank {rank}: RuntimeError: --inject-fault" in run.stderr),
             "checkpoint_ok": _checkpoint_ok(Path(tmp) / "ckpt"),
         }
@@ -91,8 +93,9 @@ def run_case(kind: str, nproc: int, fault_step: int) -> dict[str, Any]:
 
 def heartbeat_cost(nproc: int, repeats: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(repeats):
-        for name, value in (("off", "0"), ("on", "20")):
+    for repeat in range(repeats):
+        order = (("off", "0"), ("on", "20")) if repeat % 2 == 0 else (("on", "20"), ("off", "0"))  # no order bias
+        for name, value in order:
             with tempfile.TemporaryDirectory(prefix="faults-hb-") as tmp:
                 log = Path(tmp) / "log.json"
                 run, _ = _train(nproc, ["--steps", "60", "--heartbeat", value, "--log-json", str(log)], Path(tmp))
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"names the rank: {case['verdict_names_rank']}, checkpoint ok: {case['checkpoint_ok']}",
                 flush=True,
             )
-    cost = heartbeat_cost(args.nproc, args.repeats + 1)
+    cost = heartbeat_cost(args.nproc, 2 * args.repeats)
     print(f"heartbeat: median step {cost['median_step_ms']['on']:.1f} ms on vs {cost['median_step_ms']['off']:.1f} ms off "
           f"(ratio {cost['ratio_on_over_off']:.3f})")  # fmt: skip
     result = {

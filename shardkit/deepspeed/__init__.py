@@ -12,10 +12,15 @@ DeepSpeed                      here
 ``deepspeed.comm``             :mod:`shardkit.deepspeed.comm`: ``get_rank``, ``get_world_size``,
                                ``get_local_rank``, ``barrier``, ``all_reduce``, ``broadcast``
 ``deepspeed.accelerator``      :mod:`shardkit.deepspeed.accelerator`: ``get_accelerator()``
+``deepspeed.ops.adam``         :mod:`shardkit.deepspeed.ops.adam`: ``FusedAdam``,
+                               ``DeepSpeedCPUAdam`` (DeepSpeed's signatures and defaults)
+``deepspeed.utils``            :mod:`shardkit.deepspeed.utils`: ``RepeatingLoader``
+``deepspeed.checkpointing``    :mod:`shardkit.deepspeed.checkpointing`: ``checkpoint``,
+                               ``configure``, ``is_configured``, ``reset``
 =============================  ==============================================================
 
-The rest of DeepSpeed's module-level API (``zero.Init``, ``pipe.PipelineModule``, ``ops``,
-``checkpointing``) is not offered yet: docs/engine.md lists what is and what to use instead.
+The rest of DeepSpeed's module-level API (``zero.Init``, ``pipe.PipelineModule``) is not offered
+yet: docs/engine.md lists what is and what to use instead.
 
 Example:
     >>> import shardkit.deepspeed as deepspeed          # was: import deepspeed
@@ -34,7 +39,19 @@ from typing import Any
 
 from . import accelerator, comm
 
-__all__ = ["accelerator", "add_config_arguments", "comm", "init_distributed", "initialize"]
+#: submodules that import torch or shardkit's kernels: loaded when first named (PEP 562)
+_LAZY_SUBMODULES = ("checkpointing", "ops", "utils")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["accelerator", "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize", "ops", "utils"]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

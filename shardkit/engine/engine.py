@@ -48,6 +48,12 @@ logger = logging.getLogger("shardkit.engine")
 LATEST = "latest"  # DeepSpeed's file naming the newest tag of a checkpoint directory
 
 
+#: the optimizer types DeepSpeed's config lower-cases (``optimizer_name()`` returns them so)
+_DEEPSPEED_OPTIMIZER_NAMES = frozenset(
+    ("adagrad", "adam", "adamw", "lamb", "onebitadam", "onebitlamb", "zerooneadam", "lion", "muon")
+)
+
+
 class Engine(nn.Module):
     """A model, its optimizer, LR scheduler and loss scaler, stepped with DeepSpeed's semantics.
 
@@ -86,6 +92,7 @@ class Engine(nn.Module):
         ctx: ParallelContext,
         loss_scaler: DynamicLossScaler | None,
         tp_state: tuple[dict[str, Any], dict[str, int]] | None = None,
+        client_optimizer: Any = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -98,6 +105,7 @@ class Engine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self.config = config
         self.ctx = ctx
+        self._client_optimizer = client_optimizer  # what optimizer= was, for optimizer_name()
         self.loss_scaler = loss_scaler
         self.global_steps = 0
         self.micro_steps = 0
@@ -148,6 +156,65 @@ class Engine(nn.Module):
     def world_size(self) -> int:
         return self.ctx.world_size
 
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (torchrun's ``LOCAL_RANK``; the CUDA device index)."""
+        if self.ctx.device.type == "cuda" and self.ctx.device.index is not None:
+            return self.ctx.device.index
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks (the ``dp`` axis)."""
+        return self.ctx.size("dp")
+
+    @property
+    def mp_world_size(self) -> int:
+        """Model-parallel (tensor-parallel) ranks."""
+        return self.ctx.size("tp")
+
+    def optimizer_name(self) -> str:
+        """The config's optimizer ``type`` (as written there), or the class name of the optimizer
+        passed to ``initialize``, as DeepSpeed's ``optimizer_name()``."""
+        if self._client_optimizer is not None:
+            client = self._client_optimizer
+            return client.__name__ if isinstance(client, type) else type(client).__name__
+        if self.config.optimizer is None:
+            return ""
+        written = self.config.optimizer.type
+        return written.lower() if written.lower() in _DEEPSPEED_OPTIMIZER_NAMES else written
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Gradient accumulation without the dp reduction (``ParallelModel.no_sync``): backward
+        calls inside add to the gradients; the first one outside reduces their sum. DeepSpeed
+        refuses it at ZeRO 2-3; here stages 2-3 still reduce-scatter each micro-batch into their
+        shard (nothing else is possible without a full gradient), 0-1 skip the communication.
+
+        Example:
+            >>> with engine.no_sync():
+            ...     engine.backward(loss_a)
+            >>> engine.backward(loss_b); engine.step()
+        """
+        return self.parallel.no_sync()
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the full model's ``state_dict`` in its own dtype (fp16/bf16 under mixed precision,
+        fp32 otherwise) to ``save_dir/save_filename`` with ``torch.save``, on rank 0; ZeRO-3 shards
+        and tensor-parallel slices are gathered first. Call on every rank.
+
+        Returns:
+            True (DeepSpeed's return value).
+
+        Example:
+            >>> engine.save_16bit_model("export")      # export/pytorch_model.bin
+        """
+        state = self.full_state_dict(rank0_only=True)
+        if self.global_rank == 0:
+            Path(save_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(state, Path(save_dir) / save_filename)
+        self._barrier()
+        return True
+
     # ---- the step ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward (through the ZeRO/DataParallel wrapper)."""
@@ -184,15 +251,16 @@ class Engine(nn.Module):
             self.parallel.backward(loss, retain_graph=retain_graph)  # × the fp16 loss scale
         return loss
 
-    def step(self) -> None:
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """At the accumulation boundary: finalize, clip, step (unless an fp16 overflow on any rank),
-        update the loss scale, zero the gradients and step the scheduler; elsewhere only count."""
+        update the loss scale, zero the gradients and step the scheduler (with ``lr_kwargs`` as
+        its ``step`` keyword arguments, as DeepSpeed passes them); elsewhere only count."""
         if self.is_gradient_accumulation_boundary():
             with record_function("shardkit::engine_step"):
-                self._take_model_step()
+                self._take_model_step(lr_kwargs or {})
         self.micro_steps += 1
 
-    def _take_model_step(self) -> None:
+    def _take_model_step(self, lr_kwargs: dict[str, Any]) -> None:
         """The ParallelModel's clip (unscale, overflow and norm agreed where the layout needs it)
         and step (skipped on an overflow, loss scale updated), then DeepSpeed's bookkeeping."""
         norm = self.parallel.clip(self.config.gradient_clipping or None)
@@ -202,7 +270,7 @@ class Engine(nn.Module):
         self._step_applied = applied
         if applied:
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**lr_kwargs)
         else:
             self.skipped_steps += 1
         self.global_steps += 1

@@ -174,7 +174,15 @@ def initialize(
         tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
         plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
         blocks = default_blocks(model, blocks) if pp > 1 else None
-        groups = resolve_param_groups(model, model_parameters, arg="model_parameters")
+        if isinstance(optimizer, torch.optim.Optimizer):  # its own groups, with their options
+            owned = set(model.parameters())
+            if any(p not in owned for g in optimizer.param_groups for p in g["params"]):
+                raise ValueError("optimizer: the built optimizer holds tensors that are not parameters of the model")
+            groups = [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])} for g in optimizer.param_groups
+            ]
+        else:
+            groups = resolve_param_groups(model, model_parameters, arg="model_parameters")
         if pp > 1:
             _check_stages_train(model, blocks, cfg, groups)
         make_optimizer = _optimizer_factory(cfg, optimizer, model)
@@ -200,13 +208,24 @@ def initialize(
             sched = cfg.scheduler.build(basic) if cfg.scheduler is not None else None
         elif _is_scheduler(lr_scheduler):
             sched = lr_scheduler
+            if basic is not optimizer:  # the user's optimizer was rebuilt: the scheduler drives the new one
+                _rebind_scheduler(sched, basic)
         else:
             sched = lr_scheduler(basic)
             if cfg.scheduler is not None:
                 logger.warning(
                     "initialize: lr_scheduler= given; the config's scheduler section (%s) is not used", cfg.scheduler.type
                 )
-        common = dict(module=model, parallel=parallel, optimizer=opt, lr_scheduler=sched, config=cfg, ctx=ctx, loss_scaler=scaler)
+        common = dict(
+            module=model,
+            parallel=parallel,
+            optimizer=opt,
+            lr_scheduler=sched,
+            config=cfg,
+            ctx=ctx,
+            loss_scaler=scaler,
+            client_optimizer=optimizer,
+        )
         if pp > 1:
             from .pipeline_engine import PipelineEngine
 
@@ -340,29 +359,48 @@ def _check_scheduler(lr_scheduler: Any, optimizer: Any) -> None:
 
 
 # ---- the optimizer -----------------------------------------------------------------------------
+# [Note: a built optimizer, rebuilt]
+# DeepSpeed scripts build their optimizer (``AdamW(model.parameters(), lr=...)``, DeepSpeed's
+# ``FusedAdam``) and pass it to ``initialize``, which wraps it. Where the config asks for a layout
+# the built object cannot step as it is (ZeRO >= 1: the optimizer must hold this rank's flat
+# shards; fp16/bf16: fp32 masters; tensor/pipeline parallelism: other parameters), shardkit
+# rebuilds it: the same class, its ``defaults`` as keyword arguments (those its constructor
+# takes), and its ``param_groups`` with their options (per-group lr, weight decay) as the groups.
+# The returned optimizer is the one that steps; a built LR scheduler over the original is pointed
+# at it. An optimizer that has already stepped is refused: its state has no place on the shards.
 def _optimizer_factory(cfg: EngineConfig, optimizer: Any, model: nn.Module) -> Callable[..., Any]:
     """``make(groups, zero: bool) -> (class, kwargs)`` for ZeroOptimizer, or a built optimizer."""
     low = cfg.precision.dtype != "fp32"
     if isinstance(optimizer, torch.optim.Optimizer):
-        if cfg.tensor_parallel.size > 1 or cfg.pipeline.stages > 1:
-            raise TypeError(
-                f"optimizer: a built {type(optimizer).__name__} holds the dense model's parameters, which "
-                "tensor_parallel/pipeline replace or split; pass its class or a callable params -> optimizer"
-            )
-        if cfg.zero.stage > 0:
-            raise TypeError(
-                f"optimizer: a built {type(optimizer).__name__} cannot be sharded after the fact "
-                f"(zero_optimization.stage={cfg.zero.stage}); pass its class or a callable params -> optimizer"
-            )
-        if low:
-            raise TypeError(
-                f"optimizer: a built optimizer with {cfg.precision.dtype} keeps no fp32 master weights; pass its class "
-                "(shardkit's fused optimizers then keep them) or train in fp32"
-            )
         owned = {p for p in model.parameters()}
         if any(p not in owned for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("optimizer: the built optimizer holds tensors that are not parameters of the model")
-        return lambda groups: (None, optimizer)
+        if cfg.tensor_parallel.size == 1 and cfg.pipeline.stages == 1 and cfg.zero.stage == 0 and not low:
+            return lambda groups: (None, optimizer)  # it steps the model's own parameters as built
+        # [Note: a built optimizer, rebuilt]
+        if any(optimizer.state.values()):
+            raise TypeError(
+                f"optimizer: the built {type(optimizer).__name__} has already stepped; its state cannot be moved onto "
+                f"the layout the config asks for (zero_optimization.stage={cfg.zero.stage}, {cfg.precision.dtype}, "
+                f"tensor_parallel.size={cfg.tensor_parallel.size}, pipeline.stages={cfg.pipeline.stages}): pass it "
+                "before its first step, or its class"
+            )
+        cls = type(optimizer)
+        accepted = inspect.signature(cls).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+        if low and cls.__module__.startswith("torch.optim") and cfg.zero.stage == 0:
+            raise TypeError(
+                f"optimizer: a built {cls.__name__} with {cfg.precision.dtype} at zero_optimization.stage 0 keeps no "
+                "fp32 master weights; use ZeRO >= 1 (which keeps them), a shardkit fused optimizer, or fp32"
+            )
+        if low and cfg.zero.stage == 0 and "master_weights" in accepted:
+            kwargs["master_weights"] = True  # replicated low precision: the optimizer keeps the fp32 masters
+        logger.info(
+            "initialize: the built %s is rebuilt from its class, defaults and param groups on the layout the "
+            "config asks for; step the optimizer initialize returns",
+            cls.__name__,
+        )
+        return lambda groups: (cls, kwargs)
     if optimizer is None:
         if cfg.optimizer is None:
             raise ValueError("optimizer: the config has no 'optimizer' section and initialize got no optimizer=")
@@ -389,6 +427,25 @@ def _optimizer_factory(cfg: EngineConfig, optimizer: Any, model: nn.Module) -> C
                 stacklevel=4,
             )
     return lambda groups: (cls, kwargs)
+
+
+def _rebind_scheduler(sched: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point a built LR scheduler at the optimizer that replaced the one it was built over (see
+    [Note: a built optimizer, rebuilt]): its groups carry the same ``lr``/``initial_lr``, and its
+    ``step`` is marked as torch's schedulers mark the optimizer they are built over (else the
+    scheduler's first step warns that ``optimizer.step`` was overridden)."""
+    sched.optimizer = optimizer
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+
+    @functools.wraps(step)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    marked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = marked  # type: ignore[method-assign]
 
 
 def _from_callable(fn: Callable[..., Any]) -> type:

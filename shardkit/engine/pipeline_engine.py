@@ -129,7 +129,7 @@ class PipelineEngine(Engine):
         x, y = self._global_batch(data_iter)
         with record_function("shardkit::engine_train_batch"):
             loss = self.parallel.forward_backward(x, y)
-            self._take_model_step()
+            self._take_model_step({})
         self.micro_steps += self.gradient_accumulation_steps()
         return loss
 

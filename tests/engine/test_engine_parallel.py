@@ -191,7 +191,7 @@ def _errors_body() -> None:
             (tiny_gpt2(), pp_config(), {}, ValueError, "blocks"),  # not splittable as given
             (pp_mlp(), pp_config(3), {}, ValueError, "zero_optimization.stage"),
             (pp_mlp(), with_(pp_config(), pipeline={"stages": 1}), {"blocks": list}, ValueError, "blocks"),
-            (pp_mlp(), pp_config(), {"optimizer": torch.optim.SGD(pp_mlp().parameters(), lr=0.1)}, TypeError, "optimizer"),
+            (pp_mlp(), pp_config(), {"optimizer": torch.optim.SGD(pp_mlp().parameters(), lr=0.1)}, ValueError, "optimizer"),
         ]
         for model, config, kwargs, exc, key in cases:
             stack = forbid_collectives()

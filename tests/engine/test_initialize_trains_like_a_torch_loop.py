@@ -332,6 +332,12 @@ def _bad_inputs_body(nvme_root: str) -> None:
             return c
 
         no_lr = {k: v for k, v in AUTO.items() if k != "lr"}
+        stepped = torch.optim.AdamW(model.parameters())
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        stepped.step()
+        for p in model.parameters():
+            p.grad = None
         cases = [
             (dict(config=cfg(train_batch_size=5)), ValueError, "train_batch_size"),
             (dict(config=cfg(zero_optimization__bogus=1)), ValueError, "zero_optimization.bogus"),
@@ -348,7 +354,9 @@ def _bad_inputs_body(nvme_root: str) -> None:
             ),
             (dict(config=good, model_parameters=[other]), ValueError, "model_parameters"),
             (dict(config=good, model_parameters=[{"params": ["nope.weight"]}]), ValueError, "model_parameters"),
-            (dict(config=good, optimizer=torch.optim.AdamW(model.parameters())), TypeError, "optimizer"),
+            # a built optimizer is rebuilt on the shards, unless it already stepped (its state has no place there)
+            (dict(config=good, optimizer=stepped), TypeError, "already stepped"),
+            (dict(config=good, optimizer=torch.optim.AdamW([other])), ValueError, "not parameters of the model"),
             (dict(config=cfg(tensor_parallel={"size": 2})), ValueError, "tensor_parallel.size"),
             (dict(config=None), ValueError, "config"),
         ]
