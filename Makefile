@@ -36,7 +36,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check $(PY_SOURCES)
 	$(BIN)/ruff format --check $(PY_SOURCES)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not slow_matrix" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "not slow_matrix" --durations=15 tests
 	# The reduction-order guard: the equality tests again, every cross-rank sum moved within the
 	# bound another order of additions allows (tests/reduction_order.py, docs/testing.md).
 	SHARDKIT_TEST_REDUCTION_ORDER=perturb $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load -m "reduction_order and not slow_matrix" tests

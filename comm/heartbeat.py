@@ -34,20 +34,22 @@ frozen, so keep ``stale_after`` well above any such call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 
 import torch.distributed as dist
 
+from .handle import CommTimeoutError
 from .stats import CommStats
 
-__all__ = ["Heartbeat"]
+__all__ = ["Heartbeat", "watch_run"]
 
 _PREFIX = "shardkit/heartbeat/"
 
@@ -265,3 +267,26 @@ class Heartbeat:
             return True
         print(f"{self.verdict}; rank {self.rank} exits to end the run", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+@contextlib.contextmanager
+def watch_run(stale_after: float, *, world_size: int) -> Iterator[Heartbeat | None]:
+    """A :class:`Heartbeat` around a training run, which also prints :meth:`Heartbeat.stall_report`
+    to stderr when the run's collective times out; None (and nothing running) when
+    ``stale_after`` is 0 or the world has one rank.
+
+    Example:
+        >>> with watch_run(20.0, world_size=ctx.world_size) as hb:
+        ...     if hb is not None:
+        ...         hb.track(*par.comm_stats())
+        ...     train()
+    """
+    if stale_after <= 0 or world_size <= 1:
+        yield None
+        return
+    with Heartbeat(stale_after=stale_after) as hb:
+        try:
+            yield hb
+        except CommTimeoutError:  # who the others were waiting for
+            print(hb.stall_report(), file=sys.stderr, flush=True)
+            raise

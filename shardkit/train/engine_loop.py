@@ -27,7 +27,6 @@ the same data and reach the same losses (fp32).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -41,7 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import CommTimeoutError, Heartbeat, ParallelContext
+from shardkit.comm import Heartbeat, ParallelContext
+from shardkit.comm.heartbeat import watch_run
 from shardkit.data import get_batch, load_corpus
 from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
@@ -193,14 +193,10 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
         backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp, timeout=timedelta(seconds=cfg.timeout)
     )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
-        # a frozen peer is named and ended in seconds, not after --timeout ([Note: heartbeats])
-        with Heartbeat(stale_after=cfg.heartbeat) if cfg.heartbeat > 0 and ctx.world_size > 1 else contextlib.nullcontext() as hb:
-            try:
-                return _train(cfg, ctx, device, t_start, hb)
-            except CommTimeoutError:  # who the others were waiting for ([Note: heartbeats])
-                if hb is not None:
-                    print(hb.stall_report(), file=sys.stderr, flush=True)
-                raise
+        # a frozen peer is named and ended in seconds, not after --timeout; on a timeout, the
+        # rank the others waited for ([Note: heartbeats])
+        with watch_run(cfg.heartbeat, world_size=ctx.world_size) as hb:
+            return _train(cfg, ctx, device, t_start, hb)
 
 
 def _train(

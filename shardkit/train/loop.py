@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import CommTimeoutError, Heartbeat, ParallelContext
+from shardkit.comm import Heartbeat, ParallelContext
+from shardkit.comm.heartbeat import watch_run
 from shardkit.data import get_batch, load_corpus
 from shardkit.hf_models import LogitsOnly, hf_tp_plan
 from shardkit.kernels import FusedAdamW
@@ -196,14 +197,10 @@ def train(cfg: TrainConfig) -> TrainResult:
         backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp, timeout=timedelta(seconds=cfg.timeout)
     )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
-        # a frozen peer is named and ended in seconds, not after --timeout ([Note: heartbeats])
-        with Heartbeat(stale_after=cfg.heartbeat) if cfg.heartbeat > 0 and ctx.world_size > 1 else contextlib.nullcontext() as hb:
-            try:
-                return _train(cfg, ctx, device, t_start, hb)
-            except CommTimeoutError:  # who the others were waiting for ([Note: heartbeats])
-                if hb is not None:
-                    print(hb.stall_report(), file=sys.stderr, flush=True)
-                raise
+        # a frozen peer is named and ended in seconds, not after --timeout; on a timeout, the
+        # rank the others waited for ([Note: heartbeats])
+        with watch_run(cfg.heartbeat, world_size=ctx.world_size) as hb:
+            return _train(cfg, ctx, device, t_start, hb)
 
 
 def _train(
