@@ -23,8 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SMALL = ["--d-model", "32", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--steps", "4"]
 #: name -> (ranks per machine, flags)
 LAYOUTS = {
-    "zero3-dp-across": (1, ["--strategy", "zero3"]),
-    "tp-inside-dp-across": (2, ["--tp", "2", "--strategy", "ddp"]),
+    "tp-inside-dp-across": (2, ["--tp", "2", "--strategy", "zero3"]),  # ZeRO-3 on the dp axis, across machines
 }
 
 

@@ -36,7 +36,6 @@ SIZE = dict(steps=6, eval_every=3, eval_iters=1, d_model=32, n_layers=2, n_heads
 LAYOUTS = {
     "ddp-dropout": dict(strategy="ddp", dropout=0.1),
     "zero2-fp16": dict(strategy="zero2", precision="fp16"),
-    "zero3": dict(strategy="zero3"),
     "zero3-async-save": dict(strategy="zero3", async_save=True),  # B and C write in the background
     "tp-dropout": dict(tp=2, dropout=0.1),
     "pp-zero1": dict(pp=2, microbatches=2, strategy="zero1"),

@@ -1,12 +1,11 @@
-"""The "zero1"/"zero2"/"zero3" strategies behind the training loop's one interface, and `shardkit train`."""
+"""The "zero1"/"zero2"/"zero3" strategies behind the training loop's one interface.
+
+``shardkit train --strategy zero*`` steps bitwise like parallelize() by hand
+(tests/cli/test_train_builds_through_parallelize.py), and its command line runs ZeRO-2 and ZeRO-3
+end to end in tests/cli/test_train_faults.py and test_train_multinode.py.
+"""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -82,33 +81,3 @@ def _strategy_body(name: str, steps: int, fp16: bool) -> list[float]:
 def test_zero_strategy_matches_single_process_on_the_global_batch(dist_pool, name: str, fp16: bool) -> None:
     results = dist_pool.run(_strategy_body, name, 4, fp16, world_size=2, timeout=120)
     assert results[0] == results[1]  # replicas identical
-
-
-def _run_cli(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", *args], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
-    )
-
-
-_CLI_COMMON = ["--steps", "5", "--eval-every", "5", "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--seq-len", "32"]
-
-
-def _cli_eval_losses(name: str, args: list[str], tmp_path: Path) -> list[float]:
-    """Each rank's final eval loss of ``shardkit train <args>``."""
-    proc = _run_cli(["train", *args, *_CLI_COMMON, "--log-json", f"{name}.json"], tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    return [r["final_eval_loss"] for r in json.loads((tmp_path / f"{name}.json").read_text())["ranks"]]
-
-
-@pytest.mark.slow  # starts its own processes: run first (conftest.py)
-def test_cli_train_zero2_and_zero3_two_processes_match_the_single_process(tmp_path: Path) -> None:
-    """``shardkit train --nproc 2 --strategy zero2|zero3`` (2 ranks x 4 rows) against one process
-    on the same 8-row global batch (the ddp CLI run is compared with it in test_demo_trainer_and_cli.py)."""
-    single = _cli_eval_losses("single", ["--batch-size", "8"], tmp_path)
-    for zero in ("zero2", "zero3"):
-        ours = _cli_eval_losses(zero, ["--nproc", "2", "--strategy", zero, "--batch-size", "4"], tmp_path)
-        assert ours[0] == ours[1], zero  # replicas in sync
-        # averaged shard grads = global-batch grads up to fp32 summation order; a wrong average or
-        # an unsynced shard moves the eval loss by > 1e-2
-        assert abs(ours[0] - single[0]) < 1e-4, (zero, ours, single)
