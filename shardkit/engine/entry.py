@@ -371,10 +371,7 @@ def _check_scheduler(lr_scheduler: Any, optimizer: Any) -> None:
 def _optimizer_factory(cfg: EngineConfig, optimizer: Any, model: nn.Module) -> Callable[..., Any]:
     """``make(groups, zero: bool) -> (class, kwargs)`` for ZeroOptimizer, or a built optimizer."""
     low = cfg.precision.dtype != "fp32"
-    if isinstance(optimizer, torch.optim.Optimizer):
-        owned = {p for p in model.parameters()}
-        if any(p not in owned for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError("optimizer: the built optimizer holds tensors that are not parameters of the model")
+    if isinstance(optimizer, torch.optim.Optimizer):  # its params were checked with its groups (initialize)
         if cfg.tensor_parallel.size == 1 and cfg.pipeline.stages == 1 and cfg.zero.stage == 0 and not low:
             return lambda groups: (None, optimizer)  # it steps the model's own parameters as built
         # [Note: a built optimizer, rebuilt]

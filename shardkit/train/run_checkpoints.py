@@ -158,9 +158,7 @@ def save_run(
         "random": [r["random"] for r in every],
         "history": [r["history"] for r in every],
     }
-    path = checkpoint_dir(root, history.step)
-    if rank == 0:
-        Path(root).mkdir(parents=True, exist_ok=True)
+    path = checkpoint_dir(root, history.step)  # the save creates root with its temporary directory
 
     def prune(_: Path) -> None:
         if rank == 0:

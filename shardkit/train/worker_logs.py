@@ -169,17 +169,18 @@ def failure_report(
         and names the logs.
     """
     logs = stderr_logs(log_dir, attempt)
+    texts = {rank: path.read_text(errors="replace") for rank, path in sorted(logs.items())}  # each log read once
     failed: dict[int, str] = {}
-    for rank, path in sorted(logs.items()):
-        tb = _last_traceback(path.read_text(errors="replace"))
+    for rank, text in texts.items():
+        tb = _last_traceback(text)
         if tb is not None:
             failed[rank] = tb
     # [Note: naming the rank that failed first]
     consequences = {rank: tb for rank, tb in failed.items() if _LOST_PEER.search(_error_line(tb))}
     causes = {rank: tb for rank, tb in failed.items() if rank not in consequences}
     lines: list[str] = []
-    verdicts = [m.group(0) for path in logs.values() for m in _HEARTBEAT_VERDICT.finditer(path.read_text(errors="replace"))]
-    stalls = [m.group(0) for path in logs.values() for m in _STALL_VERDICT.finditer(path.read_text(errors="replace"))]
+    verdicts = [m.group(0) for text in texts.values() for m in _HEARTBEAT_VERDICT.finditer(text)]
+    stalls = [m.group(0) for text in texts.values() for m in _STALL_VERDICT.finditer(text)]
     if verdicts and not causes:  # a watcher found a frozen rank and killed it: that is the cause
         lines.append(verdicts[0].removeprefix("shardkit heartbeat: "))
     elif stalls and not causes:  # a collective timed out: the rank the others waited for

@@ -25,14 +25,6 @@ from shardkit.kernels import FusedAdam as _FusedAdam
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
 
-def _check_bias_correction(bias_correction: bool, name: str) -> None:
-    if not bias_correction:
-        raise NotImplementedError(
-            f"{name}(bias_correction=False) is not offered: shardkit's Adam always corrects the moments' bias "
-            "(torch.optim.Adam's rule)"
-        )
-
-
 class FusedAdam(_FusedAdam):
     """DeepSpeed's ``FusedAdam``: Adam whose ``adam_w_mode=True`` default decouples the weight decay.
 
@@ -59,18 +51,22 @@ class FusedAdam(_FusedAdam):
         amsgrad: bool = False,
         set_grad_none: bool = True,
     ) -> None:
-        _check_bias_correction(bias_correction, "FusedAdam")
+        if not bias_correction:
+            raise NotImplementedError(
+                f"{type(self).__name__}(bias_correction=False) is not offered: shardkit's Adam always corrects the "
+                "moments' bias (torch.optim.Adam's rule)"
+            )
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, decoupled_weight_decay=adam_w_mode
         )
 
 
-class DeepSpeedCPUAdam(_FusedAdam):
+class DeepSpeedCPUAdam(FusedAdam):
     """DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode=True`` by default): the same update on the CPU.
 
-    DeepSpeed's version is a compiled CPU kernel for ZeRO-Offload; here it is the same optimizer
-    as :class:`FusedAdam` (on CPU tensors it runs torch's or the interpreted kernel path), and
-    ZeRO's offload is a config key (``offload_optimizer``), not an optimizer class.
+    DeepSpeed's version is a compiled CPU kernel for ZeRO-Offload; here it is :class:`FusedAdam`
+    under DeepSpeed's other argument order (on CPU tensors it runs torch's or the interpreted
+    kernel path), and ZeRO's offload is a config key (``offload_optimizer``), not an optimizer class.
 
     Args:
         model_params: parameters or param groups.
@@ -95,15 +91,15 @@ class DeepSpeedCPUAdam(_FusedAdam):
         adamw_mode: bool = True,
         fp32_optimizer_states: bool = True,
     ) -> None:
-        _check_bias_correction(bias_correction, "DeepSpeedCPUAdam")
         if not fp32_optimizer_states:
             raise NotImplementedError("DeepSpeedCPUAdam(fp32_optimizer_states=False) is not offered: moments are fp32")
         super().__init__(
             model_params,
             lr=lr,
+            bias_correction=bias_correction,
             betas=betas,
             eps=eps,
+            adam_w_mode=adamw_mode,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
-            decoupled_weight_decay=adamw_mode,
         )
