@@ -14,7 +14,7 @@ Example:
 
 from typing import Any
 
-from .config_reader import IGNORED_KEYS, load_config
+from .config_reader import IGNORED_KEYS, UnfilledAutoError, load_config
 from .resolved import (
     EngineConfig,
     LossScaleConfig,
@@ -26,12 +26,13 @@ from .resolved import (
     TensorParallelConfig,
     ZeroConfig,
 )
-from .schedulers import SCHEDULERS, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, make_scheduler
+from .schedulers import SCHEDULERS, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, make_scheduler
 
 __all__ = [
     "IGNORED_KEYS",
     "SCHEDULERS",
     "EngineConfig",
+    "LRRangeTest",
     "LossScaleConfig",
     "OffloadConfig",
     "OneCycle",
@@ -40,6 +41,7 @@ __all__ = [
     "PrecisionConfig",
     "SchedulerConfig",
     "TensorParallelConfig",
+    "UnfilledAutoError",
     "WarmupCosineLR",
     "WarmupDecayLR",
     "WarmupLR",

@@ -7,7 +7,9 @@ left unread at the end is unknown (:meth:`Reader.unread`), so no key is ever sil
 
 Values are coerced the way DeepSpeed's pydantic models coerce them: ``"true"``/``"false"``
 strings are booleans, ``1e9`` (a float with no fraction) is an integer size, numeric strings are
-numbers. ``"auto"`` is looked up in the ``auto_values`` keywords of ``load_config``.
+numbers. ``"auto"`` is looked up in the ``auto_values`` keywords of ``load_config``; one that
+nothing fills is recorded (:attr:`Reader.report`) and reading goes on with the key's default, so
+that :class:`UnfilledAutoError` names every such key at once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import difflib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["AUTO", "MISSING", "Reader", "to_bool", "to_float", "to_int"]
+__all__ = ["AUTO", "MISSING", "Reader", "UnfilledAutoError", "to_bool", "to_float", "to_int"]
 
 AUTO = "auto"
 MISSING = object()
@@ -57,15 +59,74 @@ def to_int(key: str, value: Any) -> int:
     raise ValueError(f"{key}: expected an integer, got {value!r}")
 
 
+class UnfilledAutoError(ValueError):
+    """Every ``"auto"`` of a config that nothing fills, in one error.
+
+    Attributes:
+        missing: ``(dotted key, keywords)`` per unfilled key, in reading order; any one of the
+            keywords fills it.
+        after: the message of another error met after them, or None (it may follow from the
+            defaults the unfilled keys were read as).
+
+    Example:
+        >>> try:
+        ...     load_config({"train_batch_size": 8, "gradient_clipping": "auto",
+        ...                  "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, world_size=1)
+        ... except UnfilledAutoError as e:
+        ...     e.missing
+        [('gradient_clipping', ['gradient_clipping']), ('optimizer.params.lr', ['lr'])]
+    """
+
+    def __init__(self, missing: Sequence[tuple[str, Sequence[str]]], after: str | None = None) -> None:
+        self.missing = [(key, list(names)) for key, names in missing]
+        self.after = after
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        phrases = [_unfilled(key, names) for key, names in self.missing]
+        if len(phrases) == 1:
+            text = f"{phrases[0]} {TO_CALLER} (or write a value in the config)"
+        else:
+            head = f'{len(phrases)} "auto" values nothing fills; pass them {TO_CALLER} (or write values in the config):'
+            text = "\n".join([head, *(f"  {phrase}" for phrase in phrases)])
+        if self.after is not None:
+            text += f"\n(reading stopped after them at another error, which may follow from them: {self.after})"
+        return text
+
+
+#: where the keywords that fill an "auto" go (``shardkit config check`` says ``--auto`` instead)
+TO_CALLER = "to load_config / initialize"
+
+#: the dotted "key" of the batch-size pair, when neither is given and an "auto" is left unfilled
+BATCH_PAIR = "train_batch_size / train_micro_batch_size_per_gpu"
+
+
+def _unfilled(key: str, names: Sequence[str]) -> str:
+    how = " or ".join(f"{n}=..." for n in names)
+    if key == BATCH_PAIR:
+        return (
+            f'train_batch_size or train_micro_batch_size_per_gpu must be given ("auto" or absent, nothing fills them): pass {how}'
+        )
+    return f'{key} is "auto" but nothing fills it: pass {how}'
+
+
 class _Report:
-    """What a whole config's readers saw: keys ignored (in order, once each)."""
+    """What a whole config's readers saw: keys ignored (in order, once each) and the "auto"
+    values nothing filled."""
 
     def __init__(self) -> None:
         self.ignored: list[str] = []
+        self.missing: list[tuple[str, list[str]]] = []
 
     def add_ignored(self, key: str) -> None:
         if key not in self.ignored:
             self.ignored.append(key)
+
+    def add_missing(self, key: str, names: Sequence[str]) -> None:
+        # a key that the keyword asked for by an earlier one fills too is not listed again (lr
+        # fills optimizer.params.lr and scheduler.params.warmup_max_lr)
+        if not any(k == key or first[0] in names for k, first in self.missing):
+            self.missing.append((key, list(names)))
 
 
 class Reader:
@@ -104,16 +165,15 @@ class Reader:
 
     def resolve_auto(self, key: str, keywords: Sequence[str], fallback: Any = MISSING, hint: str = "") -> Any:
         """The replacement for an ``"auto"`` at ``key``: the first of ``keywords`` given, else
-        ``fallback``, else a ValueError naming the key and the keyword to pass."""
+        ``fallback``, else MISSING, the key recorded in :attr:`report` with the keywords that
+        would fill it (``load_config`` raises :class:`UnfilledAutoError` listing them all)."""
         for kw in keywords:
             if self.auto_values.get(kw) is not None:
                 return self.auto_values[kw]
         if fallback is not MISSING:
             return fallback
-        how = " or ".join(f"{kw}=..." for kw in [*keywords, *([hint] if hint else [])])
-        raise ValueError(
-            f'{self.dotted(key)} is "auto" but nothing fills it: pass {how} to load_config (or write a value in the config)'
-        )
+        self.report.add_missing(self.dotted(key), [*keywords, *([hint] if hint else [])])
+        return MISSING
 
     def get(
         self,
@@ -132,9 +192,10 @@ class Reader:
         Args:
             key: the key in this section.
             convert: ``to_int``/``to_float``/``to_bool``/... taking ``(dotted_key, value)``.
-            default: returned (unconverted) when the key is absent or null.
+            default: returned (unconverted) when the key is absent or null, or is an "auto"
+                nothing fills (recorded: ``load_config`` raises once reading is done).
             auto: keywords that may fill an "auto" (default: ``[key]``).
-            auto_fallback: value for an "auto" no keyword fills (default: error).
+            auto_fallback: value for an "auto" no keyword fills (default: recorded as unfilled).
             auto_hint: another keyword the error should suggest (one ``auto_fallback`` came from).
             check: predicate the converted value must satisfy ...
             must: ... described in the error (e.g. "be > 0").
@@ -144,12 +205,26 @@ class Reader:
             return default
         if value == AUTO:
             value = self.resolve_auto(key, list(auto) if auto else [key], auto_fallback, auto_hint)
+            if value is MISSING:  # unfilled: recorded; reading goes on as if the key were absent
+                return default if default is not MISSING else self._stand_in(key, convert, check)
             if value is None:
                 return default
         value = convert(self.dotted(key), value)
         if check is not None and not check(value):
             raise ValueError(f"{self.dotted(key)} must {must}, got {value!r}")
         return value
+
+    def _stand_in(self, key: str, convert: Callable[[str, Any], Any], check: Callable[[Any], bool] | None) -> Any:
+        """A valid value for an unfilled "auto" that has no default (a scheduler's required
+        argument), so that reading goes on to find the other unfilled keys; MISSING if none fits."""
+        for candidate in (1, 1e-3, False):
+            try:
+                value = convert(self.dotted(key), candidate)
+            except ValueError:
+                continue
+            if check is None or check(value):
+                return value
+        return MISSING
 
     def choice(self, key: str, choices: Sequence[str], default: str, *, lower: bool = True) -> str:
         """A string from ``choices`` (compared lower-case unless ``lower=False``)."""
@@ -166,11 +241,12 @@ class Reader:
         self._children.append(child)
         return child
 
-    def ignore(self, *keys: str) -> None:
-        """Accept ``keys`` without effect: each present one is reported as ignored."""
+    def ignore(self, *keys: str, report: bool = True) -> None:
+        """Accept ``keys`` without effect: each present one is reported as ignored (unless
+        ``report`` is False: the caller reports the whole section instead)."""
         for key in keys:
             self._read.add(key)  # asked-for keys, present or not, are the known names (typo hints)
-            if key in self.data:
+            if key in self.data and report:
                 self.report.add_ignored(self.dotted(key))
 
     def unsupported(self, key: str, default: Any, convert: Callable[[str, Any], Any] = lambda k, v: v) -> None:

@@ -2,20 +2,23 @@
 
 Prints the ZeRO stage, offload, precision, batch sizes, optimizer, scheduler and the keys
 accepted but ignored, then the planner's memory per rank
-(:func:`shardkit.parallel.zero.plan_memory`) for ``--params N`` parameters. Nothing is allocated
-and no process group is created.
+(:func:`shardkit.parallel.zero.plan_memory`) for ``--params N`` parameters. Every ``"auto"``
+nothing fills is listed in one run; a config that ``shardkit.initialize`` refuses whatever the
+training script is invalid here too, and one line names what only the script's objects decide.
+Nothing is allocated and no process group is created.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from .config_reader import load_config, load_raw
+from ._reader import TO_CALLER
+from .config_reader import UnfilledAutoError, describe_ignored, load_config, load_raw
 from .resolved import EngineConfig
 
 __all__ = ["build_config_check_parser", "config_check_main", "describe"]
@@ -102,6 +105,8 @@ def describe(cfg: EngineConfig) -> str:
             f"fp16, dynamic loss scale from 2^{ls.initial_scale_power} (window {ls.loss_scale_window}, "
             f"hysteresis {ls.hysteresis}, min {ls.min_loss_scale:g})"
         )
+    if prec.autocast is not None:
+        precision += f"; forward under torch.autocast({prec.autocast}) (torch_autocast)"
     tp, pp = cfg.tensor_parallel, cfg.pipeline
     lines = [
         f"world size {cfg.world_size} = dp {cfg.dp_size} × tensor_parallel {tp.size} × pipeline {pp.stages}",
@@ -140,7 +145,7 @@ def describe(cfg: EngineConfig) -> str:
     else:
         args = ", ".join(f"{k}={v!r}" for k, v in cfg.scheduler.params.items())
         lines.append(f"scheduler: {cfg.scheduler.type}({args})")
-    lines.append("ignored keys: " + (", ".join(cfg.ignored) if cfg.ignored else "none"))
+    lines.append("ignored keys: " + (describe_ignored(cfg.ignored) if cfg.ignored else "none"))
     return "\n".join(lines)
 
 
@@ -189,97 +194,83 @@ def config_check_main(argv: Sequence[str] | None = None) -> int:
     return run_config_check(args)
 
 
-#: stand-ins for an "auto" nothing fills, so that one run finds every such key (never printed as
-#: results: a config with a missing "auto" is reported invalid, listing them all)
-_STAND_IN: dict[str, Any] = {
-    "train_micro_batch_size_per_gpu": 1,
-    "train_batch_size": None,
-    "gradient_accumulation_steps": 1,
-    "betas": [0.9, 0.999],
-    "hidden_size": 1024,
-    "fp16": False,
-    "bf16": False,
-}
-_AUTO_MISSING = re.compile(r'^(?P<key>\S+) is "auto" but nothing fills it: pass (?P<how>.+?) to load_config')
-_BATCH_MISSING = "train_batch_size or train_micro_batch_size_per_gpu must be given"
-
-
-def _stand_in(name: str) -> Any:
-    if name in _STAND_IN:
-        return _STAND_IN[name]
-    return 1 if name.endswith(("steps", "step_size", "count", "iteration")) else 1e-3
-
-
 def _cli_words(message: str) -> str:
     """A load_config error in the CLI's words: its Python keywords as this command's flags."""
     return message.replace("(strict=False warns instead)", "(--lenient warns instead)").replace(
-        " to load_config", " with --auto NAME=VALUE"
+        f" {TO_CALLER}", " with --auto NAME=VALUE"
     )
 
 
-def load_listing_missing_autos(
-    config: dict[str, Any], *, world_size: int, strict: bool, auto: dict[str, Any]
-) -> tuple[EngineConfig | None, list[tuple[str, list[str]]]]:
-    """``load_config``, but every ``"auto"`` that nothing fills is found in one call: each is
-    recorded with the ``--auto`` names that would fill it and replaced by a stand-in, and the
-    config read again. Other errors raise as ``load_config``'s.
+def _initialize_refusals(cfg: EngineConfig) -> tuple[str | None, list[str]]:
+    """What ``initialize`` refuses (the message, or None) and warns about for this config alone,
+    whatever the training script's model and optimizer: its own check, run here."""
+    from .entry import _check_supported  # imports shardkit.parallel: only once the config has parsed
 
-    Returns:
-        ``(config, [])`` when everything is filled, else ``(None, [(dotted key, names), ...])``.
-
-    Example:
-        >>> cfg, missing = load_listing_missing_autos(raw, world_size=2, strict=True, auto={})
-        >>> missing[:1]
-        [('optimizer.params.lr', ['lr'])]
-    """
-    values, missing = dict(auto), []
-    for _ in range(64):  # one more key per try; a config has far fewer "auto" values
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         try:
-            # the ignored keys are printed by the caller, not logged as well
-            cfg = load_config(config, world_size=world_size, strict=strict, log_ignored=False, **values)
+            _check_supported(cfg)
         except ValueError as e:
-            m = _AUTO_MISSING.match(str(e))
-            if m is not None:
-                names = [part.split("=")[0] for part in m["how"].split(" or ")]
-            elif str(e).startswith(_BATCH_MISSING):
-                names, m = ["train_micro_batch_size_per_gpu", "train_batch_size"], None
-            else:
-                raise
-            key = m["key"] if m is not None else "train_batch_size / train_micro_batch_size_per_gpu"
-            if names[0] in values:  # the stand-in did not help: report the error itself
-                raise
-            missing.append((key, names))
-            values[names[0]] = _stand_in(names[0])
-            continue
-        return (None if missing else cfg), missing
-    raise ValueError('config: too many unfilled "auto" values')
+            return str(e), [str(w.message) for w in caught]
+    return None, [str(w.message) for w in caught]
+
+
+def _not_checked(cfg: EngineConfig) -> str:
+    """The one line saying what ``initialize`` may still refuse: what depends on the script's objects."""
+    low, stage = cfg.precision.dtype != "fp32", cfg.zero.stage
+    parts = []
+    if cfg.optimizer is None:
+        parts.append("that the script passes optimizer= (the config has none)")
+    if low or stage > 0 or cfg.tensor_parallel.size > 1 or cfg.pipeline.stages > 1:
+        parts.append("a built optimizer= that has already stepped (it is rebuilt on this layout)")
+    if low and stage == 0:
+        parts.append(f"a built torch.optim optimizer (no fp32 masters with {cfg.precision.dtype} at stage 0)")
+    parts += ["a built lr_scheduler= over another optimizer", "model_parameters= against the model"]
+    if cfg.tensor_parallel.size > 1:
+        parts.append("the model against the tensor_parallel plan")
+    if cfg.pipeline.stages > 1:
+        parts.append("the model's blocks against the pipeline stages")
+    return "not checked here (they need the training script's objects): " + "; ".join(parts)
 
 
 def run_config_check(args: argparse.Namespace) -> int:
     """The body of ``shardkit config check`` for already-parsed ``args`` (see :func:`config_check_main`).
 
     Every ``"auto"`` that ``--auto`` does not fill is listed in one run, each with the flag that
-    fills it; errors name the CLI's flags, not ``load_config``'s keywords.
+    fills it; errors name the CLI's flags, not ``load_config``'s keywords. A config ``initialize``
+    would refuse whatever the script (e.g. fp16 with tensor parallelism at ZeRO stage 0) is
+    invalid here too; what only the script's objects decide is named in one line.
+
+    Example:
+        >>> run_config_check(build_config_check_parser().parse_args(["ds.json", "--auto", "lr=3e-4"]))
+        0
     """
     try:
         config = load_raw(args.config)
         for key, value in args.set:
             _set_dotted(config, key, value)
-        cfg, missing = load_listing_missing_autos(
-            config, world_size=args.world_size, strict=not args.lenient, auto=dict(args.auto)
-        )
+        # the ignored keys are printed below, not logged as well
+        cfg = load_config(config, world_size=args.world_size, strict=not args.lenient, log_ignored=False, **dict(args.auto))
+    except UnfilledAutoError as e:
+        lines = [f'shardkit config check: error: {len(e.missing)} "auto" value(s) nothing fills; pass them with --auto:']
+        for key, names in e.missing:
+            lines.append(f"  {key}: " + " or ".join(f"--auto {n}=VALUE" for n in names))
+        if e.after is not None:
+            lines.append(f"  (reading stopped after them at another error, which may follow from them: {_cli_words(e.after)})")
+        print("\n".join(lines), file=sys.stderr)
+        return 1
     except ValueError as e:
         print(f"shardkit config check: error: {_cli_words(str(e))}", file=sys.stderr)
         return 1
-    if missing:
-        lines = [f'shardkit config check: error: {len(missing)} "auto" value(s) nothing fills; pass them with --auto:']
-        for key, names in missing:
-            lines.append(f"  {key}: " + " or ".join(f"--auto {n}=VALUE" for n in names))
-        print("\n".join(lines), file=sys.stderr)
+    refusal, notes = _initialize_refusals(cfg)
+    for note in notes:
+        print(f"shardkit config check: warning: {note}", file=sys.stderr)
+    if refusal is not None:
+        print(f"shardkit config check: error: {refusal} (shardkit.initialize refuses this config)", file=sys.stderr)
         return 1
-    assert cfg is not None
     print(f"{args.config}: valid")
     print(describe(cfg))
+    print(_not_checked(cfg))
     if args.params is not None:
         try:
             print(_plan(cfg, args.params))

@@ -22,8 +22,15 @@ from typing import Any
 
 from shardkit.examples import EXAMPLE_CONFIGS, config_path
 
-from ._reader import MISSING, Reader, to_bool, to_float, to_int
-from .deepspeed_keys import IGNORED_KEYS, UNSUPPORTED_KEYS
+from ._reader import BATCH_PAIR, MISSING, Reader, UnfilledAutoError, to_bool, to_float, to_int
+from .deepspeed_keys import (
+    DATA_EFFICIENCY_SWITCHES,
+    IGNORED_KEYS,
+    IGNORED_REASONS,
+    ONE_BIT_OPTIMIZERS,
+    TORCH_AUTOCAST_DTYPES,
+    UNSUPPORTED_KEYS,
+)
 from .resolved import (
     EngineConfig,
     LossScaleConfig,
@@ -39,7 +46,7 @@ from .resolved import (
 )
 from .schedulers import SCHEDULERS
 
-__all__ = ["IGNORED_KEYS", "load_config", "load_raw"]
+__all__ = ["IGNORED_KEYS", "UnfilledAutoError", "describe_ignored", "load_config", "load_raw"]
 
 logger = logging.getLogger("shardkit.engine")
 
@@ -47,7 +54,10 @@ BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")  # shardkit.parallel.pipeline.SCHEDULES
 
 _INT_SCHED = {"warmup_num_steps", "total_num_steps", "cycle_first_step_size", "cycle_second_step_size",
-              "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "last_batch_iteration"}  # fmt: skip
+              "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "last_batch_iteration",
+              "lr_range_test_step_size"}  # fmt: skip
+_BOOL_SCHED = {"cycle_momentum", "lr_range_test_staircase"}
+_FLOAT_SCHED = {"lr_range_test_step_rate"}
 #: scheduler params an "auto" may take from another keyword, as HF's Trainer/Accelerate fill them
 _SCHED_AUTO = {"warmup_max_lr": ("warmup_max_lr", "lr"), "cycle_max_lr": ("cycle_max_lr", "lr")}
 
@@ -113,6 +123,12 @@ def _batch(r: Reader, dp: int) -> tuple[int, int, int]:
     """
     given = {k: r.get(k, to_int, None, auto_fallback=None, check=_positive, must="be > 0") for k in BATCH_KEYS}
     train, micro, gas = (given[k] for k in BATCH_KEYS)
+    if train is None and micro is None and (r.is_auto("train_batch_size") or r.is_auto("train_micro_batch_size_per_gpu")):
+        # recorded with the other unfilled "auto"s; read on with one row per rank
+        r.report.add_missing(BATCH_PAIR, ["train_micro_batch_size_per_gpu", "train_batch_size"])
+        micro = 1
+        gas = gas if gas is not None else 1
+        train = micro * gas * dp
     if train is not None and micro is not None and gas is None:
         gas = train // micro // dp
     elif train is not None and gas is not None and micro is None:
@@ -142,6 +158,103 @@ def _batch(r: Reader, dp: int) -> tuple[int, int, int]:
 def _unsupported(r: Reader, group: str) -> None:
     for key, default in UNSUPPORTED_KEYS[group].items():
         r.unsupported(key, default, to_bool if isinstance(default, bool) else to_float if isinstance(default, float) else to_int)
+
+
+def _autocast_dtype(key: str, value: Any) -> str:
+    """A ``torch_autocast.dtype`` as DeepSpeed spells it -> "fp16", "fp32", "int8" or "bf16"."""
+    text = value.strip().lower() if isinstance(value, str) else value
+    for name, spellings in TORCH_AUTOCAST_DTYPES.items():
+        if text in spellings:
+            return name
+    names = [s for spellings in TORCH_AUTOCAST_DTYPES.values() for s in spellings]
+    raise ValueError(f"{key} must be one of {names}, got {value!r}")
+
+
+def _module_names(key: str, value: Any) -> list[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f'{key}: expected a list of module class names ("torch.nn.Linear", ...), got {value!r}')
+    return list(value)
+
+
+def _torch_autocast(r: Reader, stages: int) -> str | None:
+    """``torch_autocast``: DeepSpeed's ``torch.autocast`` around the engine's forward.
+
+    Enabled, it needs ``dtype`` bfloat16: DeepSpeed pairs fp16 autocast with a
+    ``torch.amp.GradScaler`` the engine does not apply to fp32 parameters, and no dtype means the
+    device's default (fp16 on CUDA). The ``fp16``/``bf16`` sections combine with it as in DeepSpeed
+    (the parameters in that dtype, the forward autocast on top).
+    """
+    if not r.has("torch_autocast"):
+        return None
+    t = r.section("torch_autocast")
+    enabled = t.get("enabled", to_bool, False)
+    dtype = t.get("dtype", _autocast_dtype, None)  # DeepSpeed checks both even when disabled
+    t.get("lower_precision_safe_modules", _module_names, None)
+    if not enabled:
+        t.ignore("dtype", "lower_precision_safe_modules", report=False)
+        r.report.add_ignored("torch_autocast")
+        return None
+    if dtype is None:
+        raise ValueError(
+            'torch_autocast.dtype is required with torch_autocast.enabled=true: give "bfloat16" (DeepSpeed falls back '
+            "to the device's autocast default, float16 on CUDA, which needs a gradient scaler)"
+        )
+    if dtype == "fp16":
+        raise ValueError(
+            f"torch_autocast.dtype={t.raw('dtype')!r}: float16 autocast needs a gradient scaler (DeepSpeed adds a "
+            'torch.amp.GradScaler), which shardkit\'s engine does not apply to fp32 parameters; use "bfloat16", or the '
+            '"fp16" section instead (fp16 parameters with dynamic loss scaling)'
+        )
+    if dtype != "bf16":
+        raise ValueError(f'torch_autocast.dtype={t.raw("dtype")!r} is no lower precision to autocast to; use "bfloat16"')
+    if stages > 1:
+        raise ValueError(
+            f"torch_autocast.enabled with pipeline.stages={stages}: the pipeline runs its stages without autocast; use "
+            'the "bf16" section (bf16 parameters) instead, or pipeline.stages=1'
+        )
+    t.ignore("lower_precision_safe_modules")  # reported: the gradients of those modules are reduced in fp32 here
+    return "bf16"
+
+
+def _hybrid_engine(r: Reader) -> None:
+    """``hybrid_engine`` (DeepSpeed-Chat's train/generate engine): accepted only disabled."""
+    if not r.has("hybrid_engine"):
+        return
+    h = r.section("hybrid_engine")
+    if h.get("enabled", to_bool, False):
+        raise ValueError(
+            "hybrid_engine.enabled=true: DeepSpeed's hybrid engine (RLHF: the training model switched into an "
+            "inference engine to generate) is not offered by shardkit; generate with the model itself (engine.module, "
+            "or a copy loaded from engine.full_state_dict() at ZeRO stage 3) and set hybrid_engine.enabled false"
+        )
+    h.ignore(*IGNORED_KEYS["hybrid_engine"], report=False)
+    r.report.add_ignored("hybrid_engine")
+
+
+def _data_efficiency(r: Reader) -> None:
+    """``data_efficiency`` (curriculum learning, dynamic batching, random-LTD): accepted only with
+    every on-switch false; its other keys are then unused (DeepSpeed reads them as they are)."""
+    if not r.has("data_efficiency"):
+        return
+    section = r.raw("data_efficiency")
+    for path in DATA_EFFICIENCY_SWITCHES:
+        *parents, leaf = path.split(".")
+        node, dotted = section, "data_efficiency"
+        for part in parents:
+            if not isinstance(node, Mapping):
+                break
+            node, dotted = node.get(part), f"{dotted}.{part}"
+        if node is None:
+            continue
+        if not isinstance(node, Mapping):
+            raise ValueError(f"{dotted}: expected an object, got {type(node).__name__}")
+        if to_bool(f"{dotted}.{leaf}", node.get(leaf, False)):
+            raise ValueError(
+                f"{dotted}.{leaf}=true: DeepSpeed's data efficiency library (curriculum learning, dynamic batching, "
+                "random-LTD token dropping) is not offered by shardkit; order or size the batches in your own "
+                f"DataLoader, and set {dotted}.{leaf} false"
+            )
+    r.report.add_ignored("data_efficiency")
 
 
 def _precision(r: Reader) -> PrecisionConfig:
@@ -217,6 +330,15 @@ def _optimizer(r: Reader) -> OptimizerConfig | None:
         p.ignore("min_coeff")
         _unsupported(p, "lamb")
         return OptimizerConfig(kind, "FusedLAMB", _frozen(kw))
+    if name in ONE_BIT_OPTIMIZERS:
+        instead, only, differs = ONE_BIT_OPTIMIZERS[name]
+        raise ValueError(
+            f"optimizer.type={kind!r}: DeepSpeed's 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) compress the "
+            "gradient communication after their warm-up (freeze_step), which shardkit does not implement (DeepSpeed "
+            f'0.19.8 no longer ships them either); use "type": "{instead}", the update of their warm-up, with '
+            f"uncompressed communication throughout, and drop {', '.join(only)} from optimizer.params"
+            + (f" ({differs}, so the first steps' numbers differ)" if differs else "")
+        )
     raise ValueError(f"optimizer.type must be one of Adam, AdamW, SGD, Lion, LAMB (any case), got {kind!r}")
 
 
@@ -232,14 +354,22 @@ def _scheduler(r: Reader) -> SchedulerConfig | None:
     kw: dict[str, Any] = {}
     for n in names:
         convert = (
-            to_int if n in _INT_SCHED else to_bool if n == "cycle_momentum" else _string if n == "warmup_type" else _lr_value
+            to_int
+            if n in _INT_SCHED
+            else to_bool
+            if n in _BOOL_SCHED
+            else to_float
+            if n in _FLOAT_SCHED
+            else _string
+            if n == "warmup_type"
+            else _lr_value
         )
         # HF's Trainer and Accelerate fill warmup_min_lr "auto" with 0 (it is no training argument)
         fallback = 0.0 if n == "warmup_min_lr" else MISSING
         value = p.get(n, convert, MISSING, auto=_SCHED_AUTO.get(n, (n,)), auto_fallback=fallback)
         if value is not MISSING:
             kw[n] = value
-    for n in ("warmup_num_steps", "total_num_steps", "cycle_first_step_size"):
+    for n in ("warmup_num_steps", "total_num_steps", "cycle_first_step_size", "lr_range_test_step_size"):
         if n in kw and kw[n] <= 0:
             raise ValueError(f"scheduler.params.{n} must be > 0, got {kw[n]}")
     if kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in kw:
@@ -354,8 +484,11 @@ def load_config(
         logged once, in one line.
 
     Raises:
-        ValueError: naming the dotted key: an unknown key (strict), an "auto" nothing fills, an
-            inconsistent batch triple, nvme offload without ``nvme_path``, a bad value.
+        UnfilledAutoError: (a ValueError) naming every ``"auto"`` nothing fills, each with the
+            keywords that would fill it, in one message.
+        ValueError: naming the dotted key: an unknown key (strict), an inconsistent batch
+            triple, nvme offload without ``nvme_path``, a feature not offered (e.g.
+            ``hybrid_engine.enabled``), a bad value.
 
     Example:
         >>> cfg = load_config("ds_config.json", world_size=2, lr=2e-5, weight_decay=0.0,
@@ -368,7 +501,40 @@ def load_config(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     data = load_raw(config)
     r = Reader(data, auto_values)
+    try:
+        cfg = _read(r, world_size, data)
+    except ValueError as e:
+        if r.report.missing:  # it may follow from the defaults the unfilled "auto"s were read as
+            raise UnfilledAutoError(r.report.missing, after=str(e)) from e
+        raise
+    if r.report.missing:
+        raise UnfilledAutoError(r.report.missing)
 
+    unknown = r.unread()
+    if unknown:
+        lines = [f"{key}" + (f" (did you mean {near[0]!r}?)" if near else "") for key, near in unknown]
+        if strict:
+            raise ValueError("unknown config key(s): " + "; ".join(lines) + " (strict=False warns instead)")
+        for line in lines:
+            warnings.warn(f"unknown config key {line}: ignored", UserWarning, stacklevel=2)
+    ignored = tuple(r.report.ignored)
+    if ignored and log_ignored:
+        logger.warning("config keys accepted but ignored by shardkit: %s", describe_ignored(ignored))
+    return dataclasses.replace(cfg, ignored=ignored)
+
+
+def describe_ignored(keys: tuple[str, ...] | list[str]) -> str:
+    """The ignored keys as one line, each section accepted only disabled with the reason.
+
+    Example:
+        >>> describe_ignored(("steps_per_print", "hybrid_engine"))
+        'steps_per_print, hybrid_engine (disabled; the RLHF generation engine is not offered)'
+    """
+    return ", ".join(f"{k} ({IGNORED_REASONS[k]})" if k in IGNORED_REASONS else k for k in keys)
+
+
+def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
+    """Every section of the config (``ignored`` left empty: the caller fills it)."""
     tp = r.section("tensor_parallel")
     tp_size = tp.get("size", to_int, 1, check=_positive, must="be >= 1")
     plan = tp.get(
@@ -403,6 +569,7 @@ def load_config(
             f"train_micro_batch_size_per_gpu × gradient_accumulation_steps = {micro} × {gas}"
         )
 
+    precision = dataclasses.replace(_precision(r), autocast=_torch_autocast(r, stages))
     cfg = EngineConfig(
         world_size=world_size,
         dp_size=dp,
@@ -410,7 +577,7 @@ def load_config(
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=gas,
         gradient_clipping=r.get("gradient_clipping", to_float, 0.0, check=_nonneg, must="be >= 0"),
-        precision=_precision(r),
+        precision=precision,
         optimizer=_optimizer(r),
         scheduler=_scheduler(r),
         zero=_zero(r),
@@ -424,17 +591,8 @@ def load_config(
         if isinstance(amp, Mapping) and to_bool("amp.enabled", amp.get("enabled", False)):
             raise ValueError("amp.enabled=true (apex AMP) is not supported: use fp16 or bf16")
         r.report.add_ignored("amp")
+    _hybrid_engine(r)
+    _data_efficiency(r)
     r.ignore(*IGNORED_KEYS[""])
     _unsupported(r, "")
-
-    unknown = r.unread()
-    if unknown:
-        lines = [f"{key}" + (f" (did you mean {near[0]!r}?)" if near else "") for key, near in unknown]
-        if strict:
-            raise ValueError("unknown config key(s): " + "; ".join(lines) + " (strict=False warns instead)")
-        for line in lines:
-            warnings.warn(f"unknown config key {line}: ignored", UserWarning, stacklevel=2)
-    ignored = tuple(r.report.ignored)
-    if ignored and log_ignored:
-        logger.warning("config keys accepted but ignored by shardkit: %s", ", ".join(ignored))
-    return dataclasses.replace(cfg, ignored=ignored)
+    return cfg

@@ -7,7 +7,9 @@ lazily, so reading a config imports no kernels.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
@@ -52,15 +54,55 @@ class LossScaleConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """``fp16``/``bf16`` sections: the training dtype and, for fp16, the loss scaler."""
+    """``fp16``/``bf16`` sections: the training dtype and, for fp16, the loss scaler; and
+    ``torch_autocast``: the dtype the engine's forward autocasts to (None: no autocast).
+
+    Attributes:
+        dtype: the parameters' dtype.
+        loss_scaler: the fp16 loss scaler's arguments (fp16 only).
+        autocast: ``"bf16"`` when ``torch_autocast`` is enabled (the only dtype offered: fp16
+            autocast needs a gradient scaler the engine does not apply to fp32 parameters).
+    """
 
     dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     loss_scaler: LossScaleConfig | None = None  # fp16 only
+    autocast: Literal["bf16"] | None = None
 
     @property
     def grad_bytes(self) -> int:
         """Bytes per gradient element (DeepSpeed's bucket sizes count elements of this dtype)."""
         return 4 if self.dtype == "fp32" else 2
+
+    def forward_context(self, device_type: str) -> AbstractContextManager[Any]:
+        """The autocast context the engine's forward runs in, as DeepSpeed's ``autocast_if_enabled``.
+
+        With ``torch_autocast`` enabled: ``torch.autocast(device_type, bfloat16)``, replacing any
+        autocast the caller opened. Without it, a CUDA autocast the caller opened is switched off
+        for the forward (DeepSpeed does the same, with one warning: its ``fp16``/``bf16``
+        sections decide the precision); otherwise nothing.
+
+        Example:
+            >>> with cfg.precision.forward_context("cuda"):
+            ...     out = model(x)
+        """
+        import torch
+
+        global _WARNED_OUTER_AUTOCAST
+        if self.autocast is not None:
+            return torch.autocast(device_type, dtype=torch.bfloat16, enabled=True)
+        if torch.is_autocast_enabled():  # DeepSpeed looks at CUDA's autocast only
+            if not _WARNED_OUTER_AUTOCAST:
+                _WARNED_OUTER_AUTOCAST = True
+                logging.getLogger("shardkit.engine").warning(
+                    "torch.autocast is enabled outside the engine but the config has no torch_autocast section "
+                    "enabled: the engine's forward runs without autocast (as DeepSpeed's; the fp16/bf16 sections "
+                    "decide the precision, or enable torch_autocast in the config)"
+                )
+            return torch.autocast(device_type, enabled=False)
+        return nullcontext()
+
+
+_WARNED_OUTER_AUTOCAST = False
 
 
 @dataclass(frozen=True)
@@ -177,7 +219,9 @@ class PipelineConfig:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual_stages: int = 1  # stages per rank ("interleaved")
-    partition: str = "layers"  # how blocks are cut into stages: "layers" or "params"
+    # how blocks are cut into stages: "layers", "params", or blocks per stage (a PipelineModule's
+    # own cut, which initialize sets)
+    partition: str | tuple[int, ...] = "layers"
 
 
 @dataclass(frozen=True)
@@ -191,7 +235,7 @@ class EngineConfig:
         train_micro_batch_size_per_gpu: samples per forward/backward on one rank.
         gradient_accumulation_steps: micro-batches per optimizer step.
         gradient_clipping: max global gradient norm; 0 = no clipping.
-        precision: dtype and loss scaler.
+        precision: dtype, loss scaler and the forward's autocast (``torch_autocast``).
         optimizer: None when the config has no ``optimizer`` (the client brings one).
         scheduler: None when the config has no ``scheduler``.
         zero: ``zero_optimization``.

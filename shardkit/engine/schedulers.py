@@ -1,13 +1,13 @@
 """DeepSpeed's learning-rate schedules, on any optimizer that has ``param_groups``.
 
-``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and ``OneCycle`` take DeepSpeed's
-constructor arguments and follow its update rules step for step (docs/reference.md, "DeepSpeed
+``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle`` and ``LRRangeTest`` take
+DeepSpeed's constructor arguments and follow its update rules step for step (docs/reference.md, "DeepSpeed
 LR schedules"; a differential test drives DeepSpeed's classes and these with the same
 arguments). Unlike DeepSpeed's, they do not require a ``torch.optim.Optimizer``: torch
 optimizers, shardkit's fused optimizers and ``ZeroOptimizer`` (which only exposes
 ``param_groups``/``defaults``) all work.
 
-The protocol, shared by the four:
+The protocol, shared by the five:
 
 * ``last_batch_iteration`` (``it``) is -1 after construction; each :meth:`step` adds 1 and writes
   :meth:`get_lr` at the new ``it`` into the groups (an lr stored as a tensor is filled in place).
@@ -31,7 +31,16 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["SCHEDULERS", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "make_scheduler", "warmup_gamma"]
+__all__ = [
+    "SCHEDULERS",
+    "LRRangeTest",
+    "OneCycle",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "make_scheduler",
+    "warmup_gamma",
+]
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -436,12 +445,67 @@ class OneCycle(_Schedule):
         self._write_groups(self.get_lr(), self.get_mom())
 
 
+class LRRangeTest(_Schedule):
+    """DeepSpeed's learning-rate range test: the lr grows from ``lr_range_test_min_lr`` without bound.
+
+    lr(it) = min_lr × (1 + step_rate × i), with i = (it + 1) / step_size, or ⌊(it + 1) / step_size⌋
+    when ``lr_range_test_staircase`` is true; min_lr at it = -1. Used to find the largest lr a
+    model trains at before diverging (then the bounds of a cyclic schedule such as
+    :class:`OneCycle`).
+
+    Args:
+        optimizer: anything with ``param_groups``.
+        lr_range_test_min_lr: the lr at the start (a float, or one per param group).
+        lr_range_test_step_size: steps per unit of ``i`` (a positive integer).
+        lr_range_test_step_rate: the lr's growth per unit of ``i``, as a multiple of min_lr.
+        lr_range_test_staircase: grow in steps of ``step_size`` iterations rather than continuously.
+        last_batch_iteration: -1 to start; the step count when resuming.
+
+    Example:
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> sched = LRRangeTest(opt, lr_range_test_min_lr=1e-5, lr_range_test_step_size=100,
+        ...                     lr_range_test_step_rate=5.0)
+        >>> for batch in loader:
+        ...     train_step(batch); opt.step(); sched.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: HasParamGroups,
+        lr_range_test_min_lr: float | Sequence[float] = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        self.min_lr = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        step_size = lr_range_test_step_size
+        if isinstance(step_size, bool) or not isinstance(step_size, Integral) or step_size <= 0:
+            raise ValueError(f"lr_range_test_step_size must be a positive integer, got {step_size!r}")
+        self.step_size = int(step_size)
+        self.step_rate = lr_range_test_step_rate
+        self.staircase = bool(lr_range_test_staircase)
+        if self.last_batch_iteration == -1:
+            self._write_lrs()
+
+    def _interval(self) -> float:
+        ratio = float(self.last_batch_iteration + 1) / self.step_size
+        return math.floor(ratio) if self.staircase else ratio
+
+    def get_lr(self) -> list[float]:
+        """``min_lr × (1 + step_rate × i)`` per group."""
+        increase = 1 + self.step_rate * self._interval()
+        return [lo * increase for lo in self.min_lr]
+
+
 #: DeepSpeed's ``scheduler.type`` names -> classes.
 SCHEDULERS: dict[str, type[_Schedule]] = {
     "WarmupLR": WarmupLR,
     "WarmupDecayLR": WarmupDecayLR,
     "WarmupCosineLR": WarmupCosineLR,
     "OneCycle": OneCycle,
+    "LRRangeTest": LRRangeTest,
 }
 
 

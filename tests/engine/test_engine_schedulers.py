@@ -16,7 +16,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardkit.engine.schedulers import SCHEDULERS, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, make_scheduler
+from shardkit.engine.schedulers import (
+    SCHEDULERS,
+    LRRangeTest,
+    OneCycle,
+    WarmupCosineLR,
+    WarmupDecayLR,
+    WarmupLR,
+    make_scheduler,
+)
 from shardkit.kernels import FusedAdamW, FusedSGD
 from shardkit.parallel import ZeroOptimizer
 
@@ -73,6 +81,12 @@ def ref_one_cycle(it: int, *, lo, hi, f, f2=None, k1=0, k2=None, d=0, lr_rate=0.
     lr = lo if (d == 0 or lr_rate == 0) else lo / (1 + lr_rate * steps)
     mom = mhi if (d == 0 or mom_rate == 0) else mhi * (1 + mom_rate * steps)
     return lr, mom
+
+
+def ref_lr_range_test(it: int, lo: float, step_size: int, rate: float, staircase: bool) -> float:
+    """lr = min_lr · (1 + rate · i), i = (it + 1) / step_size, floored for the staircase."""
+    i = (it + 1) / step_size
+    return lo * (1 + rate * (math.floor(i) if staircase else i))
 
 
 def _params(n_groups: int = 1) -> list[dict]:
@@ -188,6 +202,41 @@ def test_one_cycle_follows_formula(case: dict) -> None:
         assert math.isclose(g["betas"][0], mom, rel_tol=REL) and g["betas"][1] == 0.99, (it, case)
 
 
+@pytest.mark.parametrize("staircase", [False, True])
+@pytest.mark.parametrize(("step_size", "rate"), [(1, 1.0), (3, 0.5), (4, 2.0), (10, 0.0)])
+def test_lr_range_test_follows_formula(staircase: bool, step_size: int, rate: float) -> None:
+    opt = FusedAdamW(_params(2), lr=0.5)
+    s = LRRangeTest(
+        opt,
+        lr_range_test_min_lr=[1e-3, 2e-4],
+        lr_range_test_step_size=step_size,
+        lr_range_test_step_rate=rate,
+        lr_range_test_staircase=staircase,
+    )
+    assert s.last_batch_iteration == -1 and _lrs(opt) == [1e-3, 2e-4]  # the constructor wrote min_lr
+    assert s.get_last_lr() == [1e-3, 2e-4]
+    for it in range(3 * step_size + 4):
+        s.step()
+        for got, lo in zip(_lrs(opt), (1e-3, 2e-4)):
+            assert math.isclose(got, ref_lr_range_test(it, lo, step_size, rate, staircase), rel_tol=REL), (it, lo)
+        assert s.get_last_lr() == _lrs(opt) and s.get_lr() == _lrs(opt)
+    if staircase and step_size == 3 and rate == 0.5:  # the stairs: flat for 3 steps, then +50 % of min_lr
+        s = LRRangeTest(torch.optim.SGD(_params(), lr=1.0), 0.1, 3, 0.5, True)
+        seen = []
+        for _ in range(7):
+            s.step()
+            seen.append(round(s.get_last_lr()[0], 6))
+        assert seen == [0.1, 0.1, 0.15, 0.15, 0.15, 0.2, 0.2]
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True])
+def test_lr_range_test_step_size_is_validated(bad) -> None:
+    with pytest.raises(ValueError, match="lr_range_test_step_size must be a positive integer"):
+        LRRangeTest(torch.optim.SGD(_params(), lr=0.1), lr_range_test_step_size=bad)
+    with pytest.raises(ValueError, match="lr_range_test_min_lr: expected 2 values"):
+        LRRangeTest(torch.optim.SGD(_params(2), lr=0.1), lr_range_test_min_lr=[0.1])
+
+
 def test_one_cycle_peaks_at_the_end_of_the_first_half() -> None:
     opt = FusedAdamW(_params(), lr=1.0)
     s = OneCycle(opt, 0.1, 1.0, cycle_first_step_size=4, cycle_second_step_size=4)
@@ -258,6 +307,7 @@ def test_state_dict_round_trip_resumes_the_same_curve(name: str) -> None:
         "WarmupDecayLR": dict(total_num_steps=12, warmup_max_lr=0.1, warmup_num_steps=5),
         "WarmupCosineLR": dict(total_num_steps=12, warmup_num_steps=5),
         "OneCycle": dict(cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=3, decay_step_size=2, decay_lr_rate=0.3),
+        "LRRangeTest": dict(lr_range_test_min_lr=0.01, lr_range_test_step_size=3, lr_range_test_step_rate=0.5),
     }[name]
     opt_a = FusedAdamW(_params(), lr=0.2)
     a = make_scheduler(name, opt_a, params)
@@ -380,7 +430,32 @@ def test_one_cycle_equals_deepspeed(lo, hi, f, f2, k1, k2, d, lr_rate, mom_rate,
     _drive(ours, theirs, a, b, 2 * (f + (f if f2 is None else f2)) + 6, momentum=cycle_momentum)
 
 
-@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"])
+@QUICK
+@given(
+    lo=st.one_of(LRS, st.lists(LRS, min_size=2, max_size=2)),
+    step_size=st.integers(1, 7),
+    rate=st.floats(0.0, 10.0, allow_nan=False),
+    staircase=st.booleans(),
+)
+def test_lr_range_test_equals_deepspeed(lo, step_size, rate, staircase) -> None:
+    ds = _ds()
+    a, b = _pair(2)
+    kw = dict(
+        lr_range_test_min_lr=lo,
+        lr_range_test_step_size=step_size,
+        lr_range_test_step_rate=rate,
+        lr_range_test_staircase=staircase,
+    )
+    ours, theirs = LRRangeTest(a, **kw), ds.LRRangeTest(b, **kw)
+    assert ours.get_last_lr() == theirs.get_last_lr()  # what the constructor wrote: min_lr
+    _drive(ours, theirs, a, b, 3 * step_size + 5)
+    assert ours.get_lr() == pytest.approx(theirs.get_lr(), rel=REL, abs=1e-15)
+    assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr(), rel=REL, abs=1e-15)
+    ours.step(40), theirs.step(40)  # an explicit iteration, as a resumed run passes it
+    assert _lrs(a) == pytest.approx(_lrs(b), rel=REL, abs=1e-15) and ours.state_dict() == theirs.state_dict()
+
+
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])
 def test_constructor_defaults_equal_deepspeeds(name: str) -> None:
     """A config that leaves a key out gets DeepSpeed's default (e.g. OneCycle's
     cycle_first_step_size=2000, decay_step_size=0), not a near miss."""
