@@ -17,10 +17,13 @@ DeepSpeed                      here
 ``deepspeed.utils``            :mod:`shardkit.deepspeed.utils`: ``RepeatingLoader``
 ``deepspeed.checkpointing``    :mod:`shardkit.deepspeed.checkpointing`: ``checkpoint``,
                                ``configure``, ``is_configured``, ``reset``
+``deepspeed.pipe``             :mod:`shardkit.deepspeed.pipe`: ``PipelineModule``, ``LayerSpec``,
+                               ``TiedLayerSpec`` (``initialize`` runs them on shardkit's
+                               pipeline; ``deepspeed.PipelineModule`` too)
 =============================  ==============================================================
 
-The rest of DeepSpeed's module-level API (``zero.Init``, ``pipe.PipelineModule``) is not offered
-yet: docs/engine.md lists what is and what to use instead.
+The rest of DeepSpeed's module-level API (``zero.Init``) is not offered yet: docs/engine.md lists
+what is and what to use instead.
 
 Example:
     >>> import shardkit.deepspeed as deepspeed          # was: import deepspeed
@@ -40,7 +43,7 @@ from typing import Any
 from . import accelerator, comm
 
 #: submodules that import torch or shardkit's kernels: loaded when first named (PEP 562)
-_LAZY_SUBMODULES = ("checkpointing", "ops", "utils")
+_LAZY_SUBMODULES = ("checkpointing", "ops", "pipe", "utils", "zero")
 
 
 def __getattr__(name: str) -> Any:
@@ -48,10 +51,25 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "PipelineModule":  # DeepSpeed exports it at the top level too
+        from .pipe import PipelineModule
+
+        return PipelineModule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["accelerator", "add_config_arguments", "checkpointing", "comm", "init_distributed", "initialize", "ops", "utils"]
+__all__ = [
+    "PipelineModule",
+    "accelerator",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
+    "init_distributed",
+    "initialize",
+    "ops",
+    "pipe",
+    "utils",
+]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

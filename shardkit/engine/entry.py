@@ -19,6 +19,9 @@ config (:func:`shardkit.engine.load_config`):
   strategy runs on the dp axis (ZeRO × TP: the epilogue agrees the norm and overflow over tp).
 * ``pipeline.stages`` > 1: ``parallelize``'s ``pp`` (TP → stages → dp) behind a
   :class:`~shardkit.engine.pipeline_engine.PipelineEngine` (``train_batch``/``eval_batch``).
+* a :class:`shardkit.deepspeed.pipe.PipelineModule` (DeepSpeed's): the same pipeline, its
+  ``num_stages`` as ``pipeline.stages``, its layers as the blocks, its ``loss_fn`` and its stage
+  cut (:func:`_pipeline_module_layout`).
 
 Every check runs before the first collective (the model check of the wrapper): a bad config,
 unknown parameter groups, an nvme path that does not exist, a built optimizer for ZeRO.
@@ -26,6 +29,7 @@ unknown parameter groups, an nvme path that does not exist, a built optimizer fo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -53,7 +57,7 @@ from shardkit.parallel.pipeline.split import as_block_list, split_blocks
 from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
 from shardkit.parallel.tensor import plan_modules
 
-from .config_reader import load_config
+from .config_reader import load_config, load_raw
 from .engine import Engine
 from .model_layout import (
     BlocksFn,
@@ -111,7 +115,9 @@ def initialize(
             (given the torch optimizer that steps, as DeepSpeed gives its basic optimizer), or a
             scheduler built on the optimizer passed as ``optimizer=``.
         training_data: a ``torch.utils.data.Dataset``: a DataLoader over this rank's
-            ``DistributedSampler`` share, micro-batch size per rank, is returned third.
+            ``DistributedSampler`` share, micro-batch size per rank, is returned third; shuffled
+            (seed 0) without a pipeline, in order with one, where ``train_batch()`` reads it
+            repeating (both as DeepSpeed's engines).
         collate_fn: the DataLoader's ``collate_fn``.
         args: DeepSpeed's ``args`` (its ``deepspeed_config`` is the config when ``config`` is None).
         config_params: DeepSpeed's old name of ``config``.
@@ -120,7 +126,8 @@ def initialize(
             :mod:`shardkit.parallel.tensor` instead of the one ``tensor_parallel.plan`` names.
         blocks: with ``pipeline.stages`` > 1, ``blocks(model) -> [first, ..., last]``, modules
             whose composition is the model's forward (the pipeline's cut points). Not needed for
-            an ``nn.Sequential``/``nn.ModuleList`` (its children) or shardkit's TinyGPT.
+            an ``nn.Sequential``/``nn.ModuleList`` (its children), shardkit's TinyGPT or a
+            ``PipelineModule`` (its layers; it takes no ``blocks=``/``loss_fn=``).
         loss_fn: with ``pipeline.stages`` > 1, ``loss_fn(outputs, labels) -> 0-d mean loss``
             run on the last stage (DeepSpeed's ``PipelineModule(loss_fn=...)``); default token
             cross-entropy (outputs ``[..., C]``, integer labels ``[...]``), vocab-parallel when
@@ -157,11 +164,19 @@ def initialize(
     config = _the_config(config, config_params, args)
     if ctx is not None and not isinstance(ctx, ParallelContext):
         raise TypeError(f"ctx must be a ParallelContext or None, got {type(ctx).__name__}")
+    split = None  # a PipelineModule's stage cut (block counts), replacing pipeline.partition
+    if _is_pipeline_module(model):
+        config, blocks, loss_fn, split = _pipeline_module_layout(model, config, blocks, loss_fn, ctx)
     if ctx is None and not dist.is_initialized():
         # torchrun's environment, or a one-process world: the rendezvous, no collective yet. NCCL
         # when CUDA is available (the model then moves to the rank's GPU, as DeepSpeed moves it),
         # else gloo. The axis sizes are checked against WORLD_SIZE before any group exists.
-        ctx = made = _context_from_env(*axis_sizes(config, auto_values))
+        try:
+            ctx = made = _context_from_env(*axis_sizes(config, auto_values))
+        except ValueError as e:
+            if split is None:
+                raise
+            raise ValueError(f"PipelineModule(num_stages={model.num_stages}): {e}") from e
     else:
         made = None
     try:
@@ -170,6 +185,8 @@ def initialize(
         if hidden is not None and "hidden_size" not in auto_values:
             auto_values["hidden_size"] = hidden
         cfg = load_config(config, world_size=world, strict=strict, **auto_values)
+        if split is not None:
+            cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, partition=split))
         _check_supported(cfg)
         tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
         plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
@@ -233,7 +250,9 @@ def initialize(
         else:
             tp_state = (plan, vocab_sizes(model)) if plan is not None else None
             engine = Engine(tp_state=tp_state, **common)
-        loader = _dataloader(training_data, collate_fn, cfg, ctx) if training_data is not None else None
+        loader = None
+        if training_data is not None:  # DeepSpeed's pipeline engine reads its data in order
+            loader = _dataloader(training_data, collate_fn, cfg, ctx, shuffle=pp == 1)
         if loader is not None and pp > 1:
             engine.training_dataloader = loader
             engine.set_dataiter(_repeat(loader))
@@ -262,6 +281,93 @@ def _context_from_env(tp: int, pp: int) -> ParallelContext:
         return ParallelContext.from_env(tp=tp, pp=pp)
     except ValueError as e:  # raised from WORLD_SIZE alone, before any process group
         raise ValueError(f"tensor_parallel.size={tp} × pipeline.stages={pp}: {e}") from e
+
+
+def _is_pipeline_module(model: nn.Module) -> bool:
+    from shardkit.deepspeed.pipe import PipelineModule  # the facade's class; imported on use
+
+    return isinstance(model, PipelineModule)
+
+
+def _pipeline_module_layout(
+    module: Any, config: Any, blocks: Any, loss_fn: Any, ctx: ParallelContext | None
+) -> tuple[dict[str, Any], BlocksFn, Callable[..., Any], tuple[int, ...]]:
+    """A DeepSpeed ``PipelineModule`` as shardkit's pipeline inputs, checked before any collective:
+    ``(config with pipeline.stages = num_stages, blocks fn, loss_fn, stage sizes)``.
+
+    The config's ``pipeline`` section may hold DeepSpeed's keys: ``stages`` ("auto" or equal to
+    ``num_stages``), ``activation_checkpoint_interval`` (> 0 replaces the module's, as DeepSpeed's
+    engine does); ``partition`` ("best", unused by DeepSpeed, or shardkit's name of the module's
+    ``partition_method``), ``seed_layers``, ``pipe_partitioned``, ``grad_partitioned`` and
+    ``use_reentrant`` have no effect here and are dropped. shardkit's ``schedule`` and
+    ``microbatches`` apply.
+
+    Raises:
+        ValueError: ``blocks=``/``loss_fn=`` given, a ``pipeline.stages`` or ``pipeline.partition``
+            that disagrees with the module (naming both), ``pipeline.virtual_stages`` > 1, or a
+            ``num_stages`` that does not divide the world size.
+
+    Example:
+        >>> cfg, blocks_fn, loss, sizes = _pipeline_module_layout(net, {"train_batch_size": 8}, None, None, ctx)
+        >>> cfg["pipeline"]["stages"], sizes
+        (2, (5, 4))
+    """
+    from shardkit.deepspeed.pipe import PARTITION_METHODS
+
+    n = module.num_stages
+    for name, value in (("blocks", blocks), ("loss_fn", loss_fn)):
+        if value is not None:
+            raise ValueError(
+                f"{name}: model is a PipelineModule, which carries its own (its layers and loss_fn); drop initialize({name}=...)"
+            )
+    raw = load_raw(config)
+    section = raw.setdefault("pipeline", {})
+    if not isinstance(section, dict):
+        raise ValueError(f"pipeline: must be a section (a JSON object), got {section!r}")
+    stages = section.get("stages", "auto")
+    if stages != "auto" and (isinstance(stages, bool) or stages != n):
+        raise ValueError(
+            f"pipeline.stages={stages!r} in the config but PipelineModule(num_stages={n}): give one of them, or the same "
+            "number (DeepSpeed's default 'auto' takes num_stages)"
+        )
+    section["stages"] = n
+    interval = section.pop("activation_checkpoint_interval", 0)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ValueError(f"pipeline.activation_checkpoint_interval must be an int >= 0, got {interval!r}")
+    for key in ("seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant"):
+        section.pop(key, None)  # DeepSpeed's own implementation choices (its engine never reads seed_layers)
+    partition = section.pop("partition", "best")
+    method = module.partition_method
+    if partition != "best" and partition != PARTITION_METHODS.get(method.lower()):
+        raise ValueError(
+            f"pipeline.partition={partition!r} in the config but PipelineModule(partition_method={method!r}) cuts the "
+            "stages: drop pipeline.partition"
+        )
+    if section.get("virtual_stages", 1) != 1:
+        raise ValueError(
+            f"pipeline.virtual_stages={section['virtual_stages']!r} with a PipelineModule: it has one stage per rank "
+            "(DeepSpeed's); drop virtual_stages or pass the layers as an nn.Sequential"
+        )
+    if n == 1:
+        raise ValueError(
+            "PipelineModule(num_stages=1): shardkit's pipeline engine needs >= 2 stages; train a one-stage model as an "
+            "nn.Sequential (engine(x), engine.backward, engine.step) or use more stages"
+        )
+    world = ctx.world_size if ctx is not None else dist.get_world_size() if dist.is_initialized() else None
+    if world is not None and world % n:
+        raise ValueError(f"PipelineModule(num_stages={n}) must divide the world size {world}")
+    block_list, sizes = module.pipeline_blocks(interval if interval > 0 else None)
+    return raw, lambda model: block_list, module.loss_fn or _output_is_the_loss, tuple(sizes)
+
+
+def _output_is_the_loss(outputs: torch.Tensor, labels: Any) -> torch.Tensor:
+    """DeepSpeed's pipeline without a ``loss_fn``: the last layer's output is the loss."""
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 0:
+        raise ValueError(
+            "PipelineModule(loss_fn=None): the last layer's output is the loss and must be a 0-d tensor, got "
+            f"{tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__}"
+        )
+    return outputs
 
 
 def _repeat(loader: Any) -> Any:
@@ -531,9 +637,11 @@ def build_parallel(
     return par, par.make_optimizer(cls, groups, **kwargs)
 
 
-def _dataloader(dataset: Any, collate_fn: Any, cfg: EngineConfig, ctx: ParallelContext) -> Any:
-    """DeepSpeed's DeepSpeedDataLoader: a DistributedSampler share per dp rank, micro-batches."""
+def _dataloader(dataset: Any, collate_fn: Any, cfg: EngineConfig, ctx: ParallelContext, *, shuffle: bool = True) -> Any:
+    """DeepSpeed's DeepSpeedDataLoader: a DistributedSampler share per dp rank, micro-batches.
+    Shuffled (the sampler's seed 0, epoch never advanced) as DeepSpeed's ``deepspeed_io``, or in
+    order (``shuffle=False``) as its pipeline engine's ``_build_data_iter``."""
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sampler = DistributedSampler(dataset, num_replicas=ctx.size("dp"), rank=ctx.rank("dp"))
+    sampler = DistributedSampler(dataset, num_replicas=ctx.size("dp"), rank=ctx.rank("dp"), shuffle=shuffle)
     return DataLoader(dataset, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn)

@@ -14,17 +14,18 @@ backwards over the stages), so the engine's step is one call, as DeepSpeed's::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.profiler import record_function
 
+from shardkit.comm import ParallelContext
 from shardkit.parallel import ParallelModel
 
 from .engine import Engine
 
-__all__ = ["PipelineEngine"]
+__all__ = ["PipelineEngine", "PipelineGrid"]
 
 
 class PipelineEngine(Engine):
@@ -48,6 +49,7 @@ class PipelineEngine(Engine):
         super().__init__(**kwargs)
         self.training_dataloader: Any = None
         self._data_iter: Iterator[Any] | None = None
+        self._batch_fn: Callable[[Any], Any] | None = None
 
     # ---- DeepSpeed's pipeline accessors --------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -61,6 +63,22 @@ class PipelineEngine(Engine):
     def set_dataiter(self, iterator: Iterator[Any]) -> None:
         """The iterator :meth:`train_batch` reads when called without one."""
         self._data_iter = iterator
+
+    def set_batch_fn(self, fn: Callable[[Any], Any]) -> None:
+        """Apply ``fn`` to each micro-batch read from the data iterator, before it is checked to
+        be an ``(inputs, labels)`` pair (DeepSpeed's ``set_batch_fn``).
+
+        Example:
+            >>> engine.set_batch_fn(lambda batch: (batch["input_ids"], batch["labels"]))
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self._batch_fn = fn
+
+    @property
+    def grid(self) -> PipelineGrid:
+        """DeepSpeed's ``engine.grid``: this rank's stage and data-parallel coordinates."""
+        return PipelineGrid(self.ctx)
 
     # ---- refused: the pipeline runs whole batches ----------------------------------------------
     def _refuse(self, what: str) -> RuntimeError:
@@ -96,6 +114,8 @@ class PipelineEngine(Engine):
         xs, ys = [], []
         for i in range(self.gradient_accumulation_steps()):
             item = next(it)
+            if self._batch_fn is not None:
+                item = self._batch_fn(item)
             if not isinstance(item, (tuple, list)) or len(item) != 2:
                 raise TypeError(
                     f"data_iter: micro-batch {i} must be a pair (inputs, labels) of tensors, got {type(item).__name__}"
@@ -108,8 +128,9 @@ class PipelineEngine(Engine):
         """One optimizer step of one global batch through the pipeline.
 
         Reads ``gradient_accumulation_steps`` micro-batches ``(inputs, labels)`` from
-        ``data_iter`` (default: the iterator of :meth:`set_dataiter`, or of the ``training_data``
-        given to ``initialize``) on the first and last stage (other ranks may pass None), runs
+        ``data_iter`` (default: the iterator of :meth:`set_dataiter`, or the ``training_data``
+        given to ``initialize``, read in order and repeated as DeepSpeed's pipeline engine reads
+        it) on the first and last stage (other ranks may pass None), runs
         them through the schedule in ``pipeline.microbatches`` pieces, averages the gradients
         over dp, clips to ``gradient_clipping`` (the global norm over tp shards and stages),
         steps the optimizer (skipped on an fp16 overflow) and then the LR scheduler.
@@ -126,10 +147,12 @@ class PipelineEngine(Engine):
         """
         if not self.module.training:
             raise RuntimeError("train_batch in eval mode: call engine.train() first (eval_batch evaluates)")
+        self.tput_timer.start()
         x, y = self._global_batch(data_iter)
         with record_function("shardkit::engine_train_batch"):
             loss = self.parallel.forward_backward(x, y)
             self._take_model_step({})
+        self.tput_timer.stop(global_step=True)
         self.micro_steps += self.gradient_accumulation_steps()
         return loss
 
@@ -167,3 +190,72 @@ class PipelineEngine(Engine):
         # ZeRO on the pipeline's dp axis: its wrapper knows what went to the host (offload)
         off = self.parallel.module.memory_report()["offloaded"] if self.parallel.strategy is not None else {}
         return {"unit": "bytes", **mem, "peak_transient": mem.get("peak_transient", 0), "offloaded": off}
+
+
+class PipelineGrid:
+    """DeepSpeed's ``PipelineParallelGrid`` read from a :class:`~shardkit.comm.ParallelContext`:
+    the pipe (``pp``), data (``dp``) and model/slice (``tp``) coordinates of this rank.
+
+    Example:
+        >>> engine.grid.get_stage_id(), engine.grid.get_data_parallel_rank()
+        (1, 0)
+    """
+
+    def __init__(self, ctx: ParallelContext) -> None:
+        self.ctx = ctx
+        self.stage_id = ctx.rank("pp")
+        self.data_parallel_id = ctx.rank("dp")
+        self.pipe_parallel_size = ctx.size("pp")
+        self.data_parallel_size = ctx.size("dp")
+        self.model_parallel_size = ctx.size("tp")
+        self.slice_parallel_size = ctx.size("tp")
+        self.global_rank = ctx.global_rank
+        self.world_size = ctx.world_size
+
+    def get_stage_id(self) -> int:
+        """This rank's pipeline stage."""
+        return self.stage_id
+
+    def get_data_parallel_id(self) -> int:
+        """This rank's data-parallel index."""
+        return self.data_parallel_id
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_pipe_parallel_group(self) -> Any:
+        return self.ctx.group("pp")
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self) -> Any:
+        return self.ctx.group("dp")
+
+    def get_model_parallel_rank(self) -> int:
+        """The tensor-parallel (DeepSpeed: slice-parallel) rank."""
+        return self.ctx.rank("tp")
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.model_parallel_size
+
+    def get_model_parallel_group(self) -> Any:
+        return self.ctx.group("tp")
+
+    def get_slice_parallel_rank(self) -> int:
+        return self.ctx.rank("tp")
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.slice_parallel_size
+
+    def get_slice_parallel_group(self) -> Any:
+        return self.ctx.group("tp")
