@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["consolidate"]
+__all__ = ["consolidate", "fp32_state_dict", "read_checkpoint", "resolve_tag"]
 
 log = logging.getLogger("shardkit.consolidate")
 
@@ -58,26 +58,11 @@ def consolidate(src: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, P
         >>> consolidate("ckpt/latest", "export")
         (PosixPath('export/model.pt'), PosixPath('export/optimizer.pt'))
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from shardkit.parallel.checkpoint import load_meta, read_manifest, verify_files
-
     t0 = time.perf_counter()
     src, out = resolve_tag(Path(src)), Path(out)
-    errors = verify_files(src, read_manifest(src))
-    if errors:
-        raise ValueError(f"checkpoint {src}: " + "; ".join(errors))
-    meta = load_meta(src)
-    md = FileSystemReader(src).read_metadata().state_dict_metadata
-    full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
-    with warnings.catch_warnings():  # one process without torch.distributed is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(full, checkpoint_id=src, no_dist=True)
+    meta, full = read_checkpoint(src)
     t1 = time.perf_counter()
-    model = {k: full[f"model.{k}"].view(shape) for k, (shape, _) in meta["shapes"].items()}
-    for alias, canonical in meta["aliases"].items():
-        model[alias] = model[canonical]
+    model = _model_state(meta, full)
     optimizer = _optimizer_state(meta, full, {k: shape for k, (shape, _) in meta["shapes"].items()})
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "model.pt", out / "optimizer.pt"
@@ -88,6 +73,69 @@ def consolidate(src: str | os.PathLike, out: str | os.PathLike) -> tuple[Path, P
     nbytes = sum(p.stat().st_size for p in paths)
     log.info("consolidate %s: read %.2fs, wrote %.1f MiB in %.2fs", src, t1 - t0, nbytes / 2**20, time.perf_counter() - t1)
     return paths
+
+
+def fp32_state_dict(src: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict`` from the checkpoint at ``src`` with every trained parameter at
+    fp32: a bf16/fp16 run's parameters are replaced by their fp32 masters (exact, not widened
+    16-bit values); fp32 runs, frozen parameters and buffers are as saved. One process, no
+    ``torch.distributed``; ``src`` as for :func:`consolidate`.
+
+    Returns:
+        ``{name: tensor}``, CPU tensors in the module's shapes (tied parameters under every name).
+
+    Raises:
+        ValueError: ``src`` is not a complete checkpoint.
+
+    Example:
+        >>> model.load_state_dict(fp32_state_dict("ckpt"))     # ckpt/latest names the tag
+    """
+    meta, full = read_checkpoint(resolve_tag(Path(src)))
+    model = _model_state(meta, full)
+    for name in meta["masters"]:
+        master = full[f"master.{name}"].view(meta["shapes"][name][0])
+        model[name] = master
+        for alias, canonical in meta["aliases"].items():
+            if canonical == name:
+                model[alias] = master
+    return model
+
+
+def read_checkpoint(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(meta, tensors)`` of the checkpoint directory ``src``: its ``meta.pt`` and every stored
+    tensor in full under its DCP key (``model.<name>``, ``master.<name>``,
+    ``optim.<name>.<state>``), read in one process after the files are verified.
+
+    Raises:
+        ValueError: a missing/truncated/corrupt file (named).
+
+    Example:
+        >>> meta, tensors = read_checkpoint(Path("ckpt/step-100"))
+        >>> tensors["model.0.weight"].shape
+        torch.Size([16, 8])
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from shardkit.parallel.checkpoint import load_meta, read_manifest, verify_files
+
+    errors = verify_files(src, read_manifest(src))
+    if errors:
+        raise ValueError(f"checkpoint {src}: " + "; ".join(errors))
+    meta = load_meta(src)
+    md = FileSystemReader(src).read_metadata().state_dict_metadata
+    full = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in md.items() if hasattr(m, "size")}
+    with warnings.catch_warnings():  # one process without torch.distributed is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(full, checkpoint_id=src, no_dist=True)
+    return meta, full
+
+
+def _model_state(meta: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    model = {k: full[f"model.{k}"].view(shape) for k, (shape, _) in meta["shapes"].items()}
+    for alias, canonical in meta["aliases"].items():
+        model[alias] = model[canonical]
+    return model
 
 
 def resolve_tag(src: Path) -> Path:

@@ -439,6 +439,8 @@ def load_checkpoint(
     model: nn.Module | ParallelModel,
     optimizer: Any,
     scaler: DynamicLossScaler | None = None,
+    *,
+    optimizer_state: bool = True,
 ) -> Any:
     """Load a :func:`save_checkpoint` directory into this run's layout; returns ``extra``.
 
@@ -453,6 +455,9 @@ def load_checkpoint(
     Args:
         dir: a checkpoint directory written by :func:`save_checkpoint`.
         model, optimizer, scaler: as for :func:`save_checkpoint`, in this run's layout.
+        optimizer_state: False loads the weights and their fp32 masters only (a warm start):
+            the optimizer keeps its state and hyperparameters, its param groups need not match
+            the checkpoint's, and ``scaler`` must be None.
 
     Returns:
         The ``extra`` object given to :func:`save_checkpoint` (rank 0's).
@@ -467,6 +472,8 @@ def load_checkpoint(
         >>> extra = load_checkpoint("ckpt/latest", sdp, opt)
         >>> torch.set_rng_state(extra["rng"]); step = extra["step"]
     """
+    if not optimizer_state and scaler is not None:
+        raise ValueError("scaler: must be None with optimizer_state=False (the loss scale is optimizer state)")
     t0 = time.perf_counter()
     layout = layout_of(model, optimizer)
     path = _resolve(Path(dir))
@@ -483,7 +490,7 @@ def load_checkpoint(
     }
     shapes, aliases = model_meta(layout)
     world_keys = {k for part in _all_gather(layout, [*shapes, *aliases]) for k in part}
-    plan = plan_load(layout, optimizer, meta, saved, world_keys)
+    plan = plan_load(layout, optimizer, meta, saved, world_keys, optimizer_state)
     if scaler is not None and meta["scaler"] is None:
         plan.errors.append("scaler: the checkpoint holds no loss-scaler state (meta.pt)")
     _agree(layout, plan.errors, f"checkpoint {path}")
@@ -494,7 +501,7 @@ def load_checkpoint(
     except CheckpointException as e:  # the same on every rank
         raise RuntimeError(f"checkpoint {path}: reading failed on ranks {sorted(e.failures)}: {_first(e)}") from e
     t2 = time.perf_counter()
-    apply_load(layout, optimizer, meta, plan)
+    apply_load(layout, optimizer, meta, plan, optimizer_state)
     if scaler is not None:
         scaler.load_state_dict(meta["scaler"])
     if layout.rank == 0:

@@ -51,7 +51,12 @@ def ckpt_name(meta: dict[str, Any], name: str) -> str:
 
 
 def plan_load(
-    layout: Layout, optimizer: Any, meta: dict[str, Any], saved: dict[str, tuple[int, ...]], world_keys: set[str]
+    layout: Layout,
+    optimizer: Any,
+    meta: dict[str, Any],
+    saved: dict[str, tuple[int, ...]],
+    world_keys: set[str],
+    optimizer_state: bool = True,
 ) -> LoadPlan:
     """Validate the checkpoint against this layout and allocate the temporaries to read into.
 
@@ -61,6 +66,8 @@ def plan_load(
         meta: the checkpoint's ``meta.pt``.
         saved: DCP keys -> their stored size.
         world_keys: every model key (and alias) held by any rank (the union over pipeline ranks).
+        optimizer_state: read the optimizer's state and hyperparameters too (False: the params
+            and their fp32 masters only; the groups need not match the checkpoint's).
 
     Returns:
         The plan; problems go to ``plan.errors`` (the caller agrees them over the ranks before
@@ -100,7 +107,9 @@ def plan_load(
         mine = [(g, [names[p] for p in members[gi]]) for gi, g in enumerate(optimizer.param_groups)]
     else:
         mine = [(g, [names.get(p, "?") for p in g["params"]]) for g in optimizer.param_groups]
-    if len(mine) != len(groups):
+    if not optimizer_state:
+        pass  # the weights only: the optimizer may be another one, with other groups
+    elif len(mine) != len(groups):
         err(f"optimizer: {len(mine)} param groups here, {len(groups)} in the checkpoint (meta.pt)")
     else:
         for gi, ((_, ns), saved_g) in enumerate(zip(mine, groups)):
@@ -121,9 +130,9 @@ def plan_load(
                 _request(plan, layout, p, key, seg.tensor_offset, tmp.narrow(0, seg.flat_offset - sb.start, seg.numel))
             plan.shards.append(tmp)
     if layout.sdp is not None:
-        _plan_zero(layout, optimizer, meta, saved, names, plan)
+        _plan_zero(layout, optimizer, meta, saved, names, plan, optimizer_state)
     else:
-        _plan_plain(layout, optimizer, meta, saved, names, plan)
+        _plan_plain(layout, optimizer, meta, saved, names, plan, optimizer_state)
     return plan
 
 
@@ -147,7 +156,7 @@ def _check(plan: LoadPlan, saved: dict[str, tuple[int, ...]], key: str, numel: i
     return True
 
 
-def _plan_zero(layout: Layout, opt: Any, meta: dict, saved: dict, names: dict, plan: LoadPlan) -> None:
+def _plan_zero(layout: Layout, opt: Any, meta: dict, saved: dict, names: dict, plan: LoadPlan, optimizer_state: bool) -> None:
     masters_saved = set(meta["masters"])
     offloaded = layout.sdp.offload is not None
     for sb in layout.sdp.sharded_buckets:
@@ -169,6 +178,8 @@ def _plan_zero(layout: Layout, opt: Any, meta: dict, saved: dict, names: dict, p
             flags.append(use)
         plan.masters.append(tmp)
         plan.master_from_ckpt.append(flags)
+    if not optimizer_state:
+        return
     by_name = {n: p for p, n in names.items()}
     scalars, elementwise = meta["optim"]["scalars"], meta["optim"]["elementwise"]
     for i, (mine, start, n) in enumerate(opt.shard_slots()):
@@ -184,15 +195,17 @@ def _plan_zero(layout: Layout, opt: Any, meta: dict, saved: dict, names: dict, p
         plan.optim_state[i] = state
 
 
-def _plan_plain(layout: Layout, opt: torch.optim.Optimizer, meta: dict, saved: dict, names: dict, plan: LoadPlan) -> None:
+def _plan_plain(
+    layout: Layout, opt: torch.optim.Optimizer, meta: dict, saved: dict, names: dict, plan: LoadPlan, optimizer_state: bool
+) -> None:
     scalars, elementwise = meta["optim"]["scalars"], meta["optim"]["elementwise"]
     keeps_master = bool(getattr(opt, "master_weights", False))
     for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
         name = ckpt_name(meta, names[p])
         if name not in scalars and name not in elementwise:
             continue
-        state = {k: _clone(v) for k, v in scalars.get(name, {}).items()}
-        for k in elementwise.get(name, []):
+        state = {k: _clone(v) for k, v in scalars.get(name, {}).items()} if optimizer_state else {}
+        for k in elementwise.get(name, []) if optimizer_state else []:
             key = f"optim.{name}.{k}"
             if _check(plan, saved, key, layout.full_numel(p)):
                 state[k] = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
@@ -214,8 +227,10 @@ def _hyper(group: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def apply_load(layout: Layout, optimizer: Any, meta: dict[str, Any], plan: LoadPlan) -> None:
-    """Copy the read temporaries into the model, then the masters and optimizer state."""
+def apply_load(layout: Layout, optimizer: Any, meta: dict[str, Any], plan: LoadPlan, optimizer_state: bool = True) -> None:
+    """Copy the read temporaries into the model, then the masters and (``optimizer_state``) the
+    optimizer state; without it the optimizer keeps its own state (a fused optimizer's fp32
+    ``master_param`` is still replaced where it has one)."""
     target = layout.module.state_dict(keep_vars=True)
     for k, flat in plan.model.items():
         target[k].copy_(flat.view(target[k].shape))
@@ -238,11 +253,18 @@ def apply_load(layout: Layout, optimizer: Any, meta: dict[str, Any], plan: LoadP
                     base.narrow(0, lo, seg.numel).copy_(tmp.narrow(0, lo, seg.numel))
             masters.append(base)
         inner = optimizer.optimizer.state_dict()
-        inner = {
-            "state": plan.optim_state,
-            "param_groups": [_hyper(g, s["hyper"]) for g, s in zip(inner["param_groups"], groups)],
-        }
+        if optimizer_state:
+            inner = {
+                "state": plan.optim_state,
+                "param_groups": [_hyper(g, s["hyper"]) for g, s in zip(inner["param_groups"], groups)],
+            }
         optimizer.load_state_dict({"zero": optimizer.state_dict()["zero"], "optimizer": inner, "master": masters})
+    elif not optimizer_state:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for i, s in plan.optim_state.items():
+            held = optimizer.state.get(params[i], {})
+            if "master_param" in s and "master_param" in held:  # not stepped yet: made from the param
+                held["master_param"].copy_(_shaped(s["master_param"], params[i]))
     else:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         state = {i: {k: _shaped(v, params[i]) for k, v in s.items()} for i, s in plan.optim_state.items()}

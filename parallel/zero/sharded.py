@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -239,6 +239,8 @@ class ShardedDataParallel(nn.Module):
             )
             self._shards: FlatShards = self._units.shards
             self._reducer = self._units.reducer
+            for p in module.parameters():  # GatheredParameters(params) finds its wrapper from a param
+                p._shardkit_zero3 = weakref.ref(self)
             return
         buckets = grad_buckets(params, grad_bytes=self.grad_dtype.itemsize, bucket_mb=bucket_mb)
         self._shards = FlatShards(buckets, **shard_kwargs)
@@ -371,6 +373,32 @@ class ShardedDataParallel(nn.Module):
         if not want:
             return {}
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def gathered_params(
+        self, params: Iterable[nn.Parameter], modifier_rank: int | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Stage 3: the full ``params`` inside the block (their units gathered; collective, every
+        rank names the same params); with ``modifier_rank`` (a dp rank), that rank's values
+        afterwards become every rank's (shards and fp32 masters, exactly). Stages 1-2 hold
+        full params already: nothing to do (a write between steps reaches the masters by itself,
+        [Note: params written between steps]).
+
+        Raises:
+            ValueError: ``modifier_rank`` out of range, or with optimizer offload (its host
+                masters are not rewritten piecewise).
+
+        Example:
+            >>> with sdp.gathered_params([sdp.module.head.weight], modifier_rank=0):
+            ...     if dp_rank == 0:
+            ...         sdp.module.head.weight.normal_(std=0.02)
+        """
+        if modifier_rank is not None and not 0 <= modifier_rank < self._shards.size:
+            raise ValueError(f"modifier_rank: a dp rank in [0, {self._shards.size}), got {modifier_rank}")
+        if self._units is None:
+            return contextlib.nullcontext()
+        if modifier_rank is not None and self.offload is not None:
+            raise ValueError("modifier_rank: not offered with optimizer offload (the host masters are not rewritten)")
+        return self._units.gathered(params, modifier_rank)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full tensors into the module (params are written in place in their buckets) and

@@ -74,10 +74,12 @@ is this forward's sequence reversed, so its prefetches are exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
@@ -473,6 +475,57 @@ class ShardUnits:
                 dst = sb.param_shard.narrow(0, seg.flat_offset - sb.start, seg.numel)
                 dst.copy_(src.narrow(0, seg.tensor_offset, seg.numel))
         self.shards.refresh_master()
+
+    @contextlib.contextmanager
+    def gathered(self, params: Iterable[nn.Parameter], src: int | None) -> Iterator[None]:
+        """Keep the units that hold ``params`` gathered inside the block (collective: every rank
+        names the same params), then free the ones this opened.
+
+        With ``src`` (a rank of the dp group), a block that ends without an exception broadcasts
+        ``src``'s values of ``params`` over the dp group and writes them into every rank's shards
+        and their fp32 masters. The write is exact: fp32 widens bf16/fp16 exactly. The other
+        elements of the masters keep their precision.
+
+        Example:
+            >>> with units.gathered([model.head.weight], src=0):
+            ...     if dp_rank == 0:
+            ...         model.head.weight.zero_()       # every rank's shard is 0 afterwards
+        """
+        wanted = {p for p in params if p in self._owner}
+        units = [u for u in self.units if any(self._owner[p] is u for p in wanted)]  # module order: the same everywhere
+        opened = [u for u in units if not u.gathered]
+        for unit in units:
+            self._unshard(unit, "gathered")
+            self._wait(unit)
+        try:
+            yield
+            if src is not None:
+                self._write_back(wanted, src)
+        finally:
+            for unit in opened:
+                self._reshard(unit)
+
+    @torch.no_grad()
+    def _write_back(self, wanted: set[nn.Parameter], src: int) -> None:
+        group = self.shards.group
+        root = dist.get_global_rank(group, src) if group is not None else src
+        self.shards.host_writable()  # offload_params: no staging copy still reads the host shards
+        seen: set[nn.Parameter] = set()
+        for sb in self.shards.buckets + self.shards.frozen:  # the same order on every rank
+            for p in sb.grad_bucket.params:
+                if p in wanted and p not in seen:
+                    seen.add(p)
+                    if self.shards.size > 1:
+                        dist.broadcast(p.data, src=root, group=group)
+            for seg in sb.segments:
+                p = sb.grad_bucket.params[seg.index]
+                if p not in wanted:
+                    continue
+                piece = p.data.reshape(-1).narrow(0, seg.tensor_offset, seg.numel)
+                at = seg.flat_offset - sb.start
+                sb.local_param_shard().narrow(0, at, seg.numel).copy_(piece)
+                if getattr(sb, "master", None) is not None:
+                    sb.master.narrow(0, at, seg.numel).copy_(piece)
 
     def remove(self) -> None:
         """Remove the hooks (the units stop gathering)."""

@@ -24,6 +24,7 @@ the boundaries (skipped fp16 steps included), ``skipped_steps`` the skipped ones
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -40,6 +41,7 @@ from shardkit.parallel.memory_report import replicated_memory_report
 from shardkit.parallel.tensor import gather_state_dict
 
 from .resolved import EngineConfig
+from .throughput import Monitor, ThroughputTimer
 
 __all__ = ["Engine"]
 
@@ -71,6 +73,9 @@ class Engine(nn.Module):
         config: the resolved :class:`~shardkit.engine.EngineConfig`.
         ctx: the :class:`~shardkit.comm.ParallelContext`.
         global_steps, micro_steps, skipped_steps, global_samples: DeepSpeed's counters.
+        tput_timer: a :class:`~shardkit.engine.throughput.ThroughputTimer`
+            (``tput_timer.avg_samples_per_sec()``).
+        monitor: a :class:`~shardkit.engine.throughput.Monitor` (``enabled`` False).
 
     Example:
         >>> engine, optimizer, _, scheduler = shardkit.initialize(model=model, config="ds.json",
@@ -109,10 +114,14 @@ class Engine(nn.Module):
         self.loss_scaler = loss_scaler
         self.global_steps = 0
         self.micro_steps = 0
+        self._window_start = 0  # micro_steps where the current accumulation size began
         self.skipped_steps = 0
         self.global_samples = 0
         self._step_applied = False
         self._global_grad_norm: float | None = None
+        # DeepSpeed's progress objects: samples/s from forward to step, a (disabled) monitor
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
+        self.monitor = Monitor()
         # tensor_parallel: the plan the module was converted with and the real vocabulary size of
         # its vocabulary-split weights (to gather dense state dicts)
         self._tp_state = tp_state
@@ -173,6 +182,47 @@ class Engine(nn.Module):
         """Model-parallel (tensor-parallel) ranks."""
         return self.ctx.size("tp")
 
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing ``gradient_accumulation_steps`` (the
+        micro-batch size per rank stays), as DeepSpeed's. Call it between optimizer steps.
+
+        Raises:
+            ValueError: ``train_batch_size`` is not a positive multiple of
+                ``train_micro_batch_size_per_gpu × dp_world_size``, or a micro-batch of the
+                current accumulation window was already run.
+
+        Example:
+            >>> engine.set_train_batch_size(2 * engine.train_batch_size())   # twice the accumulation
+        """
+        per_window = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0:
+            raise ValueError(f"train_batch_size must be a positive int, got {train_batch_size!r}")
+        if train_batch_size % per_window:
+            raise ValueError(
+                f"train_batch_size={train_batch_size}: not a multiple of train_micro_batch_size_per_gpu × dp "
+                f"({self.train_micro_batch_size_per_gpu()} × {self.dp_world_size} = {per_window})"
+            )
+        if self.parallel.pipeline is not None:
+            raise ValueError(
+                "set_train_batch_size: not offered with a pipeline (its micro-batch count is fixed when the "
+                "schedule is built); set train_batch_size in the config"
+            )
+        if (self.micro_steps - self._window_start) % self.gradient_accumulation_steps():
+            raise ValueError(
+                "set_train_batch_size: called inside an accumulation window; call it after engine.step() "
+                "at a boundary (is_gradient_accumulation_boundary())"
+            )
+        self._set_accumulation(train_batch_size // per_window)
+
+    def _set_accumulation(self, steps: int) -> None:
+        self.config = dataclasses.replace(
+            self.config,
+            gradient_accumulation_steps=steps,
+            train_batch_size=steps * self.train_micro_batch_size_per_gpu() * self.dp_world_size,
+        )
+        self._window_start = self.micro_steps  # windows of the new size start here
+        self.tput_timer.batch_size = self.config.train_batch_size
+
     def optimizer_name(self) -> str:
         """The config's optimizer ``type`` (as written there), or the class name of the optimizer
         passed to ``initialize``, as DeepSpeed's ``optimizer_name()``."""
@@ -217,12 +267,15 @@ class Engine(nn.Module):
 
     # ---- the step ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's forward (through the ZeRO/DataParallel wrapper)."""
-        return self._wrapped(*args, **kwargs)
+        """The module's forward (through the ZeRO/DataParallel wrapper), under ``torch_autocast``'s
+        autocast when the config enables it (:meth:`PrecisionConfig.forward_context`)."""
+        self.tput_timer.start()  # stopped by step(): DeepSpeed's timed span
+        with self.config.precision.forward_context(self.ctx.device.type):
+            return self._wrapped(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends an accumulation window (its :meth:`step` steps)."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return (self.micro_steps - self._window_start + 1) % self.gradient_accumulation_steps() == 0
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (× the fp16 loss scale).
@@ -255,9 +308,11 @@ class Engine(nn.Module):
         """At the accumulation boundary: finalize, clip, step (unless an fp16 overflow on any rank),
         update the loss scale, zero the gradients and step the scheduler (with ``lr_kwargs`` as
         its ``step`` keyword arguments, as DeepSpeed passes them); elsewhere only count."""
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             with record_function("shardkit::engine_step"):
                 self._take_model_step(lr_kwargs or {})
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict[str, Any]) -> None:
@@ -317,6 +372,37 @@ class Engine(nn.Module):
             return {}
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """DeepSpeed's ``engine.module_state_dict()``: the module's ``state_dict``; at ZeRO-3 the
+        full tensors, gathered (collective: call on every rank). DeepSpeed returns its partitioned
+        placeholders there; ``engine.module.state_dict()`` raises at ZeRO-3 instead of doing the same.
+
+        Example:
+            >>> torch.save(engine.module_state_dict(), "model.pt")   # every rank calls it
+        """
+        if self._sharded_params() and not keep_vars:
+            state = {prefix + k: v for k, v in self.full_state_dict().items()}
+            if destination is not None:
+                destination.update(state)
+                return destination
+            return state
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        """``nn.Module.state_dict`` of the engine (keys ``module.<name>``); at ZeRO-3 the full
+        tensors, gathered as :meth:`module_state_dict` (collective)."""
+        if args or not self._sharded_params():
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        return self.module_state_dict(destination=destination, prefix=prefix + "module.", keep_vars=keep_vars)
+
+    def _zero3_consolidated_16bit_state_dict(self) -> dict[str, torch.Tensor]:
+        """What Hugging Face Accelerate and DeepSpeed-Chat call to export ZeRO-3 weights: the full
+        ``state_dict`` in the module's dtype on global rank 0, ``{}`` elsewhere (collective)."""
+        return self.full_state_dict(rank0_only=True)
+
+    def _sharded_params(self) -> bool:
+        return getattr(self._wrapped, "stage", 0) == 3
+
     def memory_report(self) -> dict[str, Any]:
         """This rank's model-state memory in bytes.
 
@@ -341,7 +427,10 @@ class Engine(nn.Module):
         """Save ``save_dir/tag`` (every rank): model, optimizer, fp32 masters, loss scaler, LR
         scheduler, the engine's counters and ``client_state``; reshardable (another dp size,
         ZeRO stage or tensor_parallel size loads it; with a pipeline, another dp size or stage).
-        ``tag`` defaults to ``global_step<N>``; ``save_dir/latest`` names it.
+        ``tag`` defaults to ``global_step<N>``; ``save_dir/latest`` names it. As DeepSpeed,
+        ``save_dir/zero_to_fp32.py`` is written too: ``python save_dir/zero_to_fp32.py save_dir
+        OUT`` writes the fp32 weights to ``OUT/pytorch_model.bin``
+        (:mod:`shardkit.deepspeed.utils.zero_to_fp32`).
 
         Example:
             >>> engine.save_checkpoint("ckpt", client_state={"epoch": 3})
@@ -355,11 +444,11 @@ class Engine(nn.Module):
         }
         root = Path(save_dir)
         save_checkpoint(root / tag, self._checkpoint_model(), self.optimizer, scaler=self.loss_scaler, extra=extra)
+        if self.ctx.global_rank == 0:
+            _write_atomically(root / "zero_to_fp32.py", ZERO_TO_FP32_SCRIPT)
         if save_latest:
             if self.ctx.global_rank == 0:
-                tmp = root / f"{LATEST}.tmp"
-                tmp.write_text(tag)
-                os.replace(tmp, root / LATEST)  # atomic: a reader sees the old tag or the new one
+                _write_atomically(root / LATEST, tag)  # a reader sees the old tag or the new one
             self._barrier()
         return True
 
@@ -367,24 +456,49 @@ class Engine(nn.Module):
         self,
         load_dir: str | os.PathLike,
         tag: str | None = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load ``load_dir/tag`` (``tag`` None: the one ``load_dir/latest`` names) into this run.
+
+        What is restored, as DeepSpeed's flags choose it:
+
+        =====================================  =================================================
+        default                                weights, fp32 masters, optimizer state, loss
+                                               scaler, counters, LR scheduler
+        ``load_optimizer_states=False``        weights, fp32 masters, counters, LR scheduler
+                                               (the optimizer and loss scaler keep their state)
+        ``load_lr_scheduler_states=False``     the scheduler keeps its state
+        ``load_module_only=True``              weights and fp32 masters only (a warm start)
+        =====================================  =================================================
+
+        The fp32 masters come from the checkpoint's own masters (DeepSpeed re-derives them from
+        the 16-bit weights at stages 1-2 when it skips the optimizer: here they are exact).
+        Without the optimizer state, the optimizer's param groups need not match the checkpoint's.
 
         Returns:
             ``(path, client_state)``, or ``(None, None)`` when ``tag`` is None and there is no
             ``latest`` file (DeepSpeed's behaviour).
 
         Raises:
-            ValueError: a bad checkpoint (see :func:`shardkit.parallel.load_checkpoint`).
-            NotImplementedError: ``load_optimizer_states=False``.
+            ValueError: a bad checkpoint (see :func:`shardkit.parallel.load_checkpoint`);
+                ``load_module_strict=False`` or ``custom_load_fn`` (not offered: every key and
+                shape is checked).
 
         Example:
             >>> path, client_state = engine.load_checkpoint("ckpt")
+            >>> engine.load_checkpoint("pretrained", load_module_only=True)  # fine-tune from it
         """
-        if not load_optimizer_states:
-            raise NotImplementedError("load_optimizer_states=False: shardkit checkpoints always restore the optimizer")
+        if not load_module_strict:
+            raise ValueError(
+                "load_module_strict=False: not offered; a checkpoint loads every key and shape checked "
+                "(load a partial state dict into the model before initialize instead)"
+            )
+        if custom_load_fn is not None:
+            raise ValueError("custom_load_fn: not offered; shardkit.parallel.load_checkpoint reads the checkpoint itself")
         root = Path(load_dir)
         if tag is None:
             latest = root / LATEST
@@ -394,11 +508,21 @@ class Engine(nn.Module):
             tag = latest.read_text().strip()
         _check_tag(tag)
         path = root / tag
-        extra = load_checkpoint(path, self._checkpoint_model(), self.optimizer, scaler=self.loss_scaler)
+        with_optimizer = load_optimizer_states and not load_module_only
+        extra = load_checkpoint(
+            path,
+            self._checkpoint_model(),
+            self.optimizer,
+            scaler=self.loss_scaler if with_optimizer else None,
+            optimizer_state=with_optimizer,
+        )
         if not isinstance(extra, dict) or "engine" not in extra:
             raise ValueError(f"checkpoint {path}: not written by Engine.save_checkpoint (no engine state in its extra)")
+        if load_module_only:
+            return str(path), extra["client_state"]
         for key, value in extra["engine"].items():
             setattr(self, key, value)
+        self._window_start = self.micro_steps
         if load_lr_scheduler_states and self.lr_scheduler is not None:
             if extra["lr_scheduler"] is None:
                 raise ValueError(f"checkpoint {path}: holds no lr_scheduler state (load_lr_scheduler_states=False skips it)")
@@ -415,6 +539,24 @@ class Engine(nn.Module):
         # whatever tp/pp group it is in
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+
+#: what ``Engine.save_checkpoint`` writes next to its checkpoints, as DeepSpeed does
+ZERO_TO_FP32_SCRIPT = """#!/usr/bin/env python
+# Written by shardkit's Engine.save_checkpoint, as DeepSpeed writes its own zero_to_fp32.py:
+#   python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization]
+# writes OUTPUT_DIR/pytorch_model.bin, the model's state_dict with fp32 trained parameters.
+from shardkit.deepspeed.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _check_tag(tag: Any) -> None:

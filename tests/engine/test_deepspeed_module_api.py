@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from deepspeed_scripts import run_script
 
 SCRIPT = """\
 import argparse, json
@@ -111,14 +108,7 @@ BUILT_OPTIMIZER_CONFIG = {
 
 
 def _run(script: str, tmp_path: Path, name: str, config: dict | None = None) -> dict:
-    (tmp_path / f"{name}.py").write_text(script)
-    (tmp_path / "ds_config.json").write_text(json.dumps(config or CONFIG))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"{name}.py"]
-    cmd += ["--deepspeed", "--deepspeed_config", "ds_config.json", "--out", f"{name}.json"]
-    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((tmp_path / f"{name}.json").read_text())
+    return run_script(script, tmp_path, name, config or CONFIG)
 
 
 def test_add_config_arguments_parses_like_deepspeed() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -97,3 +98,70 @@ def _plateau_with_lr_kwargs() -> list[float]:
 def test_step_passes_lr_kwargs_to_the_scheduler(dist_pool) -> None:
     out = dist_pool.run(_plateau_with_lr_kwargs, world_size=2, timeout=120)
     assert out[0] == out[1] == [0.1, 0.05, 0.025]
+
+
+def _grow_the_batch(switch: bool) -> list[float]:
+    import shardkit
+
+    config = {**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    if not switch:
+        config["gradient_accumulation_steps"] = 2  # the reference: the larger batch from the start
+    engine, _, _, _ = shardkit.initialize(model=_model(), config=config)
+    errors = []
+    if switch:
+        for bad in (12, 0):  # not a multiple of micro (4) × dp (2); not positive
+            with pytest.raises(ValueError, match="train_batch_size"):
+                engine.set_train_batch_size(bad)
+        engine.set_train_batch_size(16)
+        errors.append(engine.gradient_accumulation_steps())
+    gen = torch.Generator().manual_seed(4)
+    xs, ys = torch.randn(4, 2, 4, 8, generator=gen), torch.randn(4, 2, 4, 2, generator=gen)
+    for m in range(4):
+        engine.backward(torch.nn.functional.mse_loss(engine(xs[m, dist.get_rank()]), ys[m, dist.get_rank()]))
+        engine.step()
+        if switch and m == 0:  # one micro-batch of the window of two is in the gradients
+            with pytest.raises(ValueError, match="inside an accumulation window"):
+                engine.set_train_batch_size(8)
+    return [p.sum().item() for p in engine.module.parameters()] + [engine.global_steps, engine.train_batch_size()] + errors
+
+
+def test_set_train_batch_size_trains_like_a_config_with_that_batch(dist_pool) -> None:
+    switched = dist_pool.run(_grow_the_batch, True, world_size=2, timeout=120)
+    configured = dist_pool.run(_grow_the_batch, False, world_size=2, timeout=120)
+    assert switched[0][-1] == 2  # 16 samples = 4 per micro-batch × 2 ranks × 2 micro-batches
+    assert switched[0][:-1] == configured[0]  # bitwise: the same windows, two optimizer steps of 16
+    assert configured[0][-2:] == [2, 16]
+
+
+def test_throughput_timer_counts_after_the_warm_up_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's rule: the first ``start_step`` optimizer steps are not timed; each later
+    micro-step counts from its start (the engine's forward) to its stop (the engine's step)."""
+    from shardkit.engine import throughput
+
+    clock = iter(float(t) for t in range(1, 100))
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: next(clock))
+    timer = throughput.ThroughputTimer(batch_size=32, start_step=2)
+    assert timer.avg_samples_per_sec() == float("-inf")
+    for step in range(5):  # two micro-steps per optimizer step, each one clock tick long
+        for micro in range(2):
+            timer.start()
+            timer.stop(global_step=micro == 1)
+    # steps 3-5 timed: 6 micro-steps of 1 s = 2 s per optimizer step of 32 samples
+    assert timer.global_step_count == 5 and timer.total_elapsed_time == 6.0
+    assert timer.avg_samples_per_sec() == 16.0
+
+
+def _timer_and_monitor() -> tuple[int, float, bool]:
+    import shardkit
+
+    engine, _, _, _ = shardkit.initialize(model=_model(), config={**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for _ in range(4):
+        engine.backward(engine(torch.ones(4, 8)).sum())
+        engine.step()
+    engine.monitor.write_events([("Train/loss", 1.0, 4)])  # accepted, logged at debug level
+    return engine.tput_timer.global_step_count, engine.tput_timer.avg_samples_per_sec(), engine.monitor.enabled
+
+
+def test_the_engine_feeds_its_throughput_timer(dist_pool) -> None:
+    for steps, samples_per_sec, monitor_enabled in dist_pool.run(_timer_and_monitor, world_size=2, timeout=120):
+        assert steps == 4 and samples_per_sec > 0 and not monitor_enabled

@@ -1,5 +1,8 @@
 """``deepspeed.utils``: the helpers DeepSpeed example scripts import from it.
 
+``RepeatingLoader`` here; ``deepspeed.utils.zero_to_fp32`` (a checkpoint → one fp32 state dict)
+is :mod:`shardkit.deepspeed.utils.zero_to_fp32`.
+
 Example:
     >>> from shardkit.deepspeed.utils import RepeatingLoader     # was: from deepspeed.utils import ...
     >>> batches = iter(RepeatingLoader(loader))                 # never ends: restarts the loader
@@ -10,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["RepeatingLoader"]
+__all__ = ["RepeatingLoader", "zero_to_fp32"]
 
 
 class RepeatingLoader:
@@ -40,3 +43,12 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)  # an empty loader raises StopIteration here: nothing to repeat
+
+
+def __getattr__(name: str) -> Any:
+    # ``deepspeed.utils.zero_to_fp32`` is reachable as an attribute after ``import deepspeed``
+    if name == "zero_to_fp32":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.zero_to_fp32")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
