@@ -576,7 +576,8 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
         train_batch_size=train,
         train_micro_batch_size_per_gpu=micro,
         gradient_accumulation_steps=gas,
-        gradient_clipping=r.get("gradient_clipping", to_float, 0.0, check=_nonneg, must="be >= 0"),
+        # absent: 1.0, DeepSpeed 0.19.8's GRADIENT_CLIPPING_DEFAULT (a DeepSpeed config without the key clips)
+        gradient_clipping=r.get("gradient_clipping", to_float, 1.0, check=_nonneg, must="be >= 0"),
         precision=precision,
         optimizer=_optimizer(r),
         scheduler=_scheduler(r),

@@ -234,7 +234,8 @@ class EngineConfig:
         train_batch_size: samples per optimizer step over all data-parallel ranks.
         train_micro_batch_size_per_gpu: samples per forward/backward on one rank.
         gradient_accumulation_steps: micro-batches per optimizer step.
-        gradient_clipping: max global gradient norm; 0 = no clipping.
+        gradient_clipping: max global gradient norm; 0 = no clipping; absent from the config: 1.0
+            (DeepSpeed 0.19.8's default).
         precision: dtype, loss scaler and the forward's autocast (``torch_autocast``).
         optimizer: None when the config has no ``optimizer`` (the client brings one).
         scheduler: None when the config has no ``scheduler``.
@@ -250,7 +251,7 @@ class EngineConfig:
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0
     precision: PrecisionConfig = PrecisionConfig()
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None

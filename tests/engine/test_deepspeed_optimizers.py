@@ -73,7 +73,12 @@ def _l2_fused_adam_at_zero2() -> list[float]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
     reference.load_state_dict(model.state_dict())
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2}}
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 2},
+    }
     opt = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1, adam_w_mode=False)
     engine, rebuilt, _, _ = shardkit.initialize(model=model, optimizer=opt, config=config)
     ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, weight_decay=0.1)  # L2, one process, whole batch

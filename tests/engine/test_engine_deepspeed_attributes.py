@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}
+CONFIG = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0}
 
 
 def _model() -> torch.nn.Module:
