@@ -4,9 +4,12 @@ line changed, and trains like DeepSpeed itself.
 The script below is written in the style of DeepSpeed's examples and calls the module-level API
 they rely on: ``add_config_arguments``, ``init_distributed``, ``comm.get_rank`` /
 ``get_world_size`` / ``all_reduce`` / ``barrier``, ``accelerator.get_accelerator()``, then
-``initialize(args=...)``. It runs on 2 gloo ranks once as written (DeepSpeed 0.19.8 on its CPU
-accelerator) and once with ``import deepspeed`` replaced; the per-step losses (the mean over
-ranks, through ``comm.all_reduce``) must agree to fp32 accuracy.
+``initialize(args=...)``. It feeds the engine through ``utils.RepeatingLoader``, doubles the batch
+with ``set_train_batch_size``, writes ``save_16bit_model``, and reloads its checkpoint twice: with
+``load_optimizer_states=False`` and with ``load_module_only=True``. It runs on 2 gloo ranks once as
+written (DeepSpeed 0.19.8 on its CPU accelerator) and once with ``import deepspeed`` replaced. The
+per-step losses (the mean over ranks, through ``comm.all_reduce``), the counters and the exported
+tensors' sums must agree to fp32 accuracy.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 from deepspeed_scripts import run_script
 
 SCRIPT = """\
-import argparse, json
+import argparse, json, os
 import torch
 import deepspeed
 
@@ -34,18 +37,38 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(device)
 engine, optimizer, _, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters())
 g = torch.Generator().manual_seed(1 + rank)
+batches = deepspeed.utils.RepeatingLoader([(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)])
+data = iter(batches)
 losses = []
-for step in range(4):
-    x, y = torch.randn(8, 16, generator=g).to(device), torch.randn(8, 4, generator=g).to(device)
-    loss = torch.nn.functional.mse_loss(engine(x), y)
-    engine.backward(loss)
-    engine.step()
-    mean = loss.detach().clone()
-    deepspeed.comm.all_reduce(mean)
-    losses.append(mean.item() / world)
+
+
+def train(micro_steps):
+    for _ in range(micro_steps):
+        x, y = next(data)
+        loss = torch.nn.functional.mse_loss(engine(x.to(device)), y.to(device))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        deepspeed.comm.all_reduce(mean)
+        losses.append(mean.item() / world)
+
+
+train(4)
+engine.set_train_batch_size(2 * engine.train_batch_size())  # two micro-batches per step from here
+train(4)
+engine.save_16bit_model("export")
+engine.save_checkpoint("ckpt")
+train(2)  # then back to the checkpoint's weights, keeping the optimizer's moments
+engine.load_checkpoint("ckpt", load_optimizer_states=False)
+train(2)
+engine.load_checkpoint("ckpt", load_module_only=True)
+train(2)
 deepspeed.comm.barrier()
-facts = {"optimizer_name": engine.optimizer_name(), "local_rank": engine.local_rank, "dp_world_size": engine.dp_world_size}
+facts = {"optimizer_name": engine.optimizer_name(), "local_rank": engine.local_rank, "dp_world_size": engine.dp_world_size,
+         "global_steps": engine.global_steps, "train_batch_size": engine.train_batch_size()}
 if rank == 0:
+    exported = torch.load(os.path.join("export", "pytorch_model.bin"))
+    facts["exported"] = {k: v.double().sum().item() for k, v in exported.items()}
     json.dump({"losses": losses, "world": world, "device": device, **facts}, open(args.out, "w"))
 """
 
@@ -136,15 +159,18 @@ def test_comm_and_accelerator_before_any_process_group() -> None:
 @pytest.mark.timeout(900)  # DeepSpeed JIT-builds its CPU communication op on a fresh checkout
 def test_a_deepspeed_script_runs_with_only_the_import_changed(tmp_path: Path) -> None:
     ours = _run(SCRIPT.replace("import deepspeed\n", "import shardkit.deepspeed as deepspeed\n"), tmp_path, "shardkit_run")
-    assert ours["world"] == 2 and ours["device"] == "cpu" and len(ours["losses"]) == 4
-    assert ours["losses"][-1] < ours["losses"][0]
+    assert ours["world"] == 2 and ours["device"] == "cpu" and len(ours["losses"]) == 14
+    assert ours["losses"][3] < ours["losses"][0]  # step 4 reads step 1's batch again
+    assert ours["train_batch_size"] == 32 and ours["global_steps"] == 4 + 2 + 1 + 1
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (the bench extra): the differential half needs it")
     theirs = _run(SCRIPT, tmp_path, "deepspeed_run")
     assert theirs["world"] == 2
-    for fact in ("optimizer_name", "local_rank", "dp_world_size"):  # the engine's attributes, as DeepSpeed's
+    for fact in ("optimizer_name", "local_rank", "dp_world_size", "global_steps", "train_batch_size"):
         assert ours[fact] == theirs[fact], (fact, ours[fact], theirs[fact])
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-5, abs=1e-7)
+    assert ours["exported"].keys() == theirs["exported"].keys()
+    assert list(ours["exported"].values()) == pytest.approx(list(theirs["exported"].values()), rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.slow
