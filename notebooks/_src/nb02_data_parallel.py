@@ -59,7 +59,7 @@ behind it. A short run, compared with one process on the same global batch (2 ×
 the eval losses agree. `--plot` draws the run: loss curves, and each rank's memory next to the
 planner's figure."""),
     new_code_cell("""# --device cpu: the same CPU run (gloo) on any machine, GPU or not
-common = ["--steps", "20", "--d-model", "64", "--n-layers", "2", "--seq-len", "64", "--eval-every", "10",
+common = ["--steps", "10", "--d-model", "64", "--n-layers", "2", "--seq-len", "64", "--eval-every", "5",
           "--device", "cpu"]
 shardkit = [sys.executable, "-m", "shardkit.cli", "train"]
 r2 = subprocess.run(shardkit + ["--nproc", "2", "--strategy", "ddp", "--batch-size", "8",

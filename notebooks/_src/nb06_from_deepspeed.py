@@ -95,8 +95,8 @@ its dynamic loss scale), the flags fill its `"auto"` values (`--lr`, `--weight-d
 The summary puts `engine.memory_report()` next to the planner's figure."""),
     new_code_cell("""train = subprocess.run(shardkit + ["train", "--nproc", "2", "--config", "zero2_config_accelerate.json",
                                    "--model", "hf:gpt2", "--d-model", "64", "--n-layers", "2", "--n-heads", "4",
-                                   "--seq-len", "64", "--batch-size", "8", "--steps", "16", "--warmup", "3",
-                                   "--eval-every", "8", "--device", "cpu", "--log-json", str(work / "train.json"),
+                                   "--seq-len", "64", "--batch-size", "8", "--steps", "8", "--warmup", "2",
+                                   "--eval-every", "4", "--device", "cpu", "--log-json", str(work / "train.json"),
                                    "--plot", str(work / "train.png")],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
 print(train.stdout[-2500:]); assert train.returncode == 0, train.stderr[-3000:]
