@@ -22,9 +22,14 @@ then cannot tell who is to blame. :class:`Heartbeat` finds it sooner and names i
 
 A rank that is alive but stuck (a data loader waiting forever, a collective only it skipped)
 still beats. Given the run's :class:`~shardkit.comm.CommStats` (``stats=``), each beat also
-publishes how many collectives the rank has issued and the last one; when a collective times out,
-:meth:`stall_report` compares them: the rank that has issued fewer is the one the others wait for
-("rank 3 is behind: 40 collectives issued (last: all_gather on ...; step 5); ranks 0-2: 41").
+publishes how many collectives the rank has issued, the last one, and its phase: the newest
+:meth:`~shardkit.comm.CommStats.set_phase` label, which the layouts set as they go
+(``forward: all-gather of unit 'blocks.1'``, ``backward: reduce-scatter of gradient bucket 0``,
+``pipeline: receive of micro-batch 2's activation from stage 0``, ``gradient clip``,
+``optimizer step``). When a collective times out, :meth:`stall_report` compares them: the rank
+that has issued fewer is the one the others wait for ("rank 3 is behind: 40 collectives issued
+(last: all_gather on ...; optimizer step; step 5); ranks 0-2: 41 (last: ...; backward:
+reduce-scatter of gradient bucket 0; step 5)"). A frozen rank's verdict names its phase too.
 
 A rank that ends (:meth:`stop`, or leaving the ``with`` block) marks itself done and is never
 declared frozen. The threads hold the GIL only for a store request, which torch's collectives and
@@ -168,14 +173,23 @@ class Heartbeat:
             self._store.set(f"{_PREFIX}{self.rank}/progress", self._progress())
 
     def _progress(self) -> str:
-        """``"<calls>\t<last op on group>"`` over this run's stats objects."""
-        issued, last = 0, "-"
+        """``"<calls>\t<last op on group>\t<phase>"`` over this run's stats objects (the phase:
+        the newest :meth:`CommStats.set_phase` label among them)."""
+        issued, last, phase = 0, "-", ("", -1.0)
         for stats in self._stats:
             n, op = stats.progress()
             issued += n
             if op is not None:
                 last = f"{op[0]} on {op[1]}"
-        return f"{issued}\t{last}"
+            phase = max(phase, stats.phase(), key=lambda p: p[1])
+        return f"{issued}\t{last}\t{phase[0]}"
+
+    def _published_phase(self, rank: int) -> str:
+        """``rank``'s last published phase label, or ``""``."""
+        key = f"{_PREFIX}{rank}/progress"
+        if not self._stats or not self._store.check([key]):
+            return ""
+        return self._store.get(key).decode().split("\t")[2]
 
     def stall_report(self) -> str:
         """Which rank is behind, from every rank's last published progress (call it when a
@@ -205,8 +219,9 @@ class Heartbeat:
                 rows.append((rank, -1, "-", "not started"))
                 continue
             progress, beat = (v.decode() for v in self._store.multi_get(keys))
-            issued, _, last = progress.partition("\t")
-            rows.append((rank, int(issued), last, beat.partition(" ")[2]))
+            issued, last, phase = progress.split("\t")
+            note = beat.partition(" ")[2]
+            rows.append((rank, int(issued), last, f"{phase}; {note}" if phase else note))
         fewest = min(r[1] for r in rows)
         behind = [r for r in rows if r[1] == fewest]
         ahead = [r for r in rows if r[1] != fewest]
@@ -252,11 +267,12 @@ class Heartbeat:
         if silent < self.stale_after:
             return False
         note = beat.partition(" ")[2]
+        phase = self._published_phase(watched)
         pid_s, host, started = self._store.get(f"{_PREFIX}{watched}/who").decode().split(" ")
         pid = int(pid_s)
         self.verdict = (
             f"shardkit heartbeat: rank {watched} (pid {pid} on {host}) sent no heartbeat for {silent:.1f} s "
-            f"(last note: {note or '-'}): frozen or stopped"
+            f"(last note: {note or '-'}{'; in ' + phase if phase else ''}): frozen or stopped"
         )
         if self._on_frozen is not None:
             self._on_frozen(watched, self.verdict)

@@ -26,6 +26,7 @@ issued (not when completed), so an async op counts even before its handle is wai
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 import torch.distributed as dist
@@ -71,6 +72,7 @@ class CommStats:
         self._counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
         self._issued = 0  # every call recorded since construction (reset() keeps it: see progress)
         self._last: tuple[str, str] | None = None
+        self._phase: tuple[str, float] = ("", 0.0)  # (label, time.monotonic() when set)
 
     def record(self, op: str, group: dist.ProcessGroup | str, nbytes: int) -> None:
         """Record one call of ``op`` on ``group`` moving ``nbytes`` payload bytes.
@@ -120,6 +122,24 @@ class CommStats:
         """
         with self._lock:
             return self._issued, self._last
+
+    def set_phase(self, label: str) -> None:
+        """Say what the code recording into this object is doing now, e.g. ``"forward: all-gather
+        of unit 'blocks.3'"`` or ``"pipeline: receive of micro-batch 2 from stage 0"``.
+        :class:`~shardkit.comm.Heartbeat` publishes the newest label of a rank's stats objects,
+        and its stall report and verdicts show it.
+
+        Example:
+            >>> stats.set_phase("optimizer step")
+            >>> stats.phase()[0]
+            'optimizer step'
+        """
+        self._phase = (label, time.monotonic())
+
+    def phase(self) -> tuple[str, float]:
+        """``(label, when)``: the last :meth:`set_phase` label (``""`` before any) and its
+        ``time.monotonic()`` stamp (to tell the newest of several objects)."""
+        return self._phase
 
     def reset(self) -> None:
         """Forget everything recorded so far (e.g. at the start of each measured step)."""

@@ -271,6 +271,18 @@ class ParallelModel:
         out = [inner] if isinstance(inner, CommStats) else []
         return out + ([self.stats] if self.stats is not inner else [])
 
+    def set_phase(self, label: str) -> None:
+        """Label what this rank does now on every stats object of :meth:`comm_stats` (the
+        :class:`~shardkit.comm.Heartbeat` shows the newest label in its verdicts); the layouts
+        set finer labels themselves (a ZeRO-3 unit's all-gather, a gradient bucket's
+        reduce-scatter, a pipeline receive).
+
+        Example:
+            >>> par.set_phase("forward"); out = par.module(x)
+        """
+        for stats in self.comm_stats():
+            stats.set_phase(label)
+
     # ---- the step ------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         """This rank's trainable parameters (TP shards of its stages), for the optimizer."""
@@ -297,6 +309,7 @@ class ParallelModel:
             The batch's mean loss, 0-d fp32 (detached; with a pipeline, the same on every pp rank).
         """
         if self.pipeline is not None:
+            self.set_phase("pipeline step")
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             self._pp_state = None
             with record_function("shardkit::pipeline_step"):
@@ -306,6 +319,7 @@ class ParallelModel:
             elif axis_size(self.ctx, "dp") > 1 and not self._accumulating:
                 self._reduce_over_dp()
             return loss
+        self.set_phase("forward")
         with self._autocast() if self._autocast is not None else contextlib.nullcontext():
             loss = self.loss_fn(self.module(inputs), targets)
         self.backward(loss)
@@ -327,6 +341,7 @@ class ParallelModel:
         """
         if self.pipeline is not None:
             raise RuntimeError("with a pipeline the schedule runs forward and backward: call forward_backward(inputs, targets)")
+        self.set_phase("backward")
         if self.strategy is not None:
             self.strategy.backward(loss, retain_graph=retain_graph)
             return
@@ -388,6 +403,7 @@ class ParallelModel:
         Returns:
             The pre-clip norm (0-d fp32), or None when nothing was computed.
         """
+        self.set_phase("gradient clip")
         if self.strategy is not None and (not self._composite or self.dp.startswith("zero")):
             # ZeRO's finalize agrees the norm over dp and tp itself (its gradients are sharded)
             return self.strategy.clip(max_norm)
@@ -420,6 +436,7 @@ class ParallelModel:
     def step(self, optimizer: Any) -> bool:
         """Step the optimizer (skipped on an fp16 overflow agreed over dp, and with a pipeline
         over pp and tp too; the loss scaler then updated). Returns whether it stepped."""
+        self.set_phase("optimizer step")
         if self.strategy is not None:
             stepped = self.strategy.step(optimizer)
         elif self.pipeline is not None and self.loss_scaler is not None:

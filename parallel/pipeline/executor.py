@@ -46,6 +46,9 @@ GLOO_RECV_AHEAD = 2
 
 __all__ = ["PipelineParallel"]
 
+#: a compute action as the heartbeat's phase label says it
+_COMPUTE_NAMES = {Kind.F: "forward", Kind.B: "backward", Kind.BI: "input-gradient backward", Kind.BW: "weight-gradient backward"}
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -348,6 +351,9 @@ class PipelineParallel:
             while n < len(acts):
                 if acts[n].kind in COMPUTE:
                     xfer.wait_for(acts[n])  # the lazy wait: [Note: posting receives ahead]
+                    if self.stats is not None:
+                        a = acts[n]
+                        self.stats.set_phase(f"pipeline: {_COMPUTE_NAMES[a.kind]} of micro-batch {a.mb} on stage {a.stage}")
                     start = time.perf_counter()
                     try:
                         self._compute(acts[n], state)

@@ -130,6 +130,11 @@ class StepTransfers:
         if recv is None:
             return
         h, n = self.pending[recv]
+        if self.stats is not None:  # the heartbeat's phase label while blocked here
+            back = recv.kind is Kind.RECV_B
+            peer = recv.stage + (1 if back else -1)
+            what = "gradient" if back else "activation"
+            self.stats.set_phase(f"pipeline: receive of micro-batch {recv.mb}'s {what} from stage {peer}")
         with record_function("shardkit::pipeline_wait"):
             start = time.perf_counter()
             h.wait()  # a receive that times out stays pending: see in_flight

@@ -293,6 +293,8 @@ class FlatShards:
                 self._hold(out.numel() * out.element_size())
         # the packed bucket is dead once reduced (stage 2: transient; stage 1: only this rank's
         # shard of it is read again), so gloo may reduce it in place (see comm.reduce_scatter)
+        if self.stats is not None:
+            self.stats.set_phase(f"backward: reduce-scatter of gradient bucket {gb.index}")
         work = reduce_scatter(out, full, group=self.group, op="sum", async_op=True, stats=self.stats, input_is_scratch=True)
         self._in_flight.append((sb, work, full if self.stage >= 2 else None, out))
         return work

@@ -254,6 +254,8 @@ class ShardUnits:
             return
         if self.shards.sync is not None:  # [Note: diverged ranks] (sync_check.py)
             self.shards.sync.check("unit all-gather", self.units.index(unit), why)
+        if self.shards.stats is not None:  # the heartbeat's phase label
+            self.shards.stats.set_phase(f"{why}: all-gather of unit {unit.name!r}")
         with record_function("shardkit::all_gather"):
             unit.works = [self.shards.gather(sb) for sb in unit.buckets]
         unit.gathered = True

@@ -270,6 +270,7 @@ class Engine(nn.Module):
         """The module's forward (through the ZeRO/DataParallel wrapper), under ``torch_autocast``'s
         autocast when the config enables it (:meth:`PrecisionConfig.forward_context`)."""
         self.tput_timer.start()  # stopped by step(): DeepSpeed's timed span
+        self.parallel.set_phase("forward")
         with self.config.precision.forward_context(self.ctx.device.type):
             return self._wrapped(*args, **kwargs)
 

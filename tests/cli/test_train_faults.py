@@ -81,6 +81,10 @@ def test_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path: Path) -> 
     assert re.match(r"shardkit train: stall: rank 1 is behind: (\d+) collectives issued \(last: .*; step 3\); rank 0: ", first), (
         first
     )
+    # and in which phase: rank 1 hangs before step 3's forward (its last phase: step 2's optimizer
+    # step), rank 0 waits in step 3's first gradient reduce-scatter (ZeRO-2)
+    assert "; optimizer step; step 3); rank 0: " in first, first
+    assert "backward: reduce-scatter of gradient bucket 0; step 3)" in first, first
     assert "  rank 0: lost its peers after that: " in run.stderr and "CommTimeoutError" in run.stderr
     assert seconds < 120
 

@@ -78,3 +78,54 @@ def test_stall_report_names_the_rank_that_issued_fewer_collectives(dist_pool) ->
 def test_bad_intervals_are_refused_before_anything_else(interval: float, stale_after: float) -> None:
     with pytest.raises(ValueError, match="interval|stale_after"):
         Heartbeat(interval=interval, stale_after=stale_after)
+
+
+def _phases_then_report() -> tuple[str, str | None]:
+    """Two stats objects per rank, as a ParallelModel has (the dp wrapper's and its own): the
+    newest phase label of either is the one published."""
+    wrapper, model = CommStats(), CommStats()
+    rank = dist.get_rank()
+    model.set_phase("backward")
+    time.sleep(0.01)
+    for i in range(3 if rank == 1 else 4):
+        wrapper.record("reduce_scatter", "shardkit_dp[0, 1]", 64)
+    wrapper.set_phase("backward: reduce-scatter of gradient bucket 2" if rank == 1 else "optimizer step")
+    verdicts: list[str] = []
+    with Heartbeat(interval=0.1, stale_after=0.6, stats=[wrapper, model], on_frozen=lambda r, v: verdicts.append(v)) as hb:
+        hb.note("step 9")
+        time.sleep(0.3)
+        dist.barrier()
+        report = hb.stall_report()
+        if rank == 1:  # then rank 1 freezes: rank 0 watches it and names its phase
+            hb._stop.set()
+            hb._thread.join()
+        deadline = time.monotonic() + 10
+        while rank == 0 and not verdicts and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dist.barrier()
+    return report, verdicts[0] if verdicts else None
+
+
+def test_the_stall_report_and_a_verdict_name_the_phase_each_rank_was_in(dist_pool) -> None:
+    out = dist_pool.run(_phases_then_report, world_size=2, timeout=60)
+    assert (
+        out[0][0]
+        == out[1][0]
+        == (
+            "shardkit stall: rank 1 is behind: 3 collectives issued (last: reduce_scatter on shardkit_dp[0, 1]; "
+            "backward: reduce-scatter of gradient bucket 2; step 9); "
+            "rank 0: 4 collectives issued (last: reduce_scatter on shardkit_dp[0, 1]; optimizer step; step 9)"
+        )
+    )
+    assert out[0][1] is not None and out[0][1].endswith(
+        "(last note: step 9; in backward: reduce-scatter of gradient bucket 2): frozen or stopped"
+    )
+
+
+def test_comm_stats_keep_the_newest_phase_label() -> None:
+    stats = CommStats()
+    assert stats.phase() == ("", 0.0)
+    stats.set_phase("forward")
+    label, when = stats.phase()
+    stats.set_phase("backward")
+    assert stats.phase()[0] == "backward" and stats.phase()[1] >= when and label == "forward"
