@@ -10,11 +10,14 @@ DeepSpeed                      here
 ``deepspeed.init_distributed``  ``torch.distributed.init_process_group`` from torchrun's
                                environment (a one-process world without it)
 ``deepspeed.comm``             :mod:`shardkit.deepspeed.comm`: ``get_rank``, ``get_world_size``,
-                               ``get_local_rank``, ``barrier``, ``all_reduce``, ``broadcast``
+                               ``get_local_rank``, ``barrier``, ``all_reduce``, ``all_gather``,
+                               ``broadcast``
 ``deepspeed.accelerator``      :mod:`shardkit.deepspeed.accelerator`: ``get_accelerator()``
 ``deepspeed.ops.adam``         :mod:`shardkit.deepspeed.ops.adam`: ``FusedAdam``,
                                ``DeepSpeedCPUAdam`` (DeepSpeed's signatures and defaults)
-``deepspeed.utils``            :mod:`shardkit.deepspeed.utils`: ``RepeatingLoader``
+``deepspeed.utils``            :mod:`shardkit.deepspeed.utils`: ``RepeatingLoader``, ``logger``,
+                               ``zero_to_fp32`` (a checkpoint → one fp32 state dict)
+``deepspeed.zero``             :mod:`shardkit.deepspeed.zero`: ``Init``, ``GatheredParameters``
 ``deepspeed.checkpointing``    :mod:`shardkit.deepspeed.checkpointing`: ``checkpoint``,
                                ``configure``, ``is_configured``, ``reset``
 ``deepspeed.pipe``             :mod:`shardkit.deepspeed.pipe`: ``PipelineModule``, ``LayerSpec``,
@@ -22,8 +25,9 @@ DeepSpeed                      here
                                pipeline; ``deepspeed.PipelineModule`` too)
 =============================  ==============================================================
 
-The rest of DeepSpeed's module-level API (``zero.Init``) is not offered yet: docs/engine.md lists
-what is and what to use instead.
+A script's other ``deepspeed`` import lines change the same way (``from deepspeed.pipe import
+...`` → ``from shardkit.deepspeed.pipe import ...``). docs/engine.md tables what is supported, what
+is adapted (and how) and what is not offered (and what to use instead).
 
 Example:
     >>> import shardkit.deepspeed as deepspeed          # was: import deepspeed
@@ -69,6 +73,7 @@ __all__ = [
     "ops",
     "pipe",
     "utils",
+    "zero",
 ]
 
 

@@ -76,6 +76,24 @@ class Accelerator:
         """Whether fp16 runs here."""
         return True
 
+    def empty_cache(self) -> None:
+        """Release the caching allocator's unused blocks (nothing on the CPU)."""
+        if self._cuda:
+            torch.cuda.empty_cache()
+
+    def memory_allocated(self, device_index: int | None = None) -> int:
+        """Bytes held by tensors on the device now (0 on the CPU: torch does not count them)."""
+        return torch.cuda.memory_allocated(device_index) if self._cuda else 0
+
+    def max_memory_allocated(self, device_index: int | None = None) -> int:
+        """The peak of :meth:`memory_allocated` (0 on the CPU)."""
+        return torch.cuda.max_memory_allocated(device_index) if self._cuda else 0
+
+    def reset_peak_memory_stats(self, device_index: int | None = None) -> None:
+        """Restart the peak that :meth:`max_memory_allocated` reports (nothing on the CPU)."""
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(device_index)
+
 
 def get_accelerator() -> Accelerator:
     """The accelerator of this process: CUDA when torch sees a GPU, else the CPU.

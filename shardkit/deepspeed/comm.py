@@ -17,7 +17,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-__all__ = ["ReduceOp", "all_reduce", "barrier", "broadcast", "get_local_rank", "get_rank", "get_world_size", "is_initialized"]
+__all__ = [
+    "ReduceOp",
+    "all_gather",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "is_initialized",
+]
 
 
 def is_initialized() -> bool:
@@ -53,3 +63,13 @@ def all_reduce(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, group: Any = N
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
     """Copy rank ``src``'s ``tensor`` to every rank of ``group`` (``torch.distributed.broadcast``)."""
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Every rank's ``tensor`` into ``tensor_list`` (``torch.distributed.all_gather``).
+
+    Example:
+        >>> out = [torch.zeros(2) for _ in range(get_world_size())]
+        >>> all_gather(out, torch.ones(2))
+    """
+    return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)

@@ -73,7 +73,8 @@ class GatheredParameters:
     rank enters with the same params.
 
     Args:
-        params: a parameter or an iterable of them (their order does not matter).
+        params: a parameter or an iterable of them (their order does not matter; None entries
+            and ``params=None`` are skipped).
         modifier_rank: the rank whose writes are kept (a data-parallel rank for ZeRO-3
             parameters, a global rank otherwise), or None (read only: writes are discarded at
             ZeRO-3).
@@ -92,12 +93,15 @@ class GatheredParameters:
 
     def __init__(
         self,
-        params: nn.Parameter | Iterable[nn.Parameter],
+        params: nn.Parameter | Iterable[nn.Parameter | None] | None,
         modifier_rank: int | None = None,
         fwd_module: nn.Module | None = None,
         enabled: bool = True,
     ) -> None:
-        items = [params] if isinstance(params, torch.Tensor) else list(params)
+        if params is None:
+            items = []
+        else:  # None entries (a Linear without a bias) are skipped, as DeepSpeed skips them
+            items = [params] if isinstance(params, torch.Tensor) else [p for p in params if p is not None]
         bad = [type(p).__name__ for p in items if not isinstance(p, torch.Tensor)]
         if bad:
             raise TypeError(f"params: tensors (parameters) expected, got {bad[:3]}")

@@ -301,7 +301,10 @@ def _optimizer(r: Reader) -> OptimizerConfig | None:
     if name in ("adam", "adamw"):
         # DeepSpeed: "AdamW" always decouples weight decay; "Adam" does too unless adam_w_mode is false
         w_mode = p.get("adam_w_mode", to_bool, True) or name == "adamw"
-        kw = common()
+        # torch_adam: DeepSpeed builds torch.optim.AdamW / Adam from the params as given, so an
+        # absent weight_decay is torch's default (AdamW 0.01, Adam 0); its own Adams default to 0
+        torch_adam = p.get("torch_adam", to_bool, False)
+        kw = common(wd=0.01 if torch_adam and w_mode else 0.0)
         kw["betas"] = p.get("betas", _betas, (0.9, 0.999))
         kw["eps"] = p.get("eps", to_float, 1e-8, check=_nonneg, must="be >= 0")
         kw["amsgrad"] = p.get("amsgrad", to_bool, False)

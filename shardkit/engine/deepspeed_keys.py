@@ -79,7 +79,7 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
     ),  # fmt: skip
     "offload": ("fast_init", "pipeline_read", "pipeline_write", "buffer_size", "max_in_cpu", "cpuadam_cores_perc"),
     "bf16": ("immediate_grad_update", "check_grad_overflow"),
-    "adam": ("torch_adam", "fp32_optimizer_states", "foreach", "fused"),
+    "adam": ("fp32_optimizer_states", "foreach", "fused"),
     # DeepSpeed's HybridEngineConfig fields (it forbids others): read only with enabled false
     "hybrid_engine": (
         "max_out_tokens",

@@ -114,7 +114,6 @@ class Engine(nn.Module):
         self.loss_scaler = loss_scaler
         self.global_steps = 0
         self.micro_steps = 0
-        self._window_start = 0  # micro_steps where the current accumulation size began
         self.skipped_steps = 0
         self.global_samples = 0
         self._step_applied = False
@@ -185,6 +184,9 @@ class Engine(nn.Module):
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Change the global batch size by changing ``gradient_accumulation_steps`` (the
         micro-batch size per rank stays), as DeepSpeed's. Call it between optimizer steps.
+        Boundaries stay where DeepSpeed puts them: at every ``micro_steps`` that is a multiple of
+        the new accumulation. So after 3 steps at accumulation 1, a change to 2 makes the next
+        window one micro-batch long, as in DeepSpeed.
 
         Raises:
             ValueError: ``train_batch_size`` is not a positive multiple of
@@ -207,7 +209,7 @@ class Engine(nn.Module):
                 "set_train_batch_size: not offered with a pipeline (its micro-batch count is fixed when the "
                 "schedule is built); set train_batch_size in the config"
             )
-        if (self.micro_steps - self._window_start) % self.gradient_accumulation_steps():
+        if self.micro_steps % self.gradient_accumulation_steps():
             raise ValueError(
                 "set_train_batch_size: called inside an accumulation window; call it after engine.step() "
                 "at a boundary (is_gradient_accumulation_boundary())"
@@ -220,7 +222,6 @@ class Engine(nn.Module):
             gradient_accumulation_steps=steps,
             train_batch_size=steps * self.train_micro_batch_size_per_gpu() * self.dp_world_size,
         )
-        self._window_start = self.micro_steps  # windows of the new size start here
         self.tput_timer.batch_size = self.config.train_batch_size
 
     def optimizer_name(self) -> str:
@@ -276,7 +277,7 @@ class Engine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends an accumulation window (its :meth:`step` steps)."""
-        return (self.micro_steps - self._window_start + 1) % self.gradient_accumulation_steps() == 0
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (× the fp16 loss scale).
@@ -523,7 +524,6 @@ class Engine(nn.Module):
             return str(path), extra["client_state"]
         for key, value in extra["engine"].items():
             setattr(self, key, value)
-        self._window_start = self.micro_steps
         if load_lr_scheduler_states and self.lr_scheduler is not None:
             if extra["lr_scheduler"] is None:
                 raise ValueError(f"checkpoint {path}: holds no lr_scheduler state (load_lr_scheduler_states=False skips it)")

@@ -145,8 +145,9 @@ class PipelineEngine(Engine):
             >>> for step in range(steps):
             ...     loss = engine.train_batch(iter_of_micro_batches)
         """
-        if not self.module.training:
-            raise RuntimeError("train_batch in eval mode: call engine.train() first (eval_batch evaluates)")
+        if data_iter is not None:  # kept for later calls without one, as DeepSpeed's set_dataiterator
+            self._data_iter = data_iter
+        self.train()  # DeepSpeed's train_batch sets training mode itself (after an eval_batch or eval())
         self.tput_timer.start()
         x, y = self._global_batch(data_iter)
         with record_function("shardkit::engine_train_batch"):
@@ -157,13 +158,36 @@ class PipelineEngine(Engine):
         return loss
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None = None,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ) -> torch.Tensor:
         """The mean loss of ``gradient_accumulation_steps`` micro-batches, without gradients
-        (eval mode during the call); the same on every pipeline rank.
+        (eval mode during the call); the same on every pipeline rank. DeepSpeed's other arguments
+        are accepted at their defaults; ``return_logits=True``, ``compute_loss=False``, another
+        ``reduce_output``, ``bcast_loss=False`` and ``num_micro_batches`` are refused by name.
 
         Example:
             >>> val_loss = engine.eval_batch(iter(val_loader))
         """
+        given = {
+            "return_logits": (return_logits, False),
+            "compute_loss": (compute_loss, True),
+            "reduce_output": (reduce_output, "avg"),
+            "bcast_loss": (bcast_loss, True),
+            "num_micro_batches": (num_micro_batches, None),
+        }
+        for name, (value, default) in given.items():
+            if value != default:
+                raise ValueError(
+                    f"eval_batch({name}={value!r}): not offered; eval_batch returns the mean loss of "
+                    "gradient_accumulation_steps micro-batches on every rank"
+                )
         x, y = self._global_batch(data_iter)
         return torch.tensor(self.parallel.evaluate(x, y))
 

@@ -336,3 +336,41 @@ def test_pipeline_module_arguments_are_checked(kwargs: dict, error: type, match:
         PipelineModule([nn.Linear(2, 2), 3], num_stages=1)
     with pytest.raises(TypeError, match="typename"):
         LayerSpec(len)
+
+
+def _iterator_kept_and_eval_in_between() -> tuple[list[float], list[float], list[str]]:
+    """DeepSpeed's train_batch keeps the iterator it was given and sets training mode itself."""
+    import itertools
+
+    import shardkit.deepspeed as deepspeed
+    from shardkit.comm import ParallelContext
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}  # fmt: skip
+    results = []
+    errors = []
+    for keep in (True, False):
+        with ParallelContext.from_world(pp=2) as ctx:
+            net = _tied_net()
+            engine, *_ = deepspeed.initialize(model=net, config=config, ctx=ctx, model_parameters=net.parameters())
+            data = itertools.chain.from_iterable(_token_batches(step) for step in range(3))
+            losses = [float(engine.train_batch(data))]
+            engine.eval()
+            val = float(engine.eval_batch(iter(_token_batches(9))))
+            # the second and third steps: no iterator (kept from the first call), or the same one again
+            losses += [float(engine.train_batch() if keep else engine.train_batch(data)) for _ in range(2)]
+            if keep:
+                for bad in ({"compute_loss": False}, {"num_micro_batches": 1}):
+                    try:
+                        engine.eval_batch(iter(_token_batches(9)), **bad)
+                    except ValueError as e:
+                        errors.append(str(e))
+            engine.close()
+            results.append(losses + [val])
+    return results[0], results[1], errors
+
+
+def test_train_batch_keeps_its_iterator_and_sets_training_mode_itself(dist_pool) -> None:  # noqa: ANN001
+    for kept, passed, errors in dist_pool.run(_iterator_kept_and_eval_in_between, world_size=2, timeout=120):
+        assert kept == passed  # train_batch() read on where train_batch(data) left off
+        assert len(errors) == 2 and "compute_loss" in errors[0] and "num_micro_batches" in errors[1]

@@ -443,3 +443,21 @@ def test_config_check_valid_says_what_it_cannot_know(capsys, tmp_path) -> None:
     assert "not checked here (they need the training script's objects): that the script passes optimizer=" in out
     rc, out, err = _check(["zero2_config_accelerate.json", *AUTO_ARGS, "--set", "hybrid_engine.enabled=true"], capsys)
     assert rc == 1 and "hybrid_engine.enabled=true" in err
+
+
+@pytest.mark.parametrize(
+    "params, want",
+    [
+        ({"torch_adam": True}, 0.01),  # torch.optim.AdamW's default weight_decay
+        ({"torch_adam": True, "adam_w_mode": False}, 0.0),  # torch.optim.Adam's (type Adam below)
+        ({}, 0.0),  # DeepSpeed's own Adam classes
+        ({"torch_adam": True, "weight_decay": 0.2}, 0.2),
+    ],
+)
+def test_torch_adam_takes_torchs_weight_decay_default_as_deepspeed_does(params: dict, want: float) -> None:
+    from shardkit.engine import load_config
+
+    kind = "Adam" if params.get("adam_w_mode") is False else "AdamW"
+    cfg = load_config({"train_batch_size": 8, "optimizer": {"type": kind, "params": params}}, world_size=1)
+    assert cfg.optimizer.params["weight_decay"] == want
+    assert "optimizer.params.torch_adam" not in cfg.ignored

@@ -165,3 +165,25 @@ def _timer_and_monitor() -> tuple[int, float, bool]:
 def test_the_engine_feeds_its_throughput_timer(dist_pool) -> None:
     for steps, samples_per_sec, monitor_enabled in dist_pool.run(_timer_and_monitor, world_size=2, timeout=120):
         assert steps == 4 and samples_per_sec > 0 and not monitor_enabled
+
+
+def _odd_switch() -> tuple[int, int, bool]:
+    import shardkit
+
+    engine, _, _, _ = shardkit.initialize(model=_model(), config={**CONFIG, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    for _ in range(3):
+        engine.backward(engine(torch.ones(4, 8)).sum())
+        engine.step()
+    engine.set_train_batch_size(16)  # accumulation 2 from micro-step 3
+    for _ in range(5):
+        engine.backward(engine(torch.ones(4, 8)).sum())
+        engine.step()
+    return engine.global_steps, engine.global_samples, engine.is_gradient_accumulation_boundary()
+
+
+def test_set_train_batch_size_keeps_deepspeeds_boundaries_at_multiples_of_the_accumulation(dist_pool) -> None:
+    """DeepSpeed 0.19.8 counts boundaries on the absolute micro_steps: after 3 steps at accumulation
+    1, the new accumulation 2 ends windows at micro-steps 4, 6, 8 (the first one a single
+    micro-batch): 6 steps and 3 × 8 + 3 × 16 = 72 samples (DeepSpeed's numbers for this run)."""
+    for steps, samples, boundary_next in dist_pool.run(_odd_switch, world_size=2, timeout=120):
+        assert (steps, samples, boundary_next) == (6, 72, False)

@@ -10,10 +10,15 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["RepeatingLoader", "zero_to_fp32"]
+__all__ = ["RepeatingLoader", "logger", "zero_to_fp32"]
+
+#: ``deepspeed.utils.logger``: scripts log through it (``logger.info(...)``); shardkit's logger
+#: for the facade, configured like any ``logging`` logger
+logger = logging.getLogger("shardkit.deepspeed")
 
 
 class RepeatingLoader:
