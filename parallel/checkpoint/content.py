@@ -253,8 +253,13 @@ def save_content(layout: Layout, optimizer: Any) -> Local:
     out.order = list(dict.fromkeys(names.values()))
     sdp = layout.sdp
     owned = _bucket_params(sdp) if sdp is not None else set()
+    # Under ZeRO, what every dp rank holds whole (buffers, params outside the buckets) is written
+    # by dp rank 0 alone: buffers such as BatchNorm's running statistics may differ between the
+    # replicas, and DCP would otherwise keep each key from whichever rank its dedup picks, mixing
+    # ranks within one module. DeepSpeed saves rank 0's too.
+    replica_lead = sdp is None or sdp.ctx.rank("dp") == 0
     for k, v in layout.module.state_dict(keep_vars=True).items():
-        if k in out.shapes and not (isinstance(v, nn.Parameter) and v in owned):
+        if k in out.shapes and not (isinstance(v, nn.Parameter) and v in owned) and replica_lead:
             out.whole(layout, v, f"model.{k}", v)
     if sdp is not None:
         _zero_content(layout, optimizer, names, out)

@@ -115,3 +115,29 @@ def test_zero3_engine_state_dict_gathers_the_full_tensors(dist_pool) -> None:
         assert all(torch.equal(engine_sd[f"module.{k}"], v) and torch.equal(module_sd[k], v) for k, v in want.items())
         assert (consolidated.keys() == want.keys()) if rank == 0 else consolidated == {}
         assert "full_state_dict" in refused  # the module's own state_dict names the way out
+
+
+def _batchnorm_diverges_then_saves(stage: int, tmp: str) -> dict[str, torch.Tensor]:
+    import shardkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    engine, *_ = shardkit.initialize(model=model, config={**CONFIG, "zero_optimization": {"stage": stage}})
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())  # other data per rank: other statistics
+    for _ in range(2):
+        x = torch.randn(4, 8, generator=gen) * (1 + dist.get_rank())
+        engine.backward(engine(x).square().mean())
+        engine.step()
+    engine.save_checkpoint(tmp)
+    return {k: getattr(engine.module[1], k).clone() for k in ("running_mean", "running_var")}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_keeps_rank_0s_buffers_whole_when_the_replicas_differ(dist_pool, tmp_path: Path, stage: int) -> None:
+    from shardkit.consolidate import fp32_state_dict
+
+    ranks = dist_pool.run(_batchnorm_diverges_then_saves, stage, str(tmp_path / "ckpt"), world_size=2, timeout=120)
+    assert not torch.equal(ranks[0]["running_var"], ranks[1]["running_var"])  # the replicas differ
+    state = fp32_state_dict(tmp_path / "ckpt")
+    for key in ("running_mean", "running_var"):  # both from rank 0, as DeepSpeed saves them
+        assert torch.equal(state[f"1.{key}"], ranks[0][key]), key
