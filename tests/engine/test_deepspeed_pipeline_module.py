@@ -113,49 +113,37 @@ def _run(script: str, tmp_path: Path, name: str) -> dict:
     return run_script(script, tmp_path, name, CONFIG)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict | None]:
-    """(shardkit's results, DeepSpeed's or None without deepspeed): one 2-rank run each."""
-    tmp = tmp_path_factory.mktemp("pipe_script")
-    script = SCRIPT
-    for theirs, ours in SHARDKIT_IMPORTS.items():
-        assert theirs in script
-        script = script.replace(theirs, ours)
-    ours = _run(script, tmp, "shardkit_run")
-    theirs = _run(SCRIPT, tmp, "deepspeed_run") if importlib.util.find_spec("deepspeed") is not None else None
-    return ours, theirs
-
-
 def _fp32_close(ours: list[float], theirs: list[float]) -> None:
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # DeepSpeed JIT-builds its CPU communication op on a fresh checkout
-def test_a_deepspeed_pipeline_script_trains_like_deepspeed(runs: tuple[dict, dict | None]) -> None:
-    """Plain modules, LayerSpecs and a lambda, DeepSpeed's "parameters" cut (4 + 3 layers, where
-    shardkit's own "params" split would give 3 + 4), the training data read in order and repeated
-    (24 samples, 8 per step: steps 4-5 read the start again); a ``set_batch_fn`` that doubles the
-    inputs, and the engine's ``grid`` (rank 0: stage 0 of 2, one data-parallel rank)."""
-    ours, theirs = runs
+def test_a_deepspeed_pipeline_script_trains_like_deepspeed(tmp_path: Path) -> None:
+    """One test for both models of the script (one 2-rank run per library; separate tests would
+    each start the runs again on another pytest-xdist worker).
+
+    The MLP: plain modules, LayerSpecs and a lambda, DeepSpeed's "parameters" cut (4 + 3 layers,
+    where shardkit's own "params" split would give 3 + 4), the training data read in order and
+    repeated (24 samples, 8 per step: steps 4-5 read the start again); a ``set_batch_fn`` that
+    doubles the inputs, and the engine's ``grid`` (rank 0: stage 0 of 2, one data-parallel rank).
+
+    The tied model: one TiedLayerSpec key on stage 0 (the embedding) and stage 1 (the head,
+    through forward_fn): one value (stage 0's), gradients summed over both stages."""
+    script = SCRIPT
+    for theirs, ours in SHARDKIT_IMPORTS.items():
+        assert theirs in script
+        script = script.replace(theirs, ours)
+    ours = _run(script, tmp_path, "shardkit_run")
     assert len(ours["mlp"]) == 5 and ours["mlp_parts"] == [0, 4, 7]
     assert ours["grid"] == [0, 2, 1]
     assert ours["mlp"][3] < ours["mlp"][0]  # step 4 reads step 1's batch again, after 3 updates
-    if theirs is None:
+    assert ours["tied_parts"] == [0, 3, 5] and len(ours["tied"]) == 5
+    if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (the bench extra): the differential half needs it")
+    theirs = _run(SCRIPT, tmp_path, "deepspeed_run")
     assert ours["mlp_parts"] == theirs["mlp_parts"] and ours["grid"] == theirs["grid"]
     _fp32_close(ours["mlp"], theirs["mlp"])  # the batch function ran alike
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_tied_layers_across_stages_train_like_deepspeed(runs: tuple[dict, dict | None]) -> None:
-    """One TiedLayerSpec key on stage 0 (the embedding) and stage 1 (the head, through
-    forward_fn): one value (stage 0's), gradients summed over both stages."""
-    ours, theirs = runs
-    assert ours["tied_parts"] == [0, 3, 5] and len(ours["tied"]) == 5
-    if theirs is None:
-        pytest.skip("deepspeed is not installed (the bench extra): the differential half needs it")
     _fp32_close(ours["tied"], theirs["tied"])
 
 
