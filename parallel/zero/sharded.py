@@ -286,13 +286,17 @@ class ShardedDataParallel(nn.Module):
                 p.grad = None
         self._step_state = None
 
-    def finalize_gradients(self, max_norm: float | None = None) -> tuple[bool, torch.Tensor | None]:
+    def finalize_gradients(
+        self, max_norm: float | None = None, *, measure_norm: bool = False
+    ) -> tuple[bool, torch.Tensor | None]:
         """Average/unscale this rank's gradient shards, agree the overflow and global norm, clip.
 
         Runs once per step (the second call returns the first's result). The all-reduce of
         Σg² summed over dp (with a loss scaler also the inf/nan flag: 8 bytes instead of 4;
         :func:`~shardkit.parallel.grad_utils.agree_and_clip_` decides and clips) is issued only
-        when it is needed: with a loss scaler or a ``max_norm``. With ``offload`` the average, flag, Σg² and clip
+        when it is needed: with a loss scaler, a ``max_norm`` or ``measure_norm`` (the norm is then
+        returned unclipped; Σg² rides on the all-reduce of the gradient flags that runs anyway, 4
+        bytes more). With ``offload`` the average, flag, Σg² and clip
         run on the host copies of the shards made during backward (the all-reduce stays on the
         device): [Note: gradient copies overlapped with backward] in ``offload.py``.
 
@@ -313,7 +317,7 @@ class ShardedDataParallel(nn.Module):
         # param, summed over dp in the norm/overflow all-reduce when there is one
         local = self._shards.got_grad_flags()
         flags = torch.tensor(local, dtype=torch.float32).to(sumsq.device)
-        if self.loss_scaler is not None or max_norm is not None:
+        if self.loss_scaler is not None or max_norm is not None or measure_norm:
             # Read the flag on the host only with a loss scaler (the step must be skipped): a
             # clip-only step stays free of host syncs, and, as torch's clip_grad_norm_ and our
             # DataParallel path, a non-finite norm then simply propagates.

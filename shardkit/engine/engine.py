@@ -320,7 +320,12 @@ class Engine(nn.Module):
     def _take_model_step(self, lr_kwargs: dict[str, Any]) -> None:
         """The ParallelModel's clip (unscale, overflow and norm agreed where the layout needs it)
         and step (skipped on an overflow, loss scale updated), then DeepSpeed's bookkeeping."""
-        norm = self.parallel.clip(self.config.gradient_clipping or None)
+        max_norm = self.config.gradient_clipping or None
+        if max_norm is None and self.parallel.pipeline is None and hasattr(self._wrapped, "finalize_gradients"):
+            # DeepSpeed's ZeRO measures the global norm without clipping too (get_global_grad_norm);
+            # the ParallelModel's clip below returns this once-per-step result
+            self._wrapped.finalize_gradients(None, measure_norm=True)
+        norm = self.parallel.clip(max_norm)
         applied = self.parallel.step(self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self._global_grad_norm = None if norm is None else float(norm)
@@ -343,7 +348,8 @@ class Engine(nn.Module):
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm before clipping of the last optimizer step (``inf`` on an
-        overflow; None when neither clipping nor the loss scaler computed it)."""
+        overflow). ZeRO 1-3 always measure it, as DeepSpeed's; stage 0 and a pipeline without
+        clipping or a loss scaler return None."""
         return self._global_grad_norm
 
     def get_lr(self) -> list[float]:

@@ -187,3 +187,26 @@ def test_set_train_batch_size_keeps_deepspeeds_boundaries_at_multiples_of_the_ac
     micro-batch): 6 steps and 3 × 8 + 3 × 16 = 72 samples (DeepSpeed's numbers for this run)."""
     for steps, samples, boundary_next in dist_pool.run(_odd_switch, world_size=2, timeout=120):
         assert (steps, samples, boundary_next) == (6, 72, False)
+
+
+def _norm_without_clipping(stage: int) -> float | None:
+    import shardkit
+
+    config = {**CONFIG, "zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, _, _, _ = shardkit.initialize(model=_model(), config=config)  # gradient_clipping 0: no clipping
+    gen = torch.Generator().manual_seed(6)
+    xs, ys = torch.randn(2, 4, 8, generator=gen), torch.randn(2, 4, 2, generator=gen)
+    engine.backward(torch.nn.functional.mse_loss(engine(xs[dist.get_rank()]), ys[dist.get_rank()]))
+    engine.step()
+    return engine.get_global_grad_norm()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_reports_the_global_grad_norm_without_clipping_as_deepspeed(dist_pool, stage: int) -> None:
+    reference = _model()  # one process: the dp mean of both ranks' losses
+    gen = torch.Generator().manual_seed(6)
+    xs, ys = torch.randn(2, 4, 8, generator=gen), torch.randn(2, 4, 2, generator=gen)
+    (sum(torch.nn.functional.mse_loss(reference(xs[r]), ys[r]) for r in range(2)) / 2).backward()
+    want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    for norm in dist_pool.run(_norm_without_clipping, stage, world_size=2, timeout=120):
+        assert norm == pytest.approx(want, rel=1e-5)
