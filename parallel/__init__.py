@@ -49,6 +49,7 @@ _LAZY = {
     "gpt_plan": ".tensor",
     "tensor_parallelize": ".tensor",
     "vocab_parallel_cross_entropy": ".tensor",
+    "fused_linear_cross_entropy": ".tensor",
     "ShardedDataParallel": ".zero",
     "ZeroOptimizer": ".zero",
 }
@@ -72,6 +73,7 @@ __all__ = [
     "checkpoint_blocks",
     "parallelize",
     "vocab_parallel_cross_entropy",
+    "fused_linear_cross_entropy",
     "tensor_parallelize",
     "gpt_plan",
     "VocabParallelEmbedding",

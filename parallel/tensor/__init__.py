@@ -7,6 +7,7 @@ Example:
 """
 
 from .vocab_parallel_loss import vocab_parallel_cross_entropy, vocab_shard_range
+from .fused_linear_loss import fused_linear_cross_entropy
 from .grad_norm import clip_grad_norm_tp_, unscale_and_clip_model_parallel_
 from .functions import (
     copy_to_tp_region,
@@ -40,6 +41,7 @@ from .sequence_parallel import SequenceParallelGrads, SequenceParallelNorm, make
 __all__ = [
     "add_tp_rng_region_",
     "clip_grad_norm_tp_",
+    "fused_linear_cross_entropy",
     "unscale_and_clip_model_parallel_",
     "is_tp_sharded",
     "Colwise",

@@ -61,6 +61,69 @@ def vocab_shard_range(vocab_size: int, shard_size: int, tp_rank: int) -> tuple[i
     return start, max(0, min(shard_size, vocab_size - start))
 
 
+def reduce_shard_stats(
+    local: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    *,
+    stats: CommStats | None = None,
+    extra: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(lse, x_t, q, extra)`` over the whole vocabulary from each rank's ``ce_shard_stats``.
+
+    Two all-reduces over ``group``: ``max`` of the maxima, then one ``sum`` of the sum-exps
+    rescaled to the global max, the target logits, the logit sums and ``extra`` (a small fp32
+    vector every rank wants summed, e.g. a count of bad targets). ``group=None`` is one shard:
+    no collective.
+
+    Args:
+        local: fp32 ``[4, T]`` from :func:`shardkit.kernels.cross_entropy.ce_shard_stats`.
+        group: the tp group holding the other vocabulary shards, or ``None``.
+        stats: optional CommStats recording the two all-reduces.
+        extra: optional fp32 ``[k]`` summed over the group alongside.
+
+    Returns:
+        fp32 ``[T]`` log-sum-exp, target logit and logit sum, and ``extra`` summed.
+
+    Example:
+        >>> lse, x_t, q, _ = reduce_shard_stats(ce_shard_stats(x, t, vocab_start=r * Vs), ctx.group("tp"))
+    """
+    n = local.shape[1]
+    if group is None:
+        return local[0] + torch.log(local[1]), local[2], local[3], extra
+    m = local[0].clone()
+    all_reduce(m, group=group, op="max", stats=stats)
+    # A shard with no valid column has m = -inf, s = 0: it contributes 0, not 0 * inf = nan.
+    parts = [torch.where(local[1] > 0, local[1] * torch.exp(local[0] - m), 0.0), local[2], local[3]]
+    sums = torch.cat(parts if extra is None else [*parts, extra])
+    all_reduce(sums, group=group, op="sum", stats=stats)
+    rows = sums[: 3 * n].view(3, n)
+    return m + torch.log(rows[0]), rows[1], rows[2], None if extra is None else sums[3 * n :]
+
+
+def token_losses(
+    lse: torch.Tensor,
+    x_t: torch.Tensor,
+    q: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_size: int,
+    ignore_index: int,
+    smoothing: float,
+    z_loss: float,
+) -> torch.Tensor:
+    """fp32 ``[T]`` per-token loss from the global statistics (0 where ``target == ignore_index``).
+
+    ``(1 - ε)(lse - x_t) + ε (lse - q / V) + z lse²``: torch's label smoothing, PaLM's z-loss.
+
+    Example:
+        >>> loss = token_losses(lse, x_t, q, t, vocab_size=V, ignore_index=-100, smoothing=0.0, z_loss=0.0)
+    """
+    loss = (1.0 - smoothing) * (lse - x_t) + z_loss * lse * lse
+    if smoothing:
+        loss = loss + smoothing * (lse - q / vocab_size)
+    return torch.where(target != ignore_index, loss, 0.0)
+
+
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -81,26 +144,14 @@ class _VocabParallelCE(torch.autograd.Function):
         shard = logits.shape[-1]
         x = logits.reshape(-1, shard)  # a copy only for a layout that cannot be flattened
         t = target.reshape(-1)
-        n = t.shape[0]
         start, n_valid = vocab_shard_range(vocab_size, shard, group.rank())
         local = ce_shard_stats(x, t, vocab_start=start, n_valid=n_valid, ignore_index=ignore_index, backend=backend)
-        m = local[0].clone()
-        all_reduce(m, group=group, op="max", stats=stats)
-        # A shard with no valid column has m = -inf, s = 0: it contributes 0, not 0 * inf = nan.
-        parts = [torch.where(local[1] > 0, local[1] * torch.exp(local[0] - m), 0.0), local[2], local[3]]
-        if check_targets:  # one more float in the same all-reduce: every rank learns the total
-            parts.append(_out_of_range(t, vocab_size, ignore_index).float().sum().reshape(1))
-        sums = torch.cat(parts)
-        all_reduce(sums, group=group, op="sum", stats=stats)
-        if check_targets and sums[3 * n] > 0:  # the same verdict on every rank: all raise, none waits
-            raise IndexError(_target_error(t, vocab_size, ignore_index, int(sums[3 * n])))
-        sums = sums[: 3 * n].view(3, n)
-        lse = m + torch.log(sums[0])
+        extra = _out_of_range(t, vocab_size, ignore_index).float().sum().reshape(1) if check_targets else None
+        lse, x_t, q, bad = reduce_shard_stats(local, group, stats=stats, extra=extra)
+        if check_targets and bad[0] > 0:  # the same verdict on every rank: all raise, none waits
+            raise IndexError(_target_error(t, vocab_size, ignore_index, int(bad[0])))
+        loss = token_losses(lse, x_t, q, t, vocab_size=vocab_size, ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss)
         keep = t != ignore_index
-        loss = (1.0 - smoothing) * (lse - sums[1]) + z_loss * lse * lse
-        if smoothing:
-            loss = loss + smoothing * (lse - sums[2] / vocab_size)
-        loss = torch.where(keep, loss, 0.0)
         n_keep = keep.sum()
         ctx.save_for_backward(logits, t, lse.contiguous(), n_keep)
         # A leaf's storage is the user's tensor: never overwritten with its own gradient.
@@ -138,11 +189,13 @@ def _out_of_range(t: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.
     return (t != ignore_index) & ((t < 0) | (t >= vocab_size))
 
 
-def _target_error(t: torch.Tensor, vocab_size: int, ignore_index: int, total: int) -> str:
+def _target_error(
+    t: torch.Tensor, vocab_size: int, ignore_index: int, total: int, fn: str = "vocab_parallel_cross_entropy"
+) -> str:
     bad = t[_out_of_range(t, vocab_size, ignore_index)]
     here = f"e.g. {bad[:4].tolist()} on this rank" if bad.numel() else "none of them on this rank"
     return (
-        f"vocab_parallel_cross_entropy: targets outside [0, {vocab_size}) that are not ignore_index={ignore_index} "
+        f"{fn}: targets outside [0, {vocab_size}) that are not ignore_index={ignore_index} "
         f"({total} counted over the tp ranks' targets; {here}); F.cross_entropy raises IndexError too. "
         "check_targets=False skips this check (its host sync)"
     )
