@@ -84,6 +84,7 @@ from .tensor import (
     unscale_and_clip_model_parallel_,
     vocab_parallel_cross_entropy,
 )
+from .tensor.fused_head import FusedCrossEntropyHead, deferred_heads, fuse_lm_head_loss, heads_compute_loss
 from .tensor.plan import VocabParallelLMHead
 from .zero.units import select_units
 
@@ -258,6 +259,28 @@ class ParallelModel:
         # tp/pp: the norm spans shards and stages, which the dp strategies' clip does not know
         self._composite = axis_size(ctx, "tp") > 1 or axis_size(ctx, "pp") > 1
         self._accumulating = False  # inside no_sync() with a pipeline and dp="ddp"
+        #: the LM heads whose loss is fused (``parallelize(fused_cross_entropy=True)``): deferred
+        #: around forward, loss and backward (:meth:`loss_path`)
+        self.fused_heads: list[FusedCrossEntropyHead] = []
+
+    def loss_path(self, targets: torch.Tensor | None) -> contextlib.AbstractContextManager:
+        """The context a forward + :attr:`loss_fn` (+ backward) runs in. With a fused head loss
+        (``parallelize(fused_cross_entropy=...)``) the head forms the loss: from ``targets``
+        inside its forward without a pipeline (the model then returns the loss, which
+        :attr:`loss_fn` passes on), or, with a pipeline, from the hidden states it hands to the
+        last stage's loss function (see :mod:`shardkit.parallel.tensor.fused_head`). Otherwise
+        nothing.
+
+        Example:
+            >>> with par.loss_path(y):
+            ...     loss = par.loss_fn(par.module(x), y)
+            ...     par.backward(loss)
+        """
+        if not self.fused_heads:
+            return contextlib.nullcontext()
+        if self.pipeline is not None:
+            return deferred_heads(self.fused_heads)
+        return heads_compute_loss(self.fused_heads, targets)
 
     def comm_stats(self) -> list[CommStats]:
         """Every :class:`~shardkit.comm.CommStats` this model's collectives record into: the dp
@@ -312,7 +335,7 @@ class ParallelModel:
             self.set_phase("pipeline step")
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             self._pp_state = None
-            with record_function("shardkit::pipeline_step"):
+            with record_function("shardkit::pipeline_step"), self.loss_path(targets):
                 loss = torch.tensor(self.pipeline.step(inputs, targets, loss_scale=scale))
             if self.strategy is not None:  # ZeRO: reduce-scatter each bucket into this rank's shard
                 self.module.reduce_gradients()  # (nothing inside no_sync: see there)
@@ -320,9 +343,10 @@ class ParallelModel:
                 self._reduce_over_dp()
             return loss
         self.set_phase("forward")
-        with self._autocast() if self._autocast is not None else contextlib.nullcontext():
-            loss = self.loss_fn(self.module(inputs), targets)
-        self.backward(loss)
+        with self.loss_path(targets):
+            with self._autocast() if self._autocast is not None else contextlib.nullcontext():
+                loss = self.loss_fn(self.module(inputs), targets)
+            self.backward(loss)
         return loss.detach()
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False) -> None:
@@ -384,11 +408,12 @@ class ParallelModel:
         With a pipeline, one forward runs stage by stage (:meth:`PipelineParallel.evaluate`).
         """
         if self.pipeline is not None:
-            return self.pipeline.evaluate(inputs, targets)
+            with self.loss_path(targets):
+                return self.pipeline.evaluate(inputs, targets)
         was = self.module.training
         self.module.eval()
         try:
-            with self._autocast() if self._autocast is not None else contextlib.nullcontext():
+            with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self.loss_path(targets):
                 return float(self.loss_fn(self.module(inputs), targets))
         finally:
             self.module.train(was)
@@ -518,6 +543,7 @@ def parallelize(
     loss_scaler: DynamicLossScaler | None = None,
     autocast: Callable[[], Any] | None = None,
     dp_options: Mapping[str, Any] | None = None,
+    fused_cross_entropy: bool | str = False,
 ) -> ParallelModel:
     """Apply TP → pipeline split → activation checkpointing → DP (see [Note: the order of parallelize]).
 
@@ -540,6 +566,12 @@ def parallelize(
             ``"zero3"``: see [Note: fp16 loss scaling through the pipeline]).
         autocast: a context-manager factory for forward + loss (e.g. bf16 autocast); dp-only.
         dp_options: the dp strategy's options (``bucket_mb``, ``grad_buckets``...).
+        fused_cross_entropy: compute the token cross-entropy from the LM head's input, chunk by
+            chunk, without the logits of the whole batch
+            (:func:`~shardkit.parallel.tensor.fused_linear_cross_entropy`): True finds the head
+            (the plan's vocab-parallel head, else an ``nn.Linear`` named ``lm_head``/``head``),
+            a string names it. The loss is then the head's (``loss_fn`` must be None); calling
+            the model directly still returns logits.
 
     Returns:
         A :class:`ParallelModel`.
@@ -553,13 +585,25 @@ def parallelize(
         ...                   blocks=gpt_blocks)
     """
     opts = _check_arguments(model, ctx, loss_fn, tp_plan, pp, dp, blocks, checkpointing, loss_scaler, autocast)
+    if not isinstance(fused_cross_entropy, (bool, str)):
+        raise TypeError(f"fused_cross_entropy must be a bool or the head's module name, got {type(fused_cross_entropy).__name__}")
+    if fused_cross_entropy and loss_fn is not None:
+        raise ValueError("fused_cross_entropy=True computes the loss from the LM head's input: leave loss_fn=None")
     tp, pp_size = axis_size(ctx, "tp"), axis_size(ctx, "pp")
     stats = CommStats()  # the TP layers', the pipeline's and the norm's collectives (ParallelModel.stats)
     # 1. tensor parallel (the plan names modules of the unsplit model)
     if tp_plan is not None and tp > 1:
         tensor_parallelize(model, ctx, dict(tp_plan), stats=stats)
+    # 1b. the fused head loss: the head hands its input to the loss ([Note: the deferred head
+    # under ZeRO-3 and pipelines] in parallel/tensor/fused_head.py)
+    fused: list[FusedCrossEntropyHead] = []
+    if fused_cross_entropy:
+        head_name = None if fused_cross_entropy is True else fused_cross_entropy
+        fused = [fuse_lm_head_loss(model, head_name)]
     pipe_loss = loss_fn
-    if loss_fn is None:
+    if fused:
+        loss_fn, pipe_loss = _loss_from_the_head, _fused_head_loss(fused[0])
+    elif loss_fn is None:
         heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
         loss_fn = _vocab_parallel_loss(ctx, heads[0].vocab_size) if heads else _token_cross_entropy
         # a pipeline weights a mean by y.numel(), padding included: its defaults return (sum, count)
@@ -599,6 +643,7 @@ def parallelize(
             ctx, module=stages, loss_fn=loss_fn, strategy=strategy, pipeline=pipe, dp=dp, autocast=None, loss_scaler=loss_scaler
         )
         par.stats = stats
+        par.fused_heads = fused
         return par
     # 3. activation checkpointing on the blocks (no pipeline)
     if checkpointing:
@@ -628,6 +673,7 @@ def parallelize(
             loss_scaler=loss_scaler,
         )
     par.stats = stats
+    par.fused_heads = fused
     return par
 
 
@@ -654,6 +700,21 @@ def _uncounted_tie_copies(pipe: PipelineParallel, ctx: ParallelContext) -> list[
         counted = tie.local[:1] if me == tie.src else []
         out += [q for q in tie.local if not any(q is c for c in counted)]
     return out
+
+
+def _loss_from_the_head(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss a fused head formed inside the model's forward (ParallelModel.loss_path)."""
+    return loss
+
+
+def _fused_head_loss(head: FusedCrossEntropyHead) -> Callable[..., Any]:
+    """A pipeline's last-stage loss for a deferred fused head: ``(sum, count)`` over the
+    non-ignored targets of the hidden states it handed on."""
+
+    def loss_and_count(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return head.loss(hidden, targets, reduction="sum"), (targets != _IGNORE_INDEX).sum()
+
+    return loss_and_count
 
 
 def _vocab_parallel_loss(ctx: ParallelContext, vocab_size: int, *, pair: bool = False) -> Callable[..., Any]:

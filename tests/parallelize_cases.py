@@ -45,7 +45,14 @@ def _dense_slice_eval(dense: TinyGPT, x: torch.Tensor, y: torch.Tensor) -> float
 
 
 def train_parallelized(
-    tp: int, pp: int, tie: bool, schedule: str, checkpointing: bool | str = False, strategy: str = "ddp", sp: bool = False
+    tp: int,
+    pp: int,
+    tie: bool,
+    schedule: str,
+    checkpointing: bool | str = False,
+    strategy: str = "ddp",
+    sp: bool = False,
+    fused: bool = False,
 ) -> list[float]:
     import torch.distributed as dist
 
@@ -58,7 +65,11 @@ def train_parallelized(
             kwargs.update(blocks=gpt_blocks, checkpointing=checkpointing)
         if pp > 1:
             kwargs.update(pp={"microbatches": 2, "schedule": schedule})
+        if fused:  # the loss from the head's input, chunk by chunk; the reference stays unfused
+            kwargs.update(fused_cross_entropy=True)
         par = parallelize(tiny_gpt(tie), ctx, dp=strategy, **kwargs)
+        if fused:  # small chunks: every micro-batch is several
+            par.fused_heads[0].chunk_tokens = 24
         opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
         dp, r = ctx.size("dp"), ctx.rank("dp")
         rows = slice(r * B // dp, (r + 1) * B // dp)

@@ -8,6 +8,7 @@ Example:
 
 from .vocab_parallel_loss import vocab_parallel_cross_entropy, vocab_shard_range
 from .fused_linear_loss import fused_linear_cross_entropy
+from .fused_head import FusedCrossEntropyHead, deferred_heads, fuse_lm_head_loss, heads_compute_loss
 from .grad_norm import clip_grad_norm_tp_, unscale_and_clip_model_parallel_
 from .functions import (
     copy_to_tp_region,
@@ -42,6 +43,10 @@ __all__ = [
     "add_tp_rng_region_",
     "clip_grad_norm_tp_",
     "fused_linear_cross_entropy",
+    "FusedCrossEntropyHead",
+    "deferred_heads",
+    "fuse_lm_head_loss",
+    "heads_compute_loss",
     "unscale_and_clip_model_parallel_",
     "is_tp_sharded",
     "Colwise",

@@ -157,6 +157,7 @@ class VocabParallelLMHead(nn.Module):
     ) -> None:
         super().__init__()
         self.weight, self.vocab_size, self.group, self.stats = weight, vocab_size, ctx.group("tp"), stats
+        self.ctx = ctx
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -132,6 +132,12 @@ class TrainConfig:
     checkpointing: Literal["none", "blocks", "cpu"] = _opt(
         "none", "activation checkpointing per block; cpu also keeps the saved block inputs on the CPU", _PARALLEL
     )
+    fused_ce: bool = _opt(
+        False,
+        "the token cross-entropy from the LM head's input, chunk by chunk: no [tokens, vocab] logits "
+        "(parallelize(fused_cross_entropy=True))",
+        _PARALLEL,
+    )
     device: Literal["auto", "cpu", "cuda"] = _opt(
         "auto", "auto: cuda when available; cpu forces the gloo backend even where CUDA exists", _LAUNCH
     )

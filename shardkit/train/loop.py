@@ -235,6 +235,7 @@ def _train(
         loss_scaler=make_loss_scaler(cfg.precision),
         autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
         dp_options=cfg.strategy_options(),
+        fused_cross_entropy=cfg.fused_ce,
     )
     if hb is not None:  # what the heartbeat publishes as this rank's progress
         hb.track(*par.comm_stats())
