@@ -36,6 +36,7 @@ from .resolved import (
     LossScaleConfig,
     OffloadConfig,
     OptimizerConfig,
+    FusedCrossEntropyConfig,
     PipelineConfig,
     PrecisionConfig,
     TP_PLANS,
@@ -572,6 +573,15 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
             f"train_micro_batch_size_per_gpu × gradient_accumulation_steps = {micro} × {gas}"
         )
 
+    fce = r.section("fused_cross_entropy")
+    fused = FusedCrossEntropyConfig(
+        fce.get("enabled", to_bool, False), fce.get("chunk_tokens", to_int, None, check=_positive, must="be >= 1")
+    )
+    if fused.enabled and stages > 1:
+        raise ValueError(
+            "fused_cross_entropy.enabled with pipeline.stages > 1: not offered in the engine (a pipeline's loss "
+            "is its PipelineModule's loss_fn); parallelize(fused_cross_entropy=True) fuses a pipeline's last stage"
+        )
     precision = dataclasses.replace(_precision(r), autocast=_torch_autocast(r, stages))
     cfg = EngineConfig(
         world_size=world_size,
@@ -587,6 +597,7 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
         zero=_zero(r),
         tensor_parallel=tp_cfg,
         pipeline=PipelineConfig(stages, schedule, microbatches, virtual, partition),
+        fused_cross_entropy=fused,
         ignored=(),
         source=_frozen(data),
     )

@@ -38,7 +38,7 @@ from torch.profiler import record_function
 from shardkit.comm import ParallelContext
 from shardkit.parallel import DynamicLossScaler, ParallelModel, load_checkpoint, save_checkpoint
 from shardkit.parallel.memory_report import replicated_memory_report
-from shardkit.parallel.tensor import gather_state_dict
+from shardkit.parallel.tensor import gather_state_dict, heads_compute_loss
 
 from .resolved import EngineConfig
 from .throughput import Monitor, ThroughputTimer
@@ -273,7 +273,36 @@ class Engine(nn.Module):
         self.tput_timer.start()  # stopped by step(): DeepSpeed's timed span
         self.parallel.set_phase("forward")
         with self.config.precision.forward_context(self.ctx.device.type):
+            if self.parallel.fused_heads:
+                return self._forward_fused_loss(args, kwargs)
             return self._wrapped(*args, **kwargs)
+
+    def _forward_fused_loss(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``fused_cross_entropy`` enabled: a Hugging Face ``labels=`` call gets its loss from the
+        fused head (the next-token shift HF's loss applies: hidden state ``i`` predicts label
+        ``i + 1``; the output's ``logits`` is None, none were formed); any other call runs the
+        model as is (logits), once with a warning."""
+        labels = kwargs.pop("labels", None)
+        if labels is None:
+            if not getattr(self, "_warned_fused_without_labels", False):
+                object.__setattr__(self, "_warned_fused_without_labels", True)
+                logger.warning(
+                    "fused_cross_entropy is enabled but this forward has no labels=: the LM head returned logits and "
+                    "the fused loss did not run (it runs on Hugging Face-style engine(input_ids=..., labels=...) calls)"
+                )
+            return self._wrapped(*args, **kwargs)
+        ignore = torch.full_like(labels[..., :1], -100)
+        targets = torch.cat([labels[..., 1:], ignore], dim=-1)
+        with heads_compute_loss(self.parallel.fused_heads, targets):
+            out = self._wrapped(*args, **kwargs)
+        loss = getattr(out, "logits", None)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(
+                f"fused_cross_entropy: the model's output has no .logits the fused head could carry its loss in "
+                f"(got {type(out).__name__}); it needs a Hugging Face causal LM (output.logits from the head)"
+            )
+        out["loss"], out["logits"] = loss, None
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends an accumulation window (its :meth:`step` steps)."""

@@ -626,7 +626,10 @@ def build_parallel(
         blocks=blocks,
         loss_scaler=scaler,
         dp_options=options,
+        fused_cross_entropy=cfg.fused_cross_entropy.enabled,
     )
+    for head in par.fused_heads:
+        head.chunk_tokens = cfg.fused_cross_entropy.chunk_tokens
     if tp_plan is not None and pp is None and cfg.tensor_parallel.gather_logits:
         gather_head_logits(model, ctx)
     if named is not None:  # TP replaced the dense Parameters, the pipeline kept this rank's stages

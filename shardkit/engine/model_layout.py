@@ -20,6 +20,7 @@ from shardkit.comm import ParallelContext
 from shardkit.parallel.param_groups import resolve_param_groups
 from shardkit.parallel.tensor import (
     VocabParallelEmbedding,
+    FusedCrossEntropyHead,
     VocabParallelLMHead,
     gather_from_tp_region,
     gpt_plan,
@@ -106,8 +107,9 @@ def tp_plan_for(model: nn.Module, cfg: TensorParallelConfig, tp_plan: Mapping[st
 
 
 def gather_head_logits(model: nn.Module, ctx: ParallelContext) -> int:
-    """Make every :class:`~shardkit.parallel.tensor.VocabParallelLMHead` of ``model`` return the
-    full ``[..., V]`` logits: its ``[..., V/tp]`` shards all-gathered over tp, the padding past
+    """Make every :class:`~shardkit.parallel.tensor.VocabParallelLMHead` (and tensor-parallel
+    :class:`~shardkit.parallel.tensor.FusedCrossEntropyHead` when it returns logits) of ``model``
+    return the full ``[..., V]`` logits: its ``[..., V/tp]`` shards all-gathered over tp, the padding past
     ``V`` cut off. The backward keeps this rank's columns of the gradient, which is exact
     because every tp rank computes the same loss from the same full logits.
 
@@ -122,10 +124,12 @@ def gather_head_logits(model: nn.Module, ctx: ParallelContext) -> int:
     """
     group = ctx.group("tp")
 
-    def hook(module: VocabParallelLMHead, args: Any, out: torch.Tensor) -> torch.Tensor:
+    def hook(module: VocabParallelLMHead | FusedCrossEntropyHead, args: Any, out: torch.Tensor) -> torch.Tensor:
+        if getattr(module, "armed", None) is not None or getattr(module, "deferred", False):
+            return out  # a fused head's loss (or its input), not logits
         return gather_from_tp_region(out, group=group)[..., : module.vocab_size]
 
-    heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
+    heads = [m for m in model.modules() if isinstance(m, (VocabParallelLMHead, FusedCrossEntropyHead)) and m.ctx is not None]
     for head in heads:
         head.register_forward_hook(hook)
     return len(heads)

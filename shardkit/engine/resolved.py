@@ -209,6 +209,21 @@ class TensorParallelConfig:
 
 
 @dataclass(frozen=True)
+class FusedCrossEntropyConfig:
+    """shardkit's ``fused_cross_entropy`` section: the token cross-entropy formed from the LM
+    head's input chunk by chunk (:func:`~shardkit.parallel.tensor.fused_linear_cross_entropy`),
+    on a Hugging Face model's ``engine(input_ids=..., labels=...)`` loss.
+
+    Attributes:
+        enabled: swap the LM head for a :class:`~shardkit.parallel.tensor.FusedCrossEntropyHead`.
+        chunk_tokens: tokens per chunk (None: the op's default).
+    """
+
+    enabled: bool = False
+    chunk_tokens: int | None = None
+
+
+@dataclass(frozen=True)
 class PipelineConfig:
     """shardkit's ``pipeline`` section (microbatches default: ``gradient_accumulation_steps``,
     as DeepSpeed's pipeline engine runs one micro-batch per accumulation step; ``train_batch``
@@ -242,6 +257,7 @@ class EngineConfig:
         zero: ``zero_optimization``.
         tensor_parallel: shardkit's ``tensor_parallel`` section.
         pipeline: shardkit's ``pipeline`` section.
+        fused_cross_entropy: shardkit's ``fused_cross_entropy`` section.
         ignored: dotted keys accepted without effect, once each, in the order the parser met them.
         source: the config as given (after JSON loading), read-only.
     """
@@ -258,5 +274,6 @@ class EngineConfig:
     zero: ZeroConfig = ZeroConfig()
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     pipeline: PipelineConfig = PipelineConfig()
+    fused_cross_entropy: FusedCrossEntropyConfig = FusedCrossEntropyConfig()
     ignored: tuple[str, ...] = ()
     source: Mapping[str, Any] = field(default_factory=lambda: _frozen({}), repr=False, compare=False)
