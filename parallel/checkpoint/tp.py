@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from ..tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, is_tp_sharded
+from ..tensor.fused_head import FusedCrossEntropyHead
 from ..tensor.plan import VocabParallelLMHead
 
 __all__ = ["TPSlice", "tp_size", "tp_slices"]
 
-_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead)
+_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead, FusedCrossEntropyHead)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ def tp_slices(module: nn.Module) -> dict[nn.Parameter, TPSlice]:
             continue
         known.update(m.parameters(recurse=False))
         known.add(m.weight)  # a tied head's weight may be registered on the embedding only
+        if m.group is None:  # a fused head over the whole vocabulary
+            continue
         tp, r = m.group.size(), m.group.rank()
         if tp == 1:
             continue
@@ -153,7 +156,8 @@ def tp_slices(module: nn.Module) -> dict[nn.Parameter, TPSlice]:
         if is_tp_sharded(p) and p not in known:
             raise TypeError(
                 f"model: parameter {name!r} is tp-sharded by a layer checkpoints cannot place in the dense tensor "
-                "(known: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead)"
+                "(known: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead, "
+                "FusedCrossEntropyHead)"
             )
     return out
 
@@ -165,4 +169,4 @@ def tp_size(module: nn.Module) -> int:
         >>> tp_size(model)            # after tensor_parallelize over a tp axis of 2
         2
     """
-    return next((m.group.size() for m in module.modules() if isinstance(m, _LAYERS)), 1)
+    return next((m.group.size() for m in module.modules() if isinstance(m, _LAYERS) and m.group is not None), 1)

@@ -84,6 +84,8 @@ class FusedCrossEntropyHead(nn.Module):
         self.weight = weight
         self.bias = bias
         self.vocab_size, self.ctx, self.sequence_parallel, self.stats = vocab_size, ctx, sequence_parallel, stats
+        #: the tp group the weight's vocabulary is split over (None: the whole vocabulary here)
+        self.group = None if ctx is None else ctx.group("tp")
         self.chunk_tokens = chunk_tokens
         self.deferred = False
         self.armed: tuple[torch.Tensor, str] | None = None  # (targets, reduction): heads_compute_loss

@@ -148,7 +148,7 @@ def vocab_sizes(model: nn.Module) -> dict[str, int]:
         prefix = f"{name}." if name else ""
         if isinstance(m, VocabParallelEmbedding):
             out[prefix + "weight"] = m.num_embeddings
-        elif isinstance(m, VocabParallelLMHead):
+        elif isinstance(m, VocabParallelLMHead) or (isinstance(m, FusedCrossEntropyHead) and m.group is not None):
             out[prefix + "weight"] = m.vocab_size
     return out
 

@@ -159,3 +159,42 @@ def test_bf16_autocast_takes_the_same_dtypes_as_the_unfused_head():
         curves.append(losses)
     # the same bf16 logits; the gradients' bf16 roundings differ only in the chunked sums
     torch.testing.assert_close(torch.tensor(curves[1]), torch.tensor(curves[0]), rtol=2e-3, atol=0)
+
+
+def _checkpoint_body(tmp: str) -> None:
+    """An untied fused head at tp 2 (its weight is a vocabulary shard no embedding registers):
+    the checkpoint holds the dense tensors, loads into the unfused model at tp 2, and equals the
+    state the same training gives without the fused loss."""
+    import torch.distributed as dist
+
+    from shardkit.comm import ParallelContext
+    from shardkit.parallel import load_checkpoint, save_checkpoint
+    from shardkit.parallel.tensor import gather_state_dict, gpt_plan
+
+    def build() -> TinyGPT:
+        torch.manual_seed(0)
+        return TinyGPT(61, d_model=32, n_layers=2, n_heads=4, seq_len=16, tie_embeddings=False)
+
+    with ParallelContext.from_world(tp=dist.get_world_size()) as ctx:
+        plan = gpt_plan(tie_embeddings=False)
+        states = []
+        for fused in (True, False):
+            par = parallelize(build(), ctx, tp_plan=plan, dp="none", fused_cross_entropy=fused)
+            opt = torch.optim.SGD(par.parameters(), lr=0.1)
+            for x, y in _lm_data(61, 3):
+                opt.zero_grad()
+                par.forward_backward(x, y)
+                par.step(opt)
+            if fused:
+                save_checkpoint(tmp, par, opt)
+            states.append(gather_state_dict(par.module.state_dict(), plan, ctx))
+        fresh = parallelize(build(), ctx, tp_plan=plan, dp="none")
+        load_checkpoint(tmp, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
+        loaded = gather_state_dict(fresh.module.state_dict(), plan, ctx)
+        for key, value in states[1].items():
+            torch.testing.assert_close(states[0][key], value, **FP32, msg=lambda m, key=key: f"{key}: {m}")
+            torch.testing.assert_close(loaded[key], states[0][key], rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_untied_fused_head_checkpoints_at_tp2(dist_pool, tmp_path):
+    dist_pool.run(_checkpoint_body, str(tmp_path / "ckpt"), world_size=2, timeout=120)
