@@ -76,36 +76,38 @@ def test_tiny_gpt_trains_the_same_curve_with_dropout_and_padding():
     assert plain[-1] < plain[0] - 0.3  # it trained
 
 
-def test_hf_gpt2_trains_the_same_curve_and_generates():
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize("name", ["hf:gpt2", "hf:llama"])
+def test_hf_models_train_the_same_curve_and_generate(name):
+    """GPT-2 (head tied to the embedding) and Llama (untied head, RMSNorm, rotary)."""
+    pytest.importorskip("transformers")
     from shardkit.hf_models import LogitsOnly, build_hf_model
 
     def build() -> LogitsOnly:
         torch.manual_seed(0)
-        return LogitsOnly(build_hf_model("hf:gpt2", vocab_size=67, d_model=32, n_layers=2, n_heads=4, seq_len=16))
+        return LogitsOnly(build_hf_model(name, vocab_size=67, d_model=32, n_layers=2, n_heads=4, seq_len=16))
 
-    plain = _curve_hf(build(), False)
+    steps = 50 if name == "hf:gpt2" else 20  # the issue's 50-step curve on GPT-2; Llama shorter
+    plain = _curve_hf(build(), False, steps)
     model = build()
-    fused = _curve_hf(model, True)
+    fused = _curve_hf(model, True, steps)
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), **FP32)
-    # the head keeps its names and its tie; called directly the model gives logits
+    # the head keeps its names (and GPT-2's tie); called directly the model gives logits
     assert isinstance(model.hf.lm_head, FusedCrossEntropyHead)
-    assert model.hf.lm_head.weight is model.hf.transformer.wte.weight
+    assert (model.hf.lm_head.weight is model.hf.get_input_embeddings().weight) == (name == "hf:gpt2")
     assert "hf.lm_head.weight" in model.state_dict()
     ids = torch.randint(67, (2, 5), generator=torch.Generator().manual_seed(0))
     assert model(ids).shape == (2, 5, 67)
     out = model.hf.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 8)
-    assert isinstance(transformers.__version__, str)
 
 
-def _curve_hf(model: nn.Module, fused: bool) -> list[float]:
+def _curve_hf(model: nn.Module, fused: bool, steps: int) -> list[float]:
     par = parallelize(model, None, dp="none", fused_cross_entropy=fused)
     if fused:
         par.fused_heads[0].chunk_tokens = 20
     opt = torch.optim.AdamW(par.parameters(), lr=3e-3)
     losses = []
-    for x, y in _lm_data(67, 50):
+    for x, y in _lm_data(67, steps):
         opt.zero_grad()
         losses.append(float(par.forward_backward(x, y)))
         par.step(opt)
