@@ -128,7 +128,22 @@ def read_checkpoint(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     with warnings.catch_warnings():  # one process without torch.distributed is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(full, checkpoint_id=src, no_dist=True)
+    _to_module_layout(meta, full)
     return meta, full
+
+
+def _to_module_layout(meta: dict[str, Any], full: dict[str, torch.Tensor]) -> None:
+    """Give the weights a TP plan held transposed (HF ``Conv1D``) back in the module's own
+    ``[in, out]`` layout, with their fp32 masters and optimizer state: [Note: Conv1D weights in
+    checkpoints] (``shardkit.parallel.checkpoint.content``). Rewrites ``full`` and
+    ``meta["shapes"]``."""
+    elementwise = meta.get("optim", {}).get("elementwise", {})
+    for key in meta.get("transposed", ()):
+        (rows, cols), dtype = meta["shapes"][key]
+        for name in (f"model.{key}", f"master.{key}", *(f"optim.{key}.{s}" for s in elementwise.get(key, []))):
+            if name in full:
+                full[name] = full[name].view(rows, cols).t().contiguous().view(-1)
+        meta["shapes"][key] = ((cols, rows), dtype)
 
 
 def _model_state(meta: dict[str, Any], full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

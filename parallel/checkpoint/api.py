@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..compose import ParallelModel
 from ..durable_files import file_crc32, fsync_dir
 from ..loss_scaler import DynamicLossScaler
-from .content import Layout, dcp_state, layout_of, merge_meta, merge_model_meta, model_meta, save_content
+from .content import Layout, dcp_state, layout_of, merge_meta, merge_model_meta, model_meta, save_content, transposed_keys
 from .loading import apply_load, plan_load
 
 __all__ = ["AsyncCheckpointer", "save_checkpoint", "load_checkpoint", "FORMAT_VERSION", "read_manifest", "verify_files"]
@@ -172,6 +172,8 @@ class _SaveJob:
                     "stage": layout.stage,
                     "shapes": shapes,
                     "aliases": aliases,
+                    # [Note: Conv1D weights in checkpoints] in content.py
+                    "transposed": sorted({k for loc in self.metas for k in loc.transposed}),
                     "param_order": order,
                     "masters": sorted(k.removeprefix("master.") for k in md.state_dict_metadata if k.startswith("master.")),
                     "optim": {"class": self.meta_extra["optimizer_class"], **merge_meta(self.metas, order)},
@@ -491,6 +493,16 @@ def load_checkpoint(
     shapes, aliases = model_meta(layout)
     world_keys = {k for part in _all_gather(layout, [*shapes, *aliases]) for k in part}
     plan = plan_load(layout, optimizer, meta, saved, world_keys, optimizer_state)
+    # [Note: Conv1D weights in checkpoints] in content.py: a key held the other way round
+    mine, theirs = set(transposed_keys(layout.module)), set(meta.get("transposed", ()))
+    flipped = sorted(k for k in shapes if (k in mine) != (k in theirs))
+    if flipped:
+        plan.errors.append(
+            f"{flipped[:3]}{' ...' if len(flipped) > 3 else ''}: stored as a TP plan's linear layout [out, in] and held "
+            "here as a Hugging Face Conv1D [in, out] (or the other way round); load into the same TP plan "
+            "(tensor_parallel size > 1), or export with `shardkit consolidate` / fp32_state_dict, which give "
+            "the Conv1D layout"
+        )
     if scaler is not None and meta["scaler"] is None:
         plan.errors.append("scaler: the checkpoint holds no loss-scaler state (meta.pt)")
     _agree(layout, plan.errors, f"checkpoint {path}")

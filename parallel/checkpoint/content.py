@@ -176,6 +176,7 @@ class Local:
     shapes: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
+    transposed: list[str] = field(default_factory=list)
 
     def piece(self, layout: Layout, p: torch.Tensor, key: str, offset: int, t: torch.Tensor) -> None:
         """Add ``t`` (local flat elements ``[offset, ...)`` of ``p``) to ``key``'s dense chunks."""
@@ -198,6 +199,7 @@ class Local:
             shapes=self.shapes,
             aliases=self.aliases,
             order=self.order,
+            transposed=self.transposed,
         )
 
 
@@ -228,6 +230,26 @@ def model_meta(layout: Layout) -> tuple[dict[str, tuple[tuple[int, ...], str]], 
     return shapes, aliases
 
 
+def transposed_keys(module: nn.Module) -> list[str]:
+    """The state_dict keys whose tensors are held transposed relative to the module the user
+    built: a Hugging Face ``Conv1D`` weight (``[in, out]``) that a TP plan turned into a linear
+    layer (``[out, in]``).
+
+    [Note: Conv1D weights in checkpoints]
+    A checkpoint stores each parameter dense in the layout the run holds it, so a TP-converted
+    ``Conv1D`` weight is stored ``[out, in]`` while the same model at tp 1 (or in Hugging Face's
+    hands) holds ``[in, out]``. The meta lists these keys (``"transposed"``): ``shardkit
+    consolidate`` and ``fp32_state_dict`` give them back in the module's own layout, and a load
+    into a run that holds a listed key the other way round is refused by name (a square weight
+    would otherwise load transposed without any shape error).
+
+    Example:
+        >>> transposed_keys(tensor_parallelize(gpt2, ctx, hf_gpt2_plan(gpt2)))[:1]
+        ['transformer.h.0.attn.c_attn.weight']
+    """
+    return [k for k, v in module.state_dict(keep_vars=True).items() if getattr(v, "_dense_transposed", False)]
+
+
 def merge_model_meta(locals_: list[Local]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     """Every rank's ``(shapes, aliases, param order)`` merged: the union (pipeline ranks hold
     disjoint blocks), keys in block order when they are keyed by block index."""
@@ -250,6 +272,7 @@ def save_content(layout: Layout, optimizer: Any) -> Local:
     out = Local()
     names = layout.names
     out.shapes, out.aliases = model_meta(layout)
+    out.transposed = transposed_keys(layout.module)
     out.order = list(dict.fromkeys(names.values()))
     sdp = layout.sdp
     owned = _bucket_params(sdp) if sdp is not None else set()

@@ -361,6 +361,8 @@ def tensor_parallelize(
             new = VocabParallelLMHead(
                 weight, vocab_size=module.out_features, ctx=ctx, stats=stats, sequence_parallel=style.sequence_parallel
             )
+        if getattr(style, "transposed", False):  # [Note: Conv1D weights in checkpoints] (parallel/checkpoint/content.py)
+            new.weight._dense_transposed = True
         converted[name] = new
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
