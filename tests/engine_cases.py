@@ -41,6 +41,24 @@ def gpt2_batch(step: int, micro: int) -> torch.Tensor:
     return torch.randint(VOCAB, (MICRO, SEQ), generator=g)
 
 
+def dense_gpt2_run() -> tuple[dict, list[float], list[float]]:
+    """One process, plain torch: the dense GPT-2, HF's labels= loss, SGD + momentum, clipping;
+    ``(state_dict, losses per micro-batch, norms per step)``."""
+    model = tiny_gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(GAS):
+            x = gpt2_batch(step, micro)
+            loss = model(input_ids=x, labels=x).loss
+            (loss / GAS).backward()
+            losses.append(float(loss))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict(), losses, norms
+
+
 # ---- pipeline ----------------------------------------------------------------------------------
 P_MICRO, P_GAS, P_IN, P_CLASSES = 4, 4, 8, 5
 

@@ -66,7 +66,15 @@ from shardkit.comm import CommStats, ParallelContext, all_gather, all_reduce, re
 from shardkit.kernels.cross_entropy import ce_grad, ce_grad_, ce_shard_stats
 from shardkit.kernels.runtime import Backend
 
-from .vocab_parallel_loss import _out_of_range, _target_error, reduce_shard_stats, token_losses, vocab_shard_range
+from .vocab_parallel_loss import (
+    _out_of_range,
+    _target_error,
+    check_loss_options,
+    reduce_shard_stats,
+    resolve_vocab_size,
+    token_losses,
+    vocab_shard_range,
+)
 
 __all__ = [
     "fused_linear_cross_entropy",
@@ -511,20 +519,12 @@ def fused_linear_cross_entropy(
             )
     elif target.shape != hidden.shape[:-1]:
         raise ValueError(f"target must have hidden's leading shape {tuple(hidden.shape[:-1])}, got {tuple(target.shape)}")
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    check_loss_options(reduction, label_smoothing, z_loss)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 (or None), got {softcap}")
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int (or None), got {chunk_tokens!r}")
-    padded = tp * weight.shape[0]
-    vocab_size = padded if vocab_size is None else int(vocab_size)
-    if not 0 < vocab_size <= padded:
-        raise ValueError(f"vocab_size={vocab_size} does not fit {tp} shards of {weight.shape[0]} rows (at most {padded})")
+    vocab_size = resolve_vocab_size(vocab_size, tp, weight.shape[0])
     if check_targets:  # the targets are the same on every tp rank: every rank raises alike
         t = target.reshape(-1)
         bad = _out_of_range(t, vocab_size, ignore_index)

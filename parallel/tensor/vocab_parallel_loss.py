@@ -61,6 +61,36 @@ def vocab_shard_range(vocab_size: int, shard_size: int, tp_rank: int) -> tuple[i
     return start, max(0, min(shard_size, vocab_size - start))
 
 
+def check_loss_options(reduction: str, label_smoothing: float, z_loss: float) -> None:
+    """The cross-entropy options both vocab-parallel losses take, checked (``ValueError`` naming
+    the argument).
+
+    Example:
+        >>> check_loss_options("mean", 0.1, 0.0)
+    """
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+
+
+def resolve_vocab_size(vocab_size: int | None, tp: int, shard: int) -> int:
+    """The real vocabulary size: ``vocab_size``, or ``tp * shard`` when None; it must fit the
+    padded ``tp * shard`` classes.
+
+    Example:
+        >>> resolve_vocab_size(None, 2, 32), resolve_vocab_size(61, 2, 31)
+        (64, 61)
+    """
+    padded = tp * shard
+    vocab_size = padded if vocab_size is None else int(vocab_size)
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size={vocab_size} does not fit {tp} shards of {shard} classes (at most {padded})")
+    return vocab_size
+
+
 def reduce_shard_stats(
     local: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -279,18 +309,8 @@ def vocab_parallel_cross_entropy(
         )
     if target.dtype != torch.int64:
         raise TypeError(f"target must be int64, got {target.dtype}")
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', got {reduction!r}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if z_loss < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    padded = tp * logits_shard.shape[-1]
-    vocab_size = padded if vocab_size is None else int(vocab_size)
-    if not 0 < vocab_size <= padded:
-        raise ValueError(
-            f"vocab_size={vocab_size} does not fit {tp} shards of {logits_shard.shape[-1]} columns (at most {padded})"
-        )
+    check_loss_options(reduction, label_smoothing, z_loss)
+    vocab_size = resolve_vocab_size(vocab_size, tp, logits_shard.shape[-1])
     return _VocabParallelCE.apply(
         logits_shard,
         target,

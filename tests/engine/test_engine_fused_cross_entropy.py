@@ -11,25 +11,9 @@ import torch
 
 from shardkit.comm import ParallelContext
 from tolerances import FP32
-from engine_cases import CLIP, GAS, LR, STEPS, gpt2_batch, tiny_gpt2, tp_config
+from engine_cases import GAS, STEPS, dense_gpt2_run, gpt2_batch, tiny_gpt2, tp_config
 
 pytest.importorskip("transformers")
-
-
-def _dense_losses() -> list[float]:
-    model = tiny_gpt2()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        for micro in range(GAS):
-            x = gpt2_batch(step, micro)
-            loss = model(input_ids=x, labels=x).loss
-            (loss / GAS).backward()
-            losses.append(float(loss))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad()
-    return losses
 
 
 def _body(tp: int, stage: int) -> list[float]:
@@ -51,7 +35,7 @@ def _body(tp: int, stage: int) -> list[float]:
                 engine.backward(out.loss)
                 engine.step()
                 losses.append(float(out.loss))
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(_dense_losses()), **FP32)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(dense_gpt2_run()[1]), **FP32)
         # without labels= the model gives logits, gathered to the whole vocabulary, with a warning
         records: list[logging.LogRecord] = []
         handler = logging.Handler()

@@ -16,24 +16,20 @@ from torch.nn import functional as F
 from shardkit.comm import ParallelContext
 from distributed import forbid_collectives
 from tolerances import ADAM_EPS_ACROSS_ORDERS, FP32
-from engine_cases import CLIP, GAS, LR, P_GAS, STEPS, VOCAB, gpt2_batch, pp_config, pp_micro_batches, pp_mlp, tiny_gpt2, tp_config
-
-
-def _dense_reference() -> tuple[dict, list[float], list[float]]:
-    """One process, plain torch: the dense GPT-2, HF's labels= loss, SGD + momentum, clipping."""
-    model = tiny_gpt2()
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(GAS):
-            x = gpt2_batch(step, micro)
-            loss = model(input_ids=x, labels=x).loss
-            (loss / GAS).backward()
-            losses.append(float(loss))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-    return model.state_dict(), losses, norms
+from engine_cases import (
+    CLIP,
+    GAS,
+    P_GAS,
+    STEPS,
+    VOCAB,
+    dense_gpt2_run,
+    gpt2_batch,
+    pp_config,
+    pp_micro_batches,
+    pp_mlp,
+    tiny_gpt2,
+    tp_config,
+)
 
 
 def _tp_body(stage: int) -> dict:
@@ -55,7 +51,7 @@ def _tp_body(stage: int) -> dict:
                 engine.step()
                 losses.append(float(out.loss))
             norms.append(engine.get_global_grad_norm())
-        ref, ref_losses, ref_norms = _dense_reference()
+        ref, ref_losses, ref_norms = dense_gpt2_run()
         full = engine.full_state_dict()
         for k, r in ref.items():
             if k in full:  # GPT-2's causal-mask buffers are not in every transformers version
