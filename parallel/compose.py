@@ -595,14 +595,20 @@ def parallelize(
     if tp_plan is not None and tp > 1:
         tensor_parallelize(model, ctx, dict(tp_plan), stats=stats)
     # 1b. the fused head loss: the head hands its input to the loss ([Note: the deferred head
-    # under ZeRO-3 and pipelines] in parallel/tensor/fused_head.py)
+    # inside the head's forward] in parallel/tensor/fused_head.py)
     fused: list[FusedCrossEntropyHead] = []
+    if fused_cross_entropy and pp_size > 1 and opts.schedule == "zb-h1":
+        raise ValueError(
+            "fused_cross_entropy with the 'zb-h1' schedule: its split backward (input gradients, then weight "
+            "gradients) runs the loss's backward twice, and the fused loss forms its gradients once, in the "
+            "forward pass; use another schedule"
+        )
     if fused_cross_entropy:
         head_name = None if fused_cross_entropy is True else fused_cross_entropy
         fused = [fuse_lm_head_loss(model, head_name)]
     pipe_loss = loss_fn
     if fused:
-        loss_fn, pipe_loss = _loss_from_the_head, _fused_head_loss(fused[0])
+        loss_fn, pipe_loss = _loss_from_the_head(fused[0]), _fused_head_loss(fused[0])
     elif loss_fn is None:
         heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
         loss_fn = _vocab_parallel_loss(ctx, heads[0].vocab_size) if heads else _token_cross_entropy
@@ -649,7 +655,10 @@ def parallelize(
     if checkpointing:
         from .activation_checkpointing import checkpoint_blocks
 
-        checkpoint_blocks(list(blocks(model)), offload_to_cpu=checkpointing == "cpu")
+        # a block holding a fused head is not recomputed: its loss would be formed twice, and a
+        # backward outside ParallelModel.loss_path would recompute logits instead of the loss
+        held = [b for b in blocks(model) if not any(m is h for m in b.modules() for h in fused)]
+        checkpoint_blocks(held, offload_to_cpu=checkpointing == "cpu")
     # 4. data parallel
     if tp > 1 and (dp == "none" or (dp == "ddp" and axis_size(ctx, "dp") == 1)):  # nothing to replicate over
         par = ParallelModel(
@@ -702,16 +711,23 @@ def _uncounted_tie_copies(pipe: PipelineParallel, ctx: ParallelContext) -> list[
     return out
 
 
-def _loss_from_the_head(loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The loss a fused head formed inside the model's forward (ParallelModel.loss_path)."""
+def _loss_from_the_head(head: FusedCrossEntropyHead) -> Callable[..., Any]:
+    """The loss a fused head formed inside the model's forward (ParallelModel.loss_path): the
+    model must return the head's output itself."""
+
+    def loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+        head.check_returned(out)
+        return out
+
     return loss
 
 
 def _fused_head_loss(head: FusedCrossEntropyHead) -> Callable[..., Any]:
     """A pipeline's last-stage loss for a deferred fused head: ``(sum, count)`` over the
-    non-ignored targets of the hidden states it handed on."""
+    non-ignored targets of the hidden states it handed on (which the stage must return as is)."""
 
     def loss_and_count(hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head.check_returned(hidden)
         return head.loss(hidden, targets, reduction="sum"), (targets != _IGNORE_INDEX).sum()
 
     return loss_and_count

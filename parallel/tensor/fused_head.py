@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,6 +90,7 @@ class FusedCrossEntropyHead(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.deferred = False
         self.armed: tuple[torch.Tensor, str] | None = None  # (targets, reduction): heads_compute_loss
+        self._returned: torch.Tensor | None = None  # what the last armed/deferred forward returned
 
     @property
     def tp(self) -> int:
@@ -106,10 +108,12 @@ class FusedCrossEntropyHead(nn.Module):
             loss = self.loss(x, target, reduction=reduction)
             if self.tp > 1:
                 set_tp_rng_stream(sharded=True)
+            self._returned = loss
             return loss
         if self.deferred:
             if self.tp > 1:  # what follows is per-shard work: [Note: tensor-parallel RNG streams]
                 set_tp_rng_stream(sharded=True)
+            self._returned = x
             return x
         if self.tp == 1:
             return F.linear(x, self.weight, self.bias)
@@ -120,6 +124,23 @@ class FusedCrossEntropyHead(nn.Module):
             y = F.linear(copy_to_tp_region(x, group=group, stats=self.stats), self.weight, self.bias)
         set_tp_rng_stream(sharded=True)
         return y
+
+    def check_returned(self, out: Any) -> None:
+        """Raise unless ``out`` is what this head's last armed or deferred forward returned: a
+        model that changes its logits after the head (logit scaling, soft-capping, a slice) would
+        otherwise apply that change to the loss (or the hidden states), a wrong number without an
+        error.
+
+        Raises:
+            ValueError: ``out`` is another tensor, naming the usual causes.
+        """
+        if out is not self._returned:
+            raise ValueError(
+                "fused cross-entropy: the model did not return its LM head's output as is (it scales, soft-caps, "
+                "slices or otherwise changes the logits after the head: Granite's logits_scaling, Gemma-2's "
+                "final_logit_softcapping, Cohere's logit_scale...), so the fused loss cannot stand for the "
+                "logits' loss; use fused_cross_entropy=False for this model"
+            )
 
     def loss(
         self, hidden: torch.Tensor, target: torch.Tensor, *, reduction: str = "mean", ignore_index: int = -100
@@ -135,6 +156,12 @@ class FusedCrossEntropyHead(nn.Module):
         Returns:
             fp32 loss (see :func:`~shardkit.parallel.tensor.fused_linear_cross_entropy`).
         """
+        if (
+            not self.sequence_parallel
+            and target.shape != hidden.shape[:-1]
+            and target.numel() * hidden.shape[-1] == hidden.numel()
+        ):
+            target = target.reshape(hidden.shape[:-1])  # flat targets, as the unfused token loss takes them
         return fused_linear_cross_entropy(
             hidden,
             self.weight,

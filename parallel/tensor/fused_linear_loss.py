@@ -32,6 +32,15 @@ over the vocabulary shards) is reduce-scattered straight back to the ranks that 
 Without sequence parallelism ``hidden`` is the same on every tp rank and its gradient, partial
 per shard, is all-reduced once at the end.
 
+[Note: fp16 gradients formed in the forward pass]
+The logits' gradient of a mean over ``n`` tokens is ``(p - onehot) / n``: with ``n`` in the
+thousands and ``p`` about ``1/V`` that is far below fp16's smallest normal number (6e-5), and an
+fp16 gradient formed at upstream gradient 1 loses most of its digits before a loss scale could
+lift it (the unfused path multiplies by the scale first). So for fp16 the forward pass forms the
+gradients of the *sum* (``p - onehot``, well inside fp16's range) and backward multiplies by
+``g / n`` in fp32; the weight gradient is always summed in fp32 there. bf16 has fp32's exponent
+range and keeps the mean's gradients as they are.
+
 [Note: the fp32 weight-gradient accumulator]
 ``dW`` is the sum over chunks of ``dlogitsᵀ @ hidden``. For bf16/fp16 operands it is summed in an
 fp32 buffer. On CUDA one GEMM adds each chunk's product into it (cuBLAS with an fp32 output,
@@ -196,7 +205,10 @@ class _WeightGrad:
 
     def __init__(self, weight: torch.Tensor, n_chunks: int) -> None:
         self.dtype = weight.dtype
-        dtype = weight.dtype if weight.dtype == torch.float32 or n_chunks <= 1 else torch.float32
+        # fp16 always sums in fp32: its products are formed unnormalized ([Note: fp16 gradients
+        # formed in the forward pass]) and could pass fp16's range
+        direct = weight.dtype == torch.float32 or (n_chunks <= 1 and weight.dtype == torch.bfloat16)
+        dtype = weight.dtype if direct else torch.float32
         self.acc = torch.empty(weight.shape, dtype=dtype, device=weight.device)
         self.started = False
 
@@ -323,7 +335,9 @@ class _FusedLinearCE(torch.autograd.Function):
         grads = None
         if eager:
             coef = torch.full(stat_rows, 1.0, dtype=torch.float32, device=h.device)
-            if o.reduction == "mean":
+            # [Note: fp16 gradients formed in the forward pass]
+            ctx.count = n_keep if o.reduction == "mean" and h.dtype == torch.float16 else None
+            if o.reduction == "mean" and ctx.count is None:
                 coef /= n_keep  # all tokens ignored: inf, but every gradient term is masked to 0
             grads = _new_grads(h, weight, bias, want, o)
             _walk(h, weight, bias, t_rows, o, loss=loss, lse=lse, coef=coef, grads=grads)
@@ -356,7 +370,10 @@ class _FusedLinearCE(torch.autograd.Function):
             ctx.consumed = True
             # Scaled in place (these buffers are this node's own, and this is their only use), and
             # not at all for the usual ``loss.backward()``: one host sync instead of a pass over dW.
-            scale = None if bool(grad_loss == 1) else grad_loss.float()
+            if ctx.count is not None:  # [Note: fp16 gradients formed in the forward pass]
+                scale = grad_loss.float() / ctx.count
+            else:
+                scale = None if bool(grad_loss == 1) else grad_loss.float()
             dh, db = (
                 (g if scale is None else g.mul_(scale)) if w else None for g, w in zip(ctx.saved_tensors, (want[0], want[2]))
             )
@@ -469,6 +486,8 @@ def fused_linear_cross_entropy(
             collective.
         IndexError: an out-of-range target (``check_targets``).
         RuntimeError: a second backward through the same scalar loss (``retain_graph=True``).
+
+    Not twice differentiable: gradients taken with ``create_graph=True`` carry no graph.
 
     Example:
         >>> h = model.transformer(ids)                              # [b, s, d], no logits

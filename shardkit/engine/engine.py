@@ -280,8 +280,9 @@ class Engine(nn.Module):
     def _forward_fused_loss(self, args: tuple, kwargs: dict[str, Any]) -> Any:
         """``fused_cross_entropy`` enabled: a Hugging Face ``labels=`` call gets its loss from the
         fused head (the next-token shift HF's loss applies: hidden state ``i`` predicts label
-        ``i + 1``; the output's ``logits`` is None, none were formed); any other call runs the
-        model as is (logits), once with a warning."""
+        ``i + 1``; the mean over labels that are not -100, or their sum over
+        ``num_items_in_batch`` when given, as HF's); the output's logits are None, none were
+        formed. Any other call runs the model as is (logits), once with a warning."""
         labels = kwargs.pop("labels", None)
         if labels is None:
             if not getattr(self, "_warned_fused_without_labels", False):
@@ -291,16 +292,18 @@ class Engine(nn.Module):
                     "the fused loss did not run (it runs on Hugging Face-style engine(input_ids=..., labels=...) calls)"
                 )
             return self._wrapped(*args, **kwargs)
-        ignore = torch.full_like(labels[..., :1], -100)
-        targets = torch.cat([labels[..., 1:], ignore], dim=-1)
-        with heads_compute_loss(self.parallel.fused_heads, targets):
+        items = kwargs.pop("num_items_in_batch", None)
+        targets = torch.cat([labels[..., 1:], torch.full_like(labels[..., :1], -100)], dim=-1)
+        heads = self.parallel.fused_heads
+        with heads_compute_loss(heads, targets, reduction="mean" if items is None else "sum"):
             out = self._wrapped(*args, **kwargs)
-        loss = getattr(out, "logits", None)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            raise TypeError(
-                f"fused_cross_entropy: the model's output has no .logits the fused head could carry its loss in "
-                f"(got {type(out).__name__}); it needs a Hugging Face causal LM (output.logits from the head)"
-            )
+        tuple_out = isinstance(out, tuple)  # return_dict=False: (logits, ...)
+        loss = out[0] if tuple_out else getattr(out, "logits", None)
+        heads[0].check_returned(loss)  # a model that rescales its logits after the head is refused
+        if items is not None:
+            loss = loss / items
+        if tuple_out:
+            return (loss, None, *out[1:])  # HF's order with labels: (loss, logits, ...)
         out["loss"], out["logits"] = loss, None
         return out
 

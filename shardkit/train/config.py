@@ -42,6 +42,7 @@ CONFIG_EXCLUSIVE = {
     "pp": 1,
     "checkpointing": "none",
     "grad_buckets": "copy",
+    "fused_ce": False,  # the config's fused_cross_entropy section decides it
 }
 
 
@@ -235,7 +236,8 @@ class TrainConfig:
                 if getattr(self, name) != default:
                     flag = f"--{getattr(self, name)}" if name == "precision" else f"--{name.replace('_', '-')}"
                     raise ValueError(
-                        f"{flag} with --config: the config decides this (zero_optimization, fp16/bf16); "
+                        f"{flag} with --config: the config decides this (its zero_optimization, fp16/bf16, "
+                        "tensor_parallel, pipeline or fused_cross_entropy section); "
                         "edit the config or drop the flag"
                     )
         elif self.auto:

@@ -200,3 +200,71 @@ def _checkpoint_body(tmp: str) -> None:
 
 def test_untied_fused_head_checkpoints_at_tp2(dist_pool, tmp_path):
     dist_pool.run(_checkpoint_body, str(tmp_path / "ckpt"), world_size=2, timeout=120)
+
+
+class _ScaledLogits(nn.Module):
+    """A model that changes its logits after the head (as Granite's logits_scaling does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(61, 16), nn.Linear(16, 61, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x)) / 8.0
+
+
+def test_a_model_that_changes_its_logits_after_the_head_is_refused():
+    par = parallelize(_ScaledLogits(), None, dp="none", fused_cross_entropy=True)
+    x, y = _lm_data(61, 1)[0]
+    with pytest.raises(ValueError, match="did not return its LM head's output"):
+        par.forward_backward(x, y)
+    with pytest.raises(ValueError, match="did not return its LM head's output"):
+        par.evaluate(x, y)
+
+
+def test_checkpointed_blocks_leave_the_fused_head_alone_and_flat_targets_work():
+    """With activation checkpointing the block holding the head is not recomputed (its loss
+    would be formed twice, and a backward outside loss_path would recompute logits); the loss
+    takes flat targets as the unfused token loss does."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(61, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 61))
+
+    x, y = _lm_data(61, 1)[0]
+    ref = build()
+    ref_loss = lm_loss(ref(x), y)
+    ref_loss.backward()
+    par = parallelize(build(), None, dp="none", fused_cross_entropy="3", checkpointing=True, blocks=list)
+    with par.loss_path(y.reshape(-1)):
+        loss = par.loss_fn(par.module(x), y.reshape(-1))
+    par.backward(loss)  # outside loss_path, as ParallelModel.backward's own example does
+    torch.testing.assert_close(loss, ref_loss, **FP32)
+    for p, r in zip(par.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, **FP32)
+
+
+def _zero_bubble_body() -> None:
+    import torch.distributed as dist
+
+    from distributed import forbid_collectives
+    from shardkit.comm import ParallelContext
+    from shardkit.models import gpt_blocks
+
+    with ParallelContext.from_world(pp=dist.get_world_size()) as ctx:
+        model = TinyGPT(61, d_model=32, n_layers=2, n_heads=4, seq_len=16)
+        patch = forbid_collectives()
+        try:
+            with pytest.raises(ValueError, match="zb-h1"):
+                parallelize(
+                    model, ctx, dp="ddp", fused_cross_entropy=True, pp={"microbatches": 2, "schedule": "zb-h1"}, blocks=gpt_blocks
+                )
+        finally:
+            patch.stop()
+
+
+def test_zero_bubble_schedule_is_refused_before_any_collective(dist_pool):
+    """ZB-H1 runs a loss's backward twice (input, then weight gradients); the fused loss forms
+    its gradients once."""
+    dist_pool.run(_zero_bubble_body, world_size=2, timeout=60)

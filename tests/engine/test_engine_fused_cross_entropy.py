@@ -48,6 +48,17 @@ def _body(tp: int, stage: int) -> list[float]:
         finally:
             logging.getLogger("shardkit.engine").removeHandler(handler)
         assert logits.shape[-1] == tiny_gpt2().config.vocab_size
+        # HF's num_items_in_batch (the sum over that many items) and return_dict=False
+        x = gpt2_batch(7, 0)
+        with torch.no_grad():
+            dense = tiny_gpt2()
+            want = dense(input_ids=x, labels=x, num_items_in_batch=torch.tensor(5)).loss
+            got = engine(input_ids=x, labels=x, num_items_in_batch=torch.tensor(5)).loss
+            plain = engine(input_ids=x, labels=x)
+            as_tuple = engine(input_ids=x, labels=x, return_dict=False)
+        ratio = float(want / dense(input_ids=x, labels=x).loss)
+        torch.testing.assert_close(float(got / plain.loss), ratio, **FP32)  # the trained model: compare the ratio
+        assert as_tuple[1] is None and torch.equal(as_tuple[0], plain.loss)
         assert len([r for r in records if "fused_cross_entropy" in r.getMessage()]) == 1  # once
         return losses
 
