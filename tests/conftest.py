@@ -19,6 +19,19 @@ _PERF_DIR = os.path.join(os.path.dirname(_TESTS_DIR), "perf")
 if _PERF_DIR not in sys.path:
     sys.path.append(_PERF_DIR)
 
+# Under pytest-xdist each worker's torch gets its share of the cores, not all of them: with the
+# default (one intra-op thread per core) every worker's OpenMP regions wait on threads that the
+# other workers' processes hold, and a 10 ms step of a tiny model takes a second on 2 busy cores.
+# In the environment too, so notebook kernels and the processes tests start inherit it (an
+# explicit OMP_NUM_THREADS wins).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // _XDIST_WORKERS))
+    import torch  # noqa: E402
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 from distributed import DistPool  # noqa: E402
 
 

@@ -372,16 +372,6 @@ def _run_cli(args: list[str], tmp_path: Path, timeout: float = 120) -> subproces
 
 
 @pytest.mark.slow  # starts its own processes: run first (conftest.py)
-def test_cli_train_single_process(tmp_path: Path) -> None:
-    args = ["train", "--nproc", "1", "--steps", "5", "--eval-every", "5", *TINY, "--log-json", "log.json"]
-    proc = _run_cli(args, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "== summary" in proc.stdout and "rank 0 | train loss" in proc.stdout
-    log = json.loads((tmp_path / "log.json").read_text())
-    assert len(log["train_loss"]) == 5 and log["ranks"][0]["rank"] == 0
-
-
-@pytest.mark.slow  # starts its own processes: run first (conftest.py)
 def test_cli_train_fails_with_nonzero_exit(tmp_path: Path) -> None:
     bad_flags = _run_cli(["train", "--steps", "1", "--n-heads", "3", *TINY[:2]], tmp_path)  # 32 % 3 != 0
     assert bad_flags.returncode == 2 and "n_heads" in bad_flags.stderr
@@ -391,8 +381,15 @@ def test_cli_train_fails_with_nonzero_exit(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # starts its own processes: run first (conftest.py)
-def test_cli_train_ddp_two_processes_matches_single_process(tmp_path: Path) -> None:
+def test_cli_train_single_process_and_ddp_two_processes_matching_it(tmp_path: Path) -> None:
+    """``shardkit train --nproc 1`` trains and prints its summary; ``--nproc 2 --strategy ddp`` on
+    half the rows each ends at the same eval loss (one single-process run serves both checks)."""
     common = ["--steps", "5", "--eval-every", "5", *TINY[:6], "--seq-len", "32"]
+    single = _run_cli(["train", "--nproc", "1", "--batch-size", "8", *common, "--log-json", "single.json"], tmp_path)
+    assert single.returncode == 0, single.stderr
+    assert "== summary" in single.stdout and "rank 0 | train loss" in single.stdout
+    log = json.loads((tmp_path / "single.json").read_text())
+    assert len(log["train_loss"]) == 5 and log["ranks"][0]["rank"] == 0
     args = ["train", "--nproc", "2", "--strategy", "ddp", "--batch-size", "4", *common, "--log-json", "ddp.json"]
     ddp = _run_cli(args, tmp_path)
     assert ddp.returncode == 0, ddp.stderr
@@ -403,9 +400,7 @@ def test_cli_train_ddp_two_processes_matches_single_process(tmp_path: Path) -> N
     # Same fixed eval batches on every rank: equal losses <=> replicas in sync.
     assert ranks[0]["final_eval_loss"] == ranks[1]["final_eval_loss"]
     # 2 ranks x 4 rows = the single-process global batch of 8 rows (see data.py's sharding note).
-    single = _run_cli(["train", "--batch-size", "8", *common, "--log-json", "single.json"], tmp_path)
-    assert single.returncode == 0, single.stderr
-    ref = json.loads((tmp_path / "single.json").read_text())["ranks"][0]["final_eval_loss"]
+    ref = log["ranks"][0]["final_eval_loss"]
     # Averaged grads equal the global-batch grads up to fp32 summation order (bitwise equal here
     # in practice); a wrong average, a dropped bucket or an unsynced replica moves it by >1e-2.
     assert abs(ranks[0]["final_eval_loss"] - ref) < 1e-4
