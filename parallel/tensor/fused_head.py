@@ -28,6 +28,7 @@ compose with pipelines, and the other dp strategies hold whole weights.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -90,11 +91,18 @@ class FusedCrossEntropyHead(nn.Module):
         self.chunk_tokens = chunk_tokens
         self.deferred = False
         self.armed: tuple[torch.Tensor, str] | None = None  # (targets, reduction): heads_compute_loss
-        self._returned: torch.Tensor | None = None  # what the last armed/deferred forward returned
+        # what the last armed/deferred forward returned, weakly: the loss (and its graph) or the
+        # hidden states are not kept alive past their step
+        self._returned: weakref.ref | None = None
 
     @property
     def tp(self) -> int:
         return 1 if self.ctx is None else self.ctx.size("tp")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_returned"] = None  # a weak reference to one step's output: not part of the module
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., d]`` -> logits ``[..., V/tp]``; inside :func:`heads_compute_loss` the fp32 loss;
@@ -108,12 +116,12 @@ class FusedCrossEntropyHead(nn.Module):
             loss = self.loss(x, target, reduction=reduction)
             if self.tp > 1:
                 set_tp_rng_stream(sharded=True)
-            self._returned = loss
+            self._returned = weakref.ref(loss)
             return loss
         if self.deferred:
             if self.tp > 1:  # what follows is per-shard work: [Note: tensor-parallel RNG streams]
                 set_tp_rng_stream(sharded=True)
-            self._returned = x
+            self._returned = weakref.ref(x)
             return x
         if self.tp == 1:
             return F.linear(x, self.weight, self.bias)
@@ -134,7 +142,7 @@ class FusedCrossEntropyHead(nn.Module):
         Raises:
             ValueError: ``out`` is another tensor, naming the usual causes.
         """
-        if out is not self._returned:
+        if self._returned is None or out is not self._returned():
             raise ValueError(
                 "fused cross-entropy: the model did not return its LM head's output as is (it scales, soft-caps, "
                 "slices or otherwise changes the logits after the head: Granite's logits_scaling, Gemma-2's "

@@ -264,6 +264,23 @@ def _zero_bubble_body() -> None:
             patch.stop()
 
 
+def test_a_trained_model_with_a_fused_head_pickles_whole():
+    """The head keeps only a weak reference to a step's loss: ``torch.save(model)`` works after
+    training and the copy computes the same logits."""
+    import io
+
+    torch.manual_seed(0)
+    model = TinyGPT(61, d_model=32, n_layers=2, n_heads=4, seq_len=16)
+    par = parallelize(model, None, dp="none", fused_cross_entropy=True)
+    x, y = _lm_data(61, 1)[0]
+    par.forward_backward(x, y)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(again(x), model(x), rtol=0, atol=0)
+
+
 def test_zero_bubble_schedule_is_refused_before_any_collective(dist_pool):
     """ZB-H1 runs a loss's backward twice (input, then weight gradients); the fused loss forms
     its gradients once."""
