@@ -213,9 +213,10 @@ def render() -> str:
     ce = _load("cross_entropy_cuda.json")
     if ce:
         rows += _cross_entropy_cuda_rows(ce)
-    fused_ce = _load("fused_ce_cuda.json")
-    if fused_ce:
-        rows += _fused_ce_rows(fused_ce)
+    for name in ("fused_ce_cpu.json", "fused_ce_cuda.json"):
+        fused_ce = _load(name)
+        if fused_ce:
+            rows += _fused_ce_rows(fused_ce)
     ddp = _load("ddp_cpu.json")
     if ddp:
         rows += _ddp_rows(ddp)
