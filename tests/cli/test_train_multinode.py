@@ -4,7 +4,8 @@ Each "machine" is a ``shardkit train --nnodes 2 --rdzv-endpoint 127.0.0.1:PORT``
 own torchrun agent; the ranks meet through torchrun's c10d rendezvous. The same layout on one
 machine (``--nproc`` = all ranks) is the reference: the same global ranks do the same work in
 the same order, so every step's loss is bitwise equal. tp stays inside a machine (tp divides the
-ranks per machine: [Note: mesh layout] in comm/context.py), dp crosses machines.
+ranks per machine: [Note: mesh layout] in comm/context.py), dp crosses machines; with pp and
+dp, the pipeline's stages are on different machines.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ SMALL = ["--d-model", "32", "--n-layers", "2", "--seq-len", "32", "--batch-size"
 #: name -> (ranks per machine, flags)
 LAYOUTS = {
     "tp-inside-dp-across": (2, ["--tp", "2", "--strategy", "zero3"]),  # ZeRO-3 on the dp axis, across machines
+    # pp outermost: the two stages on two machines (P2P across them), DDP's all-reduce inside each
+    "pp-across-dp-inside": (2, ["--pp", "2", "--strategy", "ddp", "--microbatches", "2"]),
 }
 
 
