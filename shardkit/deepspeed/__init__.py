@@ -59,7 +59,10 @@ def __getattr__(name: str) -> Any:
         from .pipe import PipelineModule
 
         return PipelineModule
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r}: not offered under shardkit; docs/engine.md "
+        '("DeepSpeed\'s module-level API") lists what is supported, adapted or not offered, and why'
+    )
 
 
 __all__ = [

@@ -315,6 +315,11 @@ class TrainConfig:
                 validate_nvme_dir(self.nvme_dir)
             except ValueError as e:
                 raise ValueError(f"--nvme-dir: {e}") from None
+        if self.fused_ce and self.pp > 1 and self.schedule == "zb-h1":
+            raise ValueError(
+                "--fused-ce with --schedule zb-h1: its split backward runs the loss's backward twice, and the fused "
+                "loss forms its gradients once; use another --schedule"
+            )
         if self.schedule == "interleaved" and self.pp > 1 and self.virtual_stages == 1:
             raise ValueError("--schedule interleaved needs --virtual-stages V >= 2 (stages per rank; with V = 1 it is 1f1b)")
         if self.offload != "none" and not self.strategy.startswith("zero"):

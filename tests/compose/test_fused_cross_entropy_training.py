@@ -285,3 +285,12 @@ def test_zero_bubble_schedule_is_refused_before_any_collective(dist_pool):
     """ZB-H1 runs a loss's backward twice (input, then weight gradients); the fused loss forms
     its gradients once."""
     dist_pool.run(_zero_bubble_body, world_size=2, timeout=60)
+
+
+def test_shardkit_train_refuses_fused_ce_with_zero_bubble_before_starting_workers():
+    from shardkit.train.config import TrainConfig
+
+    cfg = TrainConfig(pp=2, nproc=2, schedule="zb-h1", fused_ce=True)
+    with pytest.raises(ValueError, match="--fused-ce with --schedule zb-h1"):
+        cfg.validate()
+    TrainConfig(pp=2, nproc=2, schedule="1f1b", fused_ce=True).validate()  # another schedule is fine

@@ -210,3 +210,12 @@ def test_zero_reports_the_global_grad_norm_without_clipping_as_deepspeed(dist_po
     want = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
     for norm in dist_pool.run(_norm_without_clipping, stage, world_size=2, timeout=120):
         assert norm == pytest.approx(want, rel=1e-5)
+
+
+def test_a_deepspeed_name_not_offered_says_where_the_supported_ones_are_listed():
+    import shardkit.deepspeed as deepspeed
+
+    for get in (lambda: deepspeed.runtime, lambda: deepspeed.utils.safe_get_full_grad):
+        with pytest.raises(AttributeError, match=r"not offered under shardkit; docs/engine\.md"):
+            get()
+    assert not hasattr(deepspeed, "no_such_name") and hasattr(deepspeed.utils, "RepeatingLoader")

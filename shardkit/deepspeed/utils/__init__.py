@@ -56,4 +56,7 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         return importlib.import_module(f"{__name__}.zero_to_fp32")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r}: not offered under shardkit; docs/engine.md "
+        '("DeepSpeed\'s module-level API") lists what is supported, adapted or not offered, and why'
+    )
