@@ -343,7 +343,7 @@ class _FusedLinearCE(torch.autograd.Function):
             _walk(h, weight, bias, t_rows, o, loss=loss, lse=lse, coef=coef, grads=grads)
             _finish_hidden_grad(grads[0], o)
             ctx.save_for_backward(*(g if g is not None else torch.empty(0) for g in (grads[0], grads[2])))
-            ctx.weight_grad = grads[1]  # an attribute: its blocks are freed one by one in backward
+            ctx.weight_grad = grads[1]  # an attribute: backward takes it and frees it (not kept with the graph)
         else:
             _walk(h, weight, bias, t_rows, o, loss=loss, lse=lse, coef=None, grads=None)
             ctx.save_for_backward(hidden, weight, bias, t_rows, lse)
