@@ -1,8 +1,9 @@
 """The parallel context and collectives over ``torch.distributed`` (never imports Triton).
 
-* :class:`ParallelContext` — named ``pp`` × ``dp`` × ``tp`` axes over a ``DeviceMesh``.
+* :class:`ParallelContext` — named ``pp`` × ``dp`` × ``cp`` × ``tp`` axes over a ``DeviceMesh``.
 * :func:`all_reduce`, :func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`,
-  :func:`send`, :func:`recv` — take ``group=`` explicitly and return a :class:`CommHandle`.
+  :func:`send`, :func:`recv`, :func:`all_to_all`, :func:`ring_shift` — take ``group=``
+  explicitly and return a :class:`CommHandle`.
 * :class:`CommStats` — explicit, thread-safe call/byte accounting (``stats=``).
 * :class:`Heartbeat` — each rank beats and watches the next: a frozen rank is named and ended in
   seconds instead of the collective timeout (see [Note: heartbeats]).
@@ -23,12 +24,14 @@ from .collectives import (
     ReduceOpName,
     all_gather,
     all_reduce,
+    all_to_all,
     broadcast,
     recv,
     reduce_scatter,
+    ring_shift,
     send,
 )
-from .context import AXES, DEFAULT_TIMEOUT, ParallelContext
+from .context import AXES, DEFAULT_TIMEOUT, DP_CP, ParallelContext
 from .handle import CommHandle, CommTimeoutError
 from .heartbeat import Heartbeat
 from .stats import CommStats, group_label
@@ -36,6 +39,7 @@ from .stats import CommStats, group_label
 __all__ = [
     "AXES",
     "DEFAULT_TIMEOUT",
+    "DP_CP",
     "ParallelContext",
     "CommHandle",
     "CommStats",
@@ -48,5 +52,7 @@ __all__ = [
     "broadcast",
     "send",
     "recv",
+    "all_to_all",
+    "ring_shift",
     "group_label",
 ]

@@ -32,6 +32,8 @@ __all__ = [
     "broadcast",
     "send",
     "recv",
+    "all_to_all",
+    "ring_shift",
 ]
 
 ReduceOpName = Literal["sum", "avg", "max", "min"]
@@ -466,3 +468,99 @@ def recv(
         stats=stats,
         nbytes=_nbytes(tensor),
     )
+
+
+def all_to_all(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+) -> CommHandle:
+    """Rank ``r`` sends its ``input``'s ``j``-th slice (dim 0) to rank ``j``, which stores it as
+    the ``r``-th slice of its ``output``.
+
+    Args:
+        output: ``[N * m, ...]`` (``N = group.size()``), contiguous.
+        input: the same shape, dtype and device as ``output``, contiguous; dim 0 divisible by ``N``.
+        group: the process group (required keyword).
+        async_op: see [Note: comm handles and ordering].
+        stats: optional :class:`CommStats`; records ``input``'s bytes.
+
+    Returns:
+        A :class:`CommHandle` whose ``output`` is ``output``.
+
+    Example:
+        >>> x = torch.tensor([10., 11.]) + 2 * ctx.rank("cp")   # rank 0: [10, 11]; rank 1: [12, 13]
+        >>> all_to_all(out := torch.empty(2), x, group=ctx.group("cp")).output
+        tensor([10., 12.])                                       # on rank 0; rank 1: [11, 13]
+    """
+    fn = "all_to_all"
+    group = _check_group(fn, group)
+    output = _check_tensor(fn, "output", output)
+    input = _check_tensor(fn, "input", input)
+    _check_pair(fn, output, input)
+    n = group.size()
+    if output.shape != input.shape or input.dim() == 0 or input.shape[0] % n:
+        raise ValueError(
+            f"{fn}: input and output must have one shape whose dim 0 is divisible by the group size {n}; "
+            f"got {tuple(input.shape)} and {tuple(output.shape)}"
+        )
+    if n == 1:
+        output.copy_(input)
+        return CommHandle(fn, output)
+    issue = lambda: dist.all_to_all_single(output, input, group=group, async_op=True)  # noqa: E731
+    return _launch(fn, group, output, issue, async_op=async_op, stats=stats, nbytes=_nbytes(input))
+
+
+def ring_shift(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    async_op: bool = False,
+    stats: CommStats | None = None,
+) -> CommHandle:
+    """Send ``input`` to the next rank of ``group`` and receive the previous rank's into ``output``.
+
+    Rank ``r`` sends to ``(r + 1) % N`` and receives from ``(r - 1) % N``. The send and the
+    receive are posted together (one ``batch_isend_irecv``: an NCCL group), so two ranks facing
+    each other cannot block one another.
+
+    Args:
+        output: the received tensor's buffer: ``input``'s shape and dtype, contiguous, not ``input``.
+        input: contiguous; must not be modified until the handle is waited.
+        group: the process group (required keyword).
+        async_op: see [Note: comm handles and ordering].
+        stats: optional :class:`CommStats`; records ``input``'s bytes as ``"ring_shift"``.
+
+    Returns:
+        A :class:`CommHandle` whose ``output`` is ``output``; waiting it waits both transfers.
+
+    Example:
+        >>> kv_next = torch.empty_like(kv)
+        >>> h = ring_shift(kv_next, kv, group=ctx.group("cp"), async_op=True)
+        >>> ...                        # compute with kv meanwhile
+        >>> kv = h.wait()
+    """
+    fn = "ring_shift"
+    group = _check_group(fn, group)
+    output = _check_tensor(fn, "output", output)
+    input = _check_tensor(fn, "input", input)
+    _check_pair(fn, output, input)
+    if output.shape != input.shape:
+        raise ValueError(f"{fn}: output must have input's shape {tuple(input.shape)}, got {tuple(output.shape)}")
+    n = group.size()
+    if n == 1:
+        output.copy_(input)
+        return CommHandle(fn, output)
+    if output.data_ptr() == input.data_ptr():
+        raise ValueError(f"{fn}: output must not be input (the send reads input while the receive writes output)")
+    me = group.rank()
+    ops = [
+        dist.P2POp(dist.isend, input, group=group, group_peer=(me + 1) % n),
+        dist.P2POp(dist.irecv, output, group=group, group_peer=(me - 1) % n),
+    ]
+    issue = lambda: _Works(dist.batch_isend_irecv(ops))  # noqa: E731
+    return _launch(fn, group, output, issue, async_op=async_op, stats=stats, nbytes=_nbytes(input))

@@ -1,16 +1,26 @@
-"""The parallel context: named ``pp`` × ``dp`` × ``tp`` axes over a ``DeviceMesh``.
+"""The parallel context: named ``pp`` × ``dp`` × ``cp`` × ``tp`` axes over a ``DeviceMesh``.
 
 [Note: mesh layout]
-Axes are ordered ``("pp", "dp", "tp")``, outermost to innermost, as in torchtitan's
-``ParallelDims``: global rank ``r = (i_pp * dp + i_dp) * tp + i_tp``. The tp axis is innermost
-so that a tp group is a run of consecutive ranks, i.e. GPUs of one node joined by NVLink (tp
-communicates every layer); dp is next (one gradient reduction per step); pp outermost (only
+Axes are ordered ``("pp", "dp", "cp", "tp")``, outermost to innermost, as in torchtitan's
+``ParallelDims`` and Megatron-Core's ``tp-cp-dp-pp`` order: global rank
+``r = ((i_pp * dp + i_dp) * cp + i_cp) * tp + i_tp``. The tp axis is innermost so that a tp
+group is a run of consecutive ranks, i.e. GPUs of one node joined by NVLink (tp communicates
+every layer); cp next (context parallelism exchanges keys/values or heads in every attention
+layer, less often than tp); dp next (one gradient reduction per step); pp outermost (only
 point-to-point activations cross it, which tolerates the slowest links). With several machines
 (torchrun gives each ``LOCAL_WORLD_SIZE`` consecutive global ranks), a tp group stays inside one
-machine exactly when tp divides ``LOCAL_WORLD_SIZE``; dp, then pp, cross machines.
+machine exactly when tp divides ``LOCAL_WORLD_SIZE``; cp, dp, then pp, cross machines.
 :meth:`ParallelContext.from_env` warns when tp would span machines. Every context has all
-three axes, size 1 where unused, so ``ctx.group("pp")`` always works; collectives on a size-1
+four axes, size 1 where unused, so ``ctx.group("pp")`` always works; collectives on a size-1
 group take the local path.
+
+[Note: the dp_cp group]
+The ranks of one cp group hold the same parameters and see different tokens of the same
+sequences, so for the gradient they are data parallel too: a parameter's gradient is summed
+over cp and averaged over dp. ``ctx.group("dp_cp")`` is the flattened dp × cp group (Megatron's
+data-parallel group "with context parallel", torchtitan's ``dp_cp`` mesh) over which gradients
+are reduced and ZeRO shards its state; with ``cp == 1`` it *is* the dp group. It is a derived
+name, not a mesh axis: ``ctx.size("dp_cp") == ctx.size("dp") * ctx.size("cp")``.
 
 [Note: process-group timeouts]
 Every process group shardkit creates (the default group in :meth:`ParallelContext.from_env`, one
@@ -66,10 +76,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["AXES", "DEFAULT_TIMEOUT", "ParallelContext"]
+__all__ = ["AXES", "DEFAULT_TIMEOUT", "DP_CP", "ParallelContext"]
 
 #: Mesh axes, outermost first; see [Note: mesh layout].
-AXES: tuple[str, ...] = ("pp", "dp", "tp")
+AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
+#: The flattened dp × cp group's name; see [Note: the dp_cp group].
+DP_CP = "dp_cp"
 #: How long :meth:`ParallelContext.destroy` waits for the other ranks before tearing down anyway.
 TEARDOWN_WAIT = timedelta(seconds=10)
 
@@ -170,16 +182,32 @@ def _check_gpus_per_node(local_rank: int) -> None:
         )
 
 
+def _new_dp_cp_group(layout: torch.Tensor, *, timeout: timedelta | None) -> dist.ProcessGroup:
+    """Create every rank's flattened dp x cp group over ``layout`` ``[pp, dp, cp, tp]`` (global
+    ranks), in the same order on every rank, and return this rank's; see [Note: the dp_cp group]."""
+    me = dist.get_rank()
+    mine = None
+    dim_dp, dim_cp = AXES.index("dp"), AXES.index("cp")
+    flat = layout.movedim((dim_dp, dim_cp), (-2, -1))
+    for ranks in flat.reshape(-1, flat.shape[-2] * flat.shape[-1]).tolist():
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        group = dist.new_group(ranks, group_desc=f"shardkit_{DP_CP}", **kwargs)
+        if me in ranks:
+            mine = group
+    assert mine is not None, "this rank is not in the layout"
+    return mine
+
+
 @dataclass(frozen=True)
 class ParallelContext:
-    """Named parallel axes ``pp``, ``dp``, ``tp`` over a 3-D ``DeviceMesh``.
+    """Named parallel axes ``pp``, ``dp``, ``cp``, ``tp`` over a 4-D ``DeviceMesh``.
 
     Build it with :meth:`from_env` (under torchrun), :meth:`from_world` (process group already
     initialized) or :meth:`from_mesh`; pass it (or one of its groups) explicitly to everything
     that communicates. See [Note: mesh layout] and [Note: process-group timeouts].
 
     Attributes:
-        mesh: the ``DeviceMesh``, dims named ``("pp", "dp", "tp")``.
+        mesh: the ``DeviceMesh``, dims named ``("pp", "dp", "cp", "tp")``.
 
     Example:
         >>> ctx = ParallelContext.from_env(tp=2)          # torchrun --nproc-per-node 4
@@ -193,6 +221,8 @@ class ParallelContext:
     _owned: list[dist.ProcessGroup] = field(default_factory=list, repr=False, compare=False)
     # True when from_env initialized the default group: destroy() then tears it down too
     _owns_world: bool = field(default=False, repr=False, compare=False)
+    # the flattened dp x cp group when cp > 1 ([Note: the dp_cp group]); None when cp == 1
+    _dp_cp: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -202,43 +232,50 @@ class ParallelContext:
                 f"mesh dims must be named {AXES}, got {self.mesh.mesh_dim_names}; "
                 "use ParallelContext.from_mesh to adapt a mesh with fewer axes"
             )
+        if (self._dp_cp is None) != (self.mesh.size(AXES.index("cp")) == 1):
+            raise ValueError("a context with cp > 1 needs its dp_cp group (and one with cp == 1 none)")
 
     # ---- validation --------------------------------------------------------------------------
     @staticmethod
-    def resolve_sizes(world_size: int, *, dp: int = -1, tp: int = 1, pp: int = 1) -> dict[str, int]:
+    def resolve_sizes(world_size: int, *, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1) -> dict[str, int]:
         """Check axis sizes against ``world_size`` from integers alone (no communication).
 
         Args:
             world_size: number of ranks.
-            dp, tp, pp: axis sizes, each >= 1; ``dp=-1`` means ``world_size // (pp * tp)``.
+            dp, tp, pp, cp: axis sizes, each >= 1; ``dp=-1`` means
+                ``world_size // (pp * cp * tp)``.
 
         Returns:
-            ``{"pp": pp, "dp": dp, "tp": tp}`` with ``dp`` resolved.
+            ``{"pp": pp, "dp": dp, "cp": cp, "tp": tp}`` with ``dp`` resolved.
 
         Raises:
             TypeError: a size is not an int (the axis is named).
-            ValueError: a size < 1, ``dp=-1`` not dividing, or ``pp * dp * tp != world_size``
+            ValueError: a size < 1, ``dp=-1`` not dividing, or ``pp * dp * cp * tp != world_size``
                 (the axis is named).
 
         Example:
             >>> ParallelContext.resolve_sizes(8, tp=2)
-            {'pp': 1, 'dp': 4, 'tp': 2}
+            {'pp': 1, 'dp': 4, 'cp': 1, 'tp': 2}
         """
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
         pp = _check_axis_size("pp", pp, allow_rest=False)
         tp = _check_axis_size("tp", tp, allow_rest=False)
+        cp = _check_axis_size("cp", cp, allow_rest=False)
         dp = _check_axis_size("dp", dp, allow_rest=True)
+        rest = pp * cp * tp
+        named = f"pp*cp*tp = {pp}*{cp}*{tp}" if cp > 1 else f"pp*tp = {pp}*{tp}"
         if dp == -1:
-            if world_size % (pp * tp):
-                raise ValueError(f"dp=-1 needs the world size {world_size} to be divisible by pp*tp = {pp}*{tp} = {pp * tp}")
-            dp = world_size // (pp * tp)
-        if pp * dp * tp != world_size:
+            if world_size % rest:
+                raise ValueError(f"dp=-1 needs the world size {world_size} to be divisible by {named} = {rest}")
+            dp = world_size // rest
+        if rest * dp != world_size:
+            product = f"pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp}" if cp > 1 else f"pp*dp*tp = {pp}*{dp}*{tp}"
             raise ValueError(
-                f"pp*dp*tp = {pp}*{dp}*{tp} = {pp * dp * tp} does not equal the world size "
-                f"{world_size}; change dp (or pass dp=-1), tp or pp"
+                f"{product} = {rest * dp} does not equal the world size "
+                f"{world_size}; change dp (or pass dp=-1), tp{', cp' if cp > 1 else ''} or pp"
             )
-        return {"pp": pp, "dp": dp, "tp": tp}
+        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
 
     # ---- constructors ------------------------------------------------------------------------
     @classmethod
@@ -248,6 +285,7 @@ class ParallelContext:
         dp: int = -1,
         tp: int = 1,
         pp: int = 1,
+        cp: int = 1,
         backend: str | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         blocking_wait: bool = False,
@@ -261,7 +299,7 @@ class ParallelContext:
         default process group is already initialized, it is used as is (``from_world``).
 
         Args:
-            dp, tp, pp: axis sizes (see :meth:`resolve_sizes`).
+            dp, tp, pp, cp: axis sizes (see :meth:`resolve_sizes`).
             backend: ``"nccl"`` when CUDA is available, else ``"gloo"``, unless given. With NCCL
                 the CUDA device is set from ``LOCAL_RANK`` first.
             timeout: timeout of the default group and of every axis group.
@@ -285,7 +323,7 @@ class ParallelContext:
         _check_timeout(timeout)
         _check_blocking_wait(blocking_wait)
         if dist.is_initialized():
-            return cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout, blocking_wait=blocking_wait)
+            return cls.from_world(dp=dp, tp=tp, pp=pp, cp=cp, timeout=timeout, blocking_wait=blocking_wait)
         env = os.environ
         if "RANK" not in env and "WORLD_SIZE" not in env:
             rank, world_size, local_rank = 0, 1, 0
@@ -298,13 +336,13 @@ class ParallelContext:
         if "LOCAL_WORLD_SIZE" in env:
             warn_if_tp_spans_machines(world_size, _env_int("LOCAL_WORLD_SIZE"), tp)
         try:
-            cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp)  # before any process group exists
+            cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp, cp=cp)  # before any process group exists
         except ValueError as e:
-            if "WORLD_SIZE" in env or not all(type(v) is int and v >= 1 or v == -1 for v in (dp, tp, pp)):
+            if "WORLD_SIZE" in env or not all(type(v) is int and v >= 1 or v == -1 for v in (dp, tp, pp, cp)):
                 raise
             raise ValueError(
                 f"{e}: this process was not started by torchrun (no RANK/WORLD_SIZE in the environment), so it "
-                f"is a one-process world; launch it with `torchrun --nproc-per-node {pp * tp if dp == -1 else pp * tp * dp} "
+                f"is a one-process world; launch it with `torchrun --nproc-per-node {pp * cp * tp if dp == -1 else pp * cp * tp * dp} "
                 "your_script.py`"
             ) from None
         if backend is None:
@@ -339,7 +377,7 @@ class ParallelContext:
                     device_id=device_id,
                 )
         try:
-            ctx = cls.from_world(dp=dp, tp=tp, pp=pp, timeout=timeout, blocking_wait=blocking_wait)
+            ctx = cls.from_world(dp=dp, tp=tp, pp=pp, cp=cp, timeout=timeout, blocking_wait=blocking_wait)
         except BaseException:
             dist.destroy_process_group()  # leave no half-built world behind
             raise
@@ -353,6 +391,7 @@ class ParallelContext:
         dp: int = -1,
         tp: int = 1,
         pp: int = 1,
+        cp: int = 1,
         timeout: timedelta = DEFAULT_TIMEOUT,
         blocking_wait: bool = False,
     ) -> ParallelContext:
@@ -363,7 +402,7 @@ class ParallelContext:
         Collective: every rank of the world must call it with the same arguments.
 
         Args:
-            dp, tp, pp: axis sizes (see :meth:`resolve_sizes`), validated before any group is
+            dp, tp, pp, cp: axis sizes (see :meth:`resolve_sizes`), validated before any group is
                 created.
             timeout: timeout of every group created.
             blocking_wait: NCCL only: create the axis groups with blocking wait, so a timeout
@@ -380,7 +419,7 @@ class ParallelContext:
         Example:
             >>> with ParallelContext.from_world(dp=2, tp=2) as ctx:   # world size 4
             ...     ctx.mesh.mesh.tolist()
-            [[[0, 1], [2, 3]]]
+            [[[[0, 1]], [[2, 3]]]]
         """
         _check_timeout(timeout)
         _check_blocking_wait(blocking_wait)
@@ -390,7 +429,7 @@ class ParallelContext:
                 "use ParallelContext.from_env() or torch.distributed.init_process_group() first"
             )
         world_size = dist.get_world_size()
-        sizes = cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp)
+        sizes = cls.resolve_sizes(world_size, dp=dp, tp=tp, pp=pp, cp=cp)
         device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
         layout = torch.arange(world_size, dtype=torch.int).reshape([sizes[a] for a in AXES])
         me = dist.get_rank()
@@ -402,16 +441,18 @@ class ParallelContext:
                     group = dist.new_group(ranks, timeout=timeout, group_desc=f"shardkit_{axis}")
                     if me in ranks:
                         mine.append(group)
+            dp_cp = _new_dp_cp_group(layout, timeout=timeout) if sizes["cp"] > 1 else None
         mesh = DeviceMesh.from_group(mine, device_type, mesh=layout, mesh_dim_names=AXES)
-        return cls(mesh, mine)
+        return cls(mesh, mine + ([dp_cp] if dp_cp is not None else []), _dp_cp=dp_cp)
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> ParallelContext:
-        """Wrap an existing mesh whose dims are named by a subset of ``("pp", "dp", "tp")``.
+        """Wrap an existing mesh whose dims are named by a subset of ``("pp", "dp", "cp", "tp")``.
 
-        Missing axes get size 1. Dims must appear in the order pp, dp, tp (see
-        [Note: mesh layout]). A mesh with all three axes is used as is (no communication);
-        otherwise a size-1 group per missing axis is created, which needs the mesh to span the
+        Missing axes get size 1. Dims must appear in the order pp, dp, cp, tp (see
+        [Note: mesh layout]). A mesh with all four axes and ``cp == 1`` is used as is (no
+        communication); otherwise a size-1 group per missing axis (and, with ``cp > 1``, the
+        dp_cp group: [Note: the dp_cp group]) is created, which needs the mesh to span the
         whole default group and every rank to call this.
 
         Args:
@@ -436,12 +477,13 @@ class ParallelContext:
             raise ValueError(f"mesh dim names must be distinct names from {AXES}, got {names}")
         if list(names) != [a for a in AXES if a in names]:
             raise ValueError(f"mesh dims must be ordered as {AXES} (outermost first), got {names}")
-        if tuple(names) == AXES:
+        cp = mesh.size(names.index("cp")) if "cp" in names else 1
+        if tuple(names) == AXES and cp == 1:
             return cls(mesh)
         if mesh.size() != dist.get_world_size():
             raise ValueError(
-                f"a mesh without all of {AXES} must span the world ({dist.get_world_size()} ranks) "
-                f"to add size-1 axes; got {mesh.size()} ranks with dims {names}"
+                f"a mesh without all of {AXES}, or with cp > 1, must span the world ({dist.get_world_size()} "
+                f"ranks) to add size-1 axes and the dp_cp group; got {mesh.size()} ranks with dims {names}"
             )
         me = dist.get_rank()
         layout = mesh.mesh.to(torch.int)
@@ -456,52 +498,62 @@ class ParallelContext:
             singletons = [dist.new_group([r], group_desc=f"shardkit_{axis}") for r in world]
             groups.append(singletons[me])
             owned.append(singletons[me])
+        dp_cp = _new_dp_cp_group(layout, timeout=None) if cp > 1 else None
         full = DeviceMesh.from_group(groups, mesh.device_type, mesh=layout, mesh_dim_names=AXES)
-        return cls(full, owned)
+        return cls(full, owned + ([dp_cp] if dp_cp is not None else []), _dp_cp=dp_cp)
 
     # ---- queries -----------------------------------------------------------------------------
     def _axis(self, axis: str) -> str:
-        if axis not in AXES:
-            raise ValueError(f"unknown axis {axis!r}; axes are {AXES}")
+        if axis not in AXES and axis != DP_CP:
+            raise ValueError(f"unknown axis {axis!r}; axes are {AXES} (and {DP_CP!r}, dp and cp flattened)")
         return axis
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """The process group of this rank along ``axis`` (``"pp"``, ``"dp"`` or ``"tp"``).
+        """The process group of this rank along ``axis`` (``"pp"``, ``"dp"``, ``"cp"``, ``"tp"``,
+        or ``"dp_cp"``: [Note: the dp_cp group]).
 
         Example:
             >>> ctx.group("tp").size() == ctx.size("tp")
             True
         """
-        return self.mesh.get_group(self._axis(axis))
+        if self._axis(axis) == DP_CP:
+            return self.mesh.get_group("dp") if self._dp_cp is None else self._dp_cp
+        return self.mesh.get_group(axis)
 
     def rank(self, axis: str) -> int:
-        """This rank's coordinate along ``axis`` (its rank within ``group(axis)``)."""
-        return self.mesh.get_local_rank(self._axis(axis))
+        """This rank's coordinate along ``axis`` (its rank within ``group(axis)``); for
+        ``"dp_cp"``, ``rank("dp") * size("cp") + rank("cp")``."""
+        if self._axis(axis) == DP_CP:
+            return self.rank("dp") * self.size("cp") + self.rank("cp")
+        return self.mesh.get_local_rank(axis)
 
     def size(self, axis: str) -> int:
         """Number of ranks along ``axis`` (1 when the axis is unused)."""
-        return self.mesh.size(AXES.index(self._axis(axis)))
+        if self._axis(axis) == DP_CP:
+            return self.size("dp") * self.size("cp")
+        return self.mesh.size(AXES.index(axis))
 
     def submesh(self, axes: str | Sequence[str]) -> DeviceMesh:
-        """The sub-``DeviceMesh`` over ``axes`` (one name or several, in pp, dp, tp order).
+        """The sub-``DeviceMesh`` over ``axes`` (one name or several, in pp, dp, cp, tp order).
 
         Useful for torch APIs that take a mesh (FSDP2, DTensor): ``ctx.submesh(("dp", "tp"))``.
         """
         names = (axes,) if isinstance(axes, str) else tuple(axes)
         for a in names:
-            self._axis(a)
+            if a not in AXES:
+                raise ValueError(f"unknown axis {a!r}; submesh axes are {AXES}")
         if list(names) != [a for a in AXES if a in names] or len(set(names)) != len(names):
             raise ValueError(f"submesh axes must be distinct and ordered as {AXES}, got {names}")
         return self.mesh[names[0] if len(names) == 1 else names]
 
     @property
     def sizes(self) -> dict[str, int]:
-        """``{"pp": ..., "dp": ..., "tp": ...}``."""
+        """``{"pp": ..., "dp": ..., "cp": ..., "tp": ...}``."""
         return {a: self.size(a) for a in AXES}
 
     @property
     def world_size(self) -> int:
-        """Number of ranks in the mesh (``pp * dp * tp``)."""
+        """Number of ranks in the mesh (``pp * dp * cp * tp``)."""
         return self.mesh.size()
 
     @property
@@ -576,4 +628,5 @@ class ParallelContext:
 
     def __repr__(self) -> str:
         s = self.sizes
-        return f"ParallelContext(pp={s['pp']}, dp={s['dp']}, tp={s['tp']}, global_rank={self.global_rank})"
+        cp = f", cp={s['cp']}" if s["cp"] > 1 else ""
+        return f"ParallelContext(pp={s['pp']}, dp={s['dp']}{cp}, tp={s['tp']}, global_rank={self.global_rank})"

@@ -140,6 +140,11 @@ def _check_arguments(
         raise ValueError(f"dp={dp!r} needs a ParallelContext (ctx=None is one process: dp='none')")
     if ctx is not None and not isinstance(ctx, ParallelContext):
         raise TypeError(f"ctx must be a ParallelContext or None, got {type(ctx).__name__}")
+    if axis_size(ctx, "cp") > 1:
+        raise ValueError(
+            f"ctx has a cp axis of size {axis_size(ctx, 'cp')}: parallelize does not shard sequences yet; use "
+            "shardkit.parallel.context's functions (context_parallel_attention, shard_sequence) in your own loop"
+        )
     if dp == "none" and axis_size(ctx, "dp") > 1:
         raise ValueError(f"dp='none' but ctx has a dp axis of size {axis_size(ctx, 'dp')}: pick 'ddp' or a ZeRO stage")
     if loss_fn is not None and not callable(loss_fn):

@@ -74,7 +74,7 @@ def stage_context(ctx: ParallelContext) -> ParallelContext:
     Example:
         >>> sub = stage_context(ctx)                     # ctx: pp=2, dp=2 on 4 ranks
         >>> sub.sizes, sub.group("dp") is ctx.group("dp")
-        ({'pp': 1, 'dp': 2, 'tp': 1}, True)
+        ({'pp': 1, 'dp': 2, 'cp': 1, 'tp': 1}, True)
     """
     if ctx.world_size != dist.get_world_size():
         raise ValueError(
@@ -83,10 +83,11 @@ def stage_context(ctx: ParallelContext) -> ParallelContext:
         )
     me = dist.get_rank()
     singletons = [dist.new_group([r], group_desc="shardkit_stage_pp") for r in range(dist.get_world_size())]
-    layout = ctx.mesh.mesh[ctx.rank("pp")].unsqueeze(0).to(torch.int)  # [1, dp, tp] global ranks
-    groups = [singletons[me], ctx.group("dp"), ctx.group("tp")]
+    layout = ctx.mesh.mesh[ctx.rank("pp")].unsqueeze(0).to(torch.int)  # [1, dp, cp, tp] global ranks
+    groups = [singletons[me], *(ctx.group(a) for a in AXES[1:])]
     mesh = DeviceMesh.from_group(groups, ctx.mesh.device_type, mesh=layout, mesh_dim_names=AXES)
-    return ParallelContext(mesh, [singletons[me]])
+    dp_cp = ctx.group("dp_cp") if ctx.size("cp") > 1 else None
+    return ParallelContext(mesh, [singletons[me]], _dp_cp=dp_cp)
 
 
 class PipelineShardedDataParallel(ShardedDataParallel):

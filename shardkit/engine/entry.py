@@ -206,7 +206,7 @@ def initialize(
         _check_scheduler(lr_scheduler, optimizer)
         if ctx is None:
             ctx = ParallelContext.from_world(tp=tp, pp=pp)  # the default group exists
-        want = {"pp": pp, "dp": cfg.dp_size, "tp": tp}
+        want = {"pp": pp, "dp": cfg.dp_size, "cp": 1, "tp": tp}
         if ctx.sizes != want:
             raise ValueError(
                 f"ctx: axes {ctx.sizes} but the config asks for {want} (tensor_parallel.size, pipeline.stages, "

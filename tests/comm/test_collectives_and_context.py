@@ -25,10 +25,12 @@ from shardkit.comm import (
     ParallelContext,
     all_gather,
     all_reduce,
+    all_to_all,
     broadcast,
     group_label,
     recv,
     reduce_scatter,
+    ring_shift,
     send,
 )
 from shardkit.comm.collectives import GLOO_BROADCAST_GATHER_BYTES
@@ -385,8 +387,8 @@ def test_resolve_sizes_rejects_bad_sizes(world_size, sizes, axis):
 
 
 def test_resolve_sizes_fills_dp():
-    assert ParallelContext.resolve_sizes(8, tp=2, pp=2) == {"pp": 2, "dp": 2, "tp": 2}
-    assert ParallelContext.resolve_sizes(1) == {"pp": 1, "dp": 1, "tp": 1}
+    assert ParallelContext.resolve_sizes(8, tp=2, pp=2) == {"pp": 2, "dp": 2, "cp": 1, "tp": 2}
+    assert ParallelContext.resolve_sizes(1) == {"pp": 1, "dp": 1, "cp": 1, "tp": 1}
     with pytest.raises(TypeError, match="tp must be an int"):
         ParallelContext.resolve_sizes(4, tp=2.0)
 
@@ -508,15 +510,16 @@ def _mesh_2d_body() -> dict:
     r = dist.get_rank()
     with ParallelContext.from_env(dp=2, tp=2) as ctx:
         ranks = {a: dist.get_process_group_ranks(ctx.group(a)) for a in AXES}
-        assert ctx.sizes == {"pp": 1, "dp": 2, "tp": 2} and ctx.world_size == 4 and ctx.global_rank == r
+        assert ctx.sizes == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and ctx.world_size == 4 and ctx.global_rank == r
         assert (ctx.rank("dp"), ctx.rank("tp"), ctx.rank("pp")) == (r // 2, r % 2, 0)
         assert ctx.device == torch.device("cpu")
         assert dist.get_process_group_ranks(ctx.submesh("tp").get_group()) == ranks["tp"]
         assert ctx.submesh(("dp", "tp")).shape == (2, 2)
         with pytest.raises(ValueError, match="ordered"):
             ctx.submesh(("tp", "dp"))
-        with pytest.raises(ValueError, match="unknown axis 'cp'"):
-            ctx.group("cp")
+        with pytest.raises(ValueError, match="unknown axis 'ep'"):
+            ctx.group("ep")
+        assert ctx.group("dp_cp") is ctx.group("dp") and ctx.size("dp_cp") == 2 and ctx.rank("dp_cp") == r // 2
         # a tp all-reduce only mixes the two ranks of this tp group
         x = _input(r, 6, torch.float32)
         all_reduce(x, group=ctx.group("tp"))
@@ -537,6 +540,45 @@ def test_mesh_2d_dp2_tp2_groups(dist_pool):
         assert got["pp_of_pp2"] == [r % 2, r % 2 + 2]
 
 
+def _context_parallel_mesh_body() -> dict:
+    """cp sits between dp and tp; dp_cp flattens dp and cp (gradients are reduced over it)."""
+    got = {}
+    with ParallelContext.from_world(cp=2) as ctx:  # dp 2 x cp 2
+        got["cp"] = dist.get_process_group_ranks(ctx.group("cp"))
+        got["dp"] = dist.get_process_group_ranks(ctx.group("dp"))
+        got["dp_cp"] = dist.get_process_group_ranks(ctx.group("dp_cp"))
+        got["coords"] = (ctx.rank("dp"), ctx.rank("cp"), ctx.rank("dp_cp"), ctx.size("dp_cp"))
+        assert "cp=2" in repr(ctx)
+        x = torch.full((3,), float(dist.get_rank()))
+        all_reduce(x, group=ctx.group("dp_cp"))
+        got["dp_cp_sum"] = x[0].item()
+    with ParallelContext.from_world(cp=2, tp=2) as ctx:  # dp 1 x cp 2 x tp 2
+        got["cp_of_tp2"] = dist.get_process_group_ranks(ctx.group("cp"))
+        got["dp_cp_of_tp2"] = dist.get_process_group_ranks(ctx.group("dp_cp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    with ParallelContext.from_mesh(mesh) as ctx:
+        got["from_mesh"] = (ctx.sizes, dist.get_process_group_ranks(ctx.group("dp_cp")))
+    return got
+
+
+def test_context_parallel_axis_groups(dist_pool):
+    for r, got in enumerate(dist_pool.run(_context_parallel_mesh_body, world_size=4)):
+        assert got["cp"] == [2 * (r // 2), 2 * (r // 2) + 1], (r, got)  # cp inside dp
+        assert got["dp"] == [r % 2, r % 2 + 2], (r, got)
+        assert got["dp_cp"] == [0, 1, 2, 3] and got["dp_cp_sum"] == 6.0
+        assert got["coords"] == (r // 2, r % 2, r, 4)
+        assert got["cp_of_tp2"] == [r % 2, r % 2 + 2] and got["dp_cp_of_tp2"] == got["cp_of_tp2"]  # tp innermost
+        assert got["from_mesh"] == ({"pp": 1, "dp": 2, "cp": 2, "tp": 1}, [0, 1, 2, 3])
+
+
+def test_resolve_sizes_with_cp():
+    assert ParallelContext.resolve_sizes(8, cp=2, tp=2) == {"pp": 1, "dp": 2, "cp": 2, "tp": 2}
+    with pytest.raises(ValueError, match=r"pp\*cp\*tp = 1\*3\*1"):
+        ParallelContext.resolve_sizes(8, cp=3)
+    with pytest.raises(ValueError, match="cp must be >= 1"):
+        ParallelContext.resolve_sizes(8, cp=0)
+
+
 def _from_mesh_body() -> tuple[dict, list[int]]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with ParallelContext.from_mesh(mesh) as ctx:
@@ -549,7 +591,7 @@ def _from_mesh_body() -> tuple[dict, list[int]]:
 
 def test_from_mesh_adds_missing_axes(dist_pool):
     for r, (sizes, pp_ranks) in enumerate(dist_pool.run(_from_mesh_body, world_size=4)):
-        assert sizes == {"pp": 1, "dp": 2, "tp": 2} and pp_ranks == [r]
+        assert sizes == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and pp_ranks == [r]
 
 
 # ---- timeouts ----------------------------------------------------------------------------------
@@ -802,3 +844,28 @@ def test_tp_spanning_machines_is_warned_about() -> None:
         warnings.simplefilter("error")
         assert not warn_if_tp_spans_machines(world_size=8, per_machine=4, tp=2)  # inside a machine
         assert not warn_if_tp_spans_machines(world_size=4, per_machine=4, tp=4)  # one machine
+
+
+# ---- all_to_all and ring_shift ---------------------------------------------------------------------
+def _all_to_all_and_ring_body() -> tuple:
+    r, n = dist.get_rank(), dist.get_world_size()
+    with ParallelContext.from_world() as ctx:
+        group, stats = ctx.group("dp"), CommStats()
+        x = torch.arange(2 * n, dtype=torch.float32) + 100 * r  # slice j (2 values) goes to rank j
+        out = all_to_all(torch.empty_like(x), x, group=group, stats=stats).output
+        shifted = ring_shift(torch.empty(3), torch.full((3,), float(r)), group=group, async_op=True, stats=stats).wait()
+        with pytest.raises(ValueError, match="divisible by the group size"):
+            all_to_all(torch.empty(2 * n + 1), torch.empty(2 * n + 1), group=group)
+        with pytest.raises(ValueError, match="must not be input"):
+            t = torch.empty(3)
+            ring_shift(t, t, group=group)
+        return out.tolist(), shifted.tolist(), stats.bytes("all_to_all"), stats.bytes("ring_shift")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_and_ring_shift(dist_pool, world_size):
+    n = world_size
+    for r, (out, shifted, a2a_bytes, ring_bytes) in enumerate(dist_pool.run(_all_to_all_and_ring_body, world_size=n)):
+        assert out == [float(100 * src + 2 * r + i) for src in range(n) for i in range(2)]
+        assert shifted == [float((r - 1) % n)] * 3
+        assert a2a_bytes == 2 * n * 4 and ring_bytes == 3 * 4
