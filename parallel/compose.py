@@ -19,6 +19,10 @@ what the previous one produced:
 1. **Tensor parallel** (``tp_plan`` over ctx's tp axis) converts modules in place. It comes
    first because the plan's patterns name modules of the user's (unsplit) model, and because
    the pipeline and data-parallel steps must see the final, TP-sharded parameters.
+1a. **Context parallel** (``cp`` over ctx's cp axis): the plan's attention modules attend over
+   the sequence shards and its position modules number this rank's tokens by their place in
+   the full sequence (:func:`~shardkit.parallel.context.context_parallelize`); parameters are
+   untouched, so the dp step below simply reduces over dp × cp (``ctx.group("dp_cp")``).
 2. **Pipeline split** (``pp`` over ctx's pp axis): ``blocks(model)`` cuts the model into a
    sequence of blocks (embedding first, head last) and each pp rank keeps its stages.
 3. **Activation checkpointing** per block: inside the stages (PipelineParallel's
@@ -85,6 +89,8 @@ from .tensor import (
     vocab_parallel_cross_entropy,
 )
 from .tensor.fused_head import FusedCrossEntropyHead, deferred_heads, fuse_lm_head_loss, heads_compute_loss
+from .context.plan import ContextParallelOptions, context_parallelize, plan_modules
+from .context.sequence_loss import SequenceShardedLoss
 from .tensor.plan import VocabParallelLMHead
 from .zero.units import select_units
 
@@ -140,11 +146,6 @@ def _check_arguments(
         raise ValueError(f"dp={dp!r} needs a ParallelContext (ctx=None is one process: dp='none')")
     if ctx is not None and not isinstance(ctx, ParallelContext):
         raise TypeError(f"ctx must be a ParallelContext or None, got {type(ctx).__name__}")
-    if axis_size(ctx, "cp") > 1:
-        raise ValueError(
-            f"ctx has a cp axis of size {axis_size(ctx, 'cp')}: parallelize does not shard sequences yet; use "
-            "shardkit.parallel.context's functions (context_parallel_attention, shard_sequence) in your own loop"
-        )
     if dp == "none" and axis_size(ctx, "dp") > 1:
         raise ValueError(f"dp='none' but ctx has a dp axis of size {axis_size(ctx, 'dp')}: pick 'ddp' or a ZeRO stage")
     if loss_fn is not None and not callable(loss_fn):
@@ -267,6 +268,9 @@ class ParallelModel:
         #: the LM heads whose loss is fused (``parallelize(fused_cross_entropy=True)``): deferred
         #: around forward, loss and backward (:meth:`loss_path`)
         self.fused_heads: list[FusedCrossEntropyHead] = []
+        #: with cp > 1, shards each batch's sequences and forms their loss ([Note: the loss over
+        #: cp shards]); None otherwise
+        self.sequence: SequenceShardedLoss | None = None
 
     def loss_path(self, targets: torch.Tensor | None) -> contextlib.AbstractContextManager:
         """The context a forward + :attr:`loss_fn` (+ backward) runs in. With a fused head loss
@@ -330,11 +334,15 @@ class ParallelModel:
         """Forward, loss and backward of this dp rank's batch; gradients reduced over dp.
 
         Args:
-            inputs: ``(B, ...)`` model inputs (read on the first pipeline stage only).
-            targets: ``(B, ...)`` targets (read on the last pipeline stage only).
+            inputs: ``(B, ...)`` model inputs (read on the first pipeline stage only); with cp > 1
+                the full ``(B, S)`` sequences, the same on every cp rank of the replica (each
+                keeps its tokens: [Note: the loss over cp shards]).
+            targets: ``(B, ...)`` targets (read on the last pipeline stage only); with cp, the
+                full ``(B, S)`` next-token targets.
 
         Returns:
-            The batch's mean loss, 0-d fp32 (detached; with a pipeline, the same on every pp rank).
+            The batch's mean loss, 0-d fp32 (detached; with a pipeline, the same on every pp rank;
+            with cp, on every cp rank).
         """
         if self.pipeline is not None:
             self.set_phase("pipeline step")
@@ -348,6 +356,12 @@ class ParallelModel:
                 self._reduce_over_dp()
             return loss
         self.set_phase("forward")
+        if self.sequence is not None:  # this cp rank's tokens; the loss over the whole replica
+            inputs, targets = self.sequence.shard(inputs, targets)
+            with self._autocast() if self._autocast is not None else contextlib.nullcontext():
+                for_backward, loss = self.sequence(self.module(inputs), targets)
+            self.backward(for_backward)
+            return loss
         with self.loss_path(targets):
             with self._autocast() if self._autocast is not None else contextlib.nullcontext():
                 loss = self.loss_fn(self.module(inputs), targets)
@@ -418,6 +432,10 @@ class ParallelModel:
         was = self.module.training
         self.module.eval()
         try:
+            if self.sequence is not None:
+                inputs, targets = self.sequence.shard(inputs, targets)
+                with self._autocast() if self._autocast is not None else contextlib.nullcontext():
+                    return float(self.sequence(self.module(inputs), targets)[1])
             with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self.loss_path(targets):
                 return float(self.loss_fn(self.module(inputs), targets))
         finally:
@@ -483,7 +501,7 @@ class ParallelModel:
         """This rank's memory by category and communication so far."""
         if self.strategy is not None:
             report = self.strategy.report(optimizer)
-            if self._composite:  # the dp wrapper's collectives plus the TP layers' and the norm's
+            if self._composite or self.sequence is not None:  # plus the TP layers', the cp attention's and the norm's
                 report.comm = _merge(report.comm or {}, self.stats.summary())
             return report
         memory = report_memory(replicated_memory_report(self.parameters(), optimizer))
@@ -549,8 +567,9 @@ def parallelize(
     autocast: Callable[[], Any] | None = None,
     dp_options: Mapping[str, Any] | None = None,
     fused_cross_entropy: bool | str = False,
+    cp: ContextParallelOptions | Mapping[str, Any] | None = None,
 ) -> ParallelModel:
-    """Apply TP → pipeline split → activation checkpointing → DP (see [Note: the order of parallelize]).
+    """Apply TP → CP → pipeline split → activation checkpointing → DP (see [Note: the order of parallelize]).
 
     Args:
         model: the full model, built identically (same seed) on every rank, on ``ctx.device``.
@@ -577,6 +596,12 @@ def parallelize(
             (the plan's vocab-parallel head, else an ``nn.Linear`` named ``lm_head``/``head``),
             a string names it. The loss is then the head's (``loss_fn`` must be None); calling
             the model directly still returns logits.
+        cp: how sequences split over ctx's cp axis (required when cp > 1):
+            :class:`~shardkit.parallel.context.ContextParallelOptions` or a dict of its fields
+            (``{"plan": gpt_cp_plan(), "mode": "ring"}``). :meth:`ParallelModel.forward_backward`
+            then takes full sequences and runs this rank's tokens ([Note: the loss over cp
+            shards]); the gradients are reduced over dp × cp. Not yet with pp > 1, a user
+            ``loss_fn`` or ``fused_cross_entropy``.
 
     Returns:
         A :class:`ParallelModel`.
@@ -590,6 +615,7 @@ def parallelize(
         ...                   blocks=gpt_blocks)
     """
     opts = _check_arguments(model, ctx, loss_fn, tp_plan, pp, dp, blocks, checkpointing, loss_scaler, autocast)
+    cp_opts = _check_context_parallel(model, ctx, cp, dp, loss_fn, fused_cross_entropy)
     if not isinstance(fused_cross_entropy, (bool, str)):
         raise TypeError(f"fused_cross_entropy must be a bool or the head's module name, got {type(fused_cross_entropy).__name__}")
     if fused_cross_entropy and loss_fn is not None:
@@ -599,6 +625,12 @@ def parallelize(
     # 1. tensor parallel (the plan names modules of the unsplit model)
     if tp_plan is not None and tp > 1:
         tensor_parallelize(model, ctx, dict(tp_plan), stats=stats)
+    # 1a. context parallel: attention over the sequence shards, positions of this rank's tokens
+    # (parameters untouched, so it may come before or after TP; after, its patterns name the TP modules)
+    if cp_opts is not None:
+        context_parallelize(
+            model, ctx, cp_opts.plan, mode=cp_opts.mode, layout=cp_opts.layout, backend=cp_opts.backend, stats=stats
+        )
     # 1b. the fused head loss: the head hands its input to the loss ([Note: the deferred head
     # inside the head's forward] in parallel/tensor/fused_head.py)
     fused: list[FusedCrossEntropyHead] = []
@@ -665,7 +697,7 @@ def parallelize(
         held = [b for b in blocks(model) if not any(m is h for m in b.modules() for h in fused)]
         checkpoint_blocks(held, offload_to_cpu=checkpointing == "cpu")
     # 4. data parallel
-    if tp > 1 and (dp == "none" or (dp == "ddp" and axis_size(ctx, "dp") == 1)):  # nothing to replicate over
+    if tp > 1 and (dp == "none" or (dp == "ddp" and axis_size(ctx, "dp_cp") == 1)):  # nothing to replicate over
         par = ParallelModel(
             ctx, module=model, loss_fn=loss_fn, strategy=None, pipeline=None, dp=dp, autocast=autocast, loss_scaler=loss_scaler
         )
@@ -688,7 +720,45 @@ def parallelize(
         )
     par.stats = stats
     par.fused_heads = fused
+    if cp_opts is not None:
+        heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
+        pair = _vocab_parallel_loss(ctx, heads[0].vocab_size, pair=True) if heads else _token_cross_entropy_sum
+        par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, pair, stats=stats)
     return par
+
+
+def _check_context_parallel(
+    model: nn.Module,
+    ctx: ParallelContext | None,
+    cp: ContextParallelOptions | Mapping[str, Any] | None,
+    dp: str,
+    loss_fn: LossFn | None,
+    fused_cross_entropy: bool | str,
+) -> ContextParallelOptions | None:
+    """The cp options of :func:`parallelize`, checked before any collective."""
+    size = axis_size(ctx, "cp")
+    if cp is None:
+        if size > 1:
+            raise ValueError(
+                f"cp is required ({{'plan': gpt_cp_plan()}} or ContextParallelOptions): ctx has a cp axis of size {size}"
+            )
+        return None
+    opts = ContextParallelOptions.of(cp)
+    plan_modules(model, opts.plan)  # its patterns name modules of the model as given
+    if size == 1:
+        raise ValueError("cp: the context's cp axis has size 1; build it with cp > 1 (ParallelContext.from_env(cp=2))")
+    if axis_size(ctx, "pp") > 1:
+        raise ValueError("cp with pp > 1 is not supported yet: use cp with dp and tp")
+    if dp == "none":
+        raise ValueError("dp='none' with cp > 1: the cp ranks' gradients must be summed; pick 'ddp' or a ZeRO stage")
+    if loss_fn is not None:
+        raise ValueError(
+            "cp: the loss over sequence shards weighs every token of the replica alike ([Note: the loss over cp "
+            "shards]); a custom loss_fn cannot be split that way: leave loss_fn=None (token cross-entropy)"
+        )
+    if fused_cross_entropy:
+        raise ValueError("cp with fused_cross_entropy is not supported yet")
+    return opts
 
 
 def _merge(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:

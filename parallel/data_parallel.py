@@ -274,8 +274,9 @@ class DataParallel(nn.Module):
         self._eager_copy = resolve_backend(backend, _first_device(module)) == "torch"
         self.find_unused_parameters = bool(find_unused_parameters)
         self.comm_stats = stats if stats is not None else CommStats()
-        self._group = ctx.group("dp")
-        self._dp = ctx.size("dp")
+        # parameters are replicated over dp and cp: [Note: the dp_cp group] (the dp group when cp == 1)
+        self._group = ctx.group("dp_cp")
+        self._dp = ctx.size("dp_cp")
         self.buckets: list[GradBucket] = []
         self._reducer: GradReducer | None = None
         self._locally_unused: set[int] = set()  # buckets launched with a param this rank has no grad for

@@ -372,7 +372,7 @@ class DataParallelStrategy(Strategy):
     def overflow_group(self) -> Any:
         # With DDP an inf already reaches every rank through the all-reduce; agreeing costs 4 bytes
         # and keeps the ranks in step even when a rank's local epilogue sees it first.
-        return self.ctx.group("dp")
+        return self.ctx.group("dp_cp")
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return [b.buffer for b in getattr(self.model, "buckets", [])]

@@ -36,13 +36,22 @@ def require_transformers() -> Any:
 
 
 def build_hf_model(
-    name: str, *, vocab_size: int, d_model: int, n_layers: int, n_heads: int, seq_len: int, dropout: float = 0.0
+    name: str,
+    *,
+    vocab_size: int,
+    d_model: int,
+    n_layers: int,
+    n_heads: int,
+    seq_len: int,
+    dropout: float = 0.0,
+    attention: str = "eager",
 ) -> nn.Module:
     """A randomly initialised ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` of the given size.
 
     GPT-2 ties its LM head to the token embedding (its default); Llama does not (its default),
     uses ``n_heads`` key/value heads (no grouping) and an MLP of ``4 * d_model`` (GPT-2's width).
-    Attention is ``"eager"``: the same math on every backend, so runs compare across ranks.
+    Attention is ``"eager"`` by default: the same math on every backend, so runs compare across
+    ranks; context parallelism needs ``"sdpa"`` (its plan routes SDPA calls over the cp ranks).
 
     Args:
         name: ``"hf:gpt2"`` or ``"hf:llama"``.
@@ -52,6 +61,7 @@ def build_hf_model(
         n_heads: attention heads.
         seq_len: the longest sequence (position embeddings / rotary cache).
         dropout: GPT-2's residual, embedding and attention dropout; Llama's attention dropout.
+        attention: HF's ``attn_implementation``: ``"eager"`` or ``"sdpa"``.
 
     Returns:
         The model (fp32, CPU) with ``.config``; ``model(input_ids=x, labels=x).loss`` is the
@@ -63,17 +73,19 @@ def build_hf_model(
     """
     if name not in HF_MODELS:
         raise ValueError(f"model must be one of {list(HF_MODELS)}, got {name!r}")
+    if attention not in ("eager", "sdpa"):
+        raise ValueError(f"attention must be 'eager' or 'sdpa', got {attention!r}")
     tf = require_transformers()
     if name == "hf:gpt2":
         config = tf.GPT2Config(
             vocab_size=vocab_size, n_positions=seq_len, n_embd=d_model, n_layer=n_layers, n_head=n_heads,
-            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation="eager",
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, attn_implementation=attention,
         )  # fmt: skip
         return tf.GPT2LMHeadModel(config)
     config = tf.LlamaConfig(
         vocab_size=vocab_size, hidden_size=d_model, intermediate_size=4 * d_model, num_hidden_layers=n_layers,
         num_attention_heads=n_heads, num_key_value_heads=n_heads, max_position_embeddings=seq_len,
-        attention_dropout=dropout, attn_implementation="eager",
+        attention_dropout=dropout, attn_implementation=attention,
     )  # fmt: skip
     return tf.LlamaForCausalLM(config)
 

@@ -113,7 +113,7 @@ def layout_of(model: Any, optimizer: Any) -> Layout:
     """
     if isinstance(model, ParallelModel):
         ctx = model.ctx
-        axes = {a: ctx.size(a) for a in ("dp", "tp", "pp")} if ctx is not None else None
+        axes = {"dp": ctx.size("dp_cp"), "tp": ctx.size("tp"), "pp": ctx.size("pp")} if ctx is not None else None
         if model.pipeline is not None and model.strategy is None:
             # ddp (or no dp) under a pipeline: the stages are a ModuleList whose positional keys
             # repeat on every pp rank; key this rank's blocks by block index instead, as the
@@ -125,12 +125,13 @@ def layout_of(model: Any, optimizer: Any) -> Layout:
             raise TypeError("optimizer: a ShardedDataParallel model needs its own ZeroOptimizer")
         pp = model.pipeline_ctx.size("pp") if isinstance(model, PipelineShardedDataParallel) else 1
         on, rank, size = _world()
-        axes = {"dp": model.ctx.size("dp"), "tp": model.ctx.size("tp"), "pp": pp}
+        # cp ranks hold replicas too: the checkpoint's dp counts every replica ([Note: the dp_cp group])
+        axes = {"dp": model.ctx.size("dp_cp"), "tp": model.ctx.size("tp"), "pp": pp}
         return Layout("zero", model.module, model, on, rank, size, model.stage, axes, tp_slices(model.module), pp == 1)
     if isinstance(optimizer, ZeroOptimizer):
         raise TypeError(f"optimizer: a ZeroOptimizer needs its ShardedDataParallel model, got {type(model).__name__}")
     if isinstance(model, DataParallel):
-        axes = {a: model.ctx.size(a) for a in ("dp", "tp", "pp")}
+        axes = {"dp": model.ctx.size("dp_cp"), "tp": model.ctx.size("tp"), "pp": model.ctx.size("pp")}
         if axes["pp"] > 1:
             raise ValueError("model: a DataParallel over one pipeline stage; pass the ParallelModel that parallelize() returned")
         return _plain(model.module, optimizer, "data_parallel", axes)
@@ -280,7 +281,7 @@ def save_content(layout: Layout, optimizer: Any) -> Local:
     # by dp rank 0 alone: buffers such as BatchNorm's running statistics may differ between the
     # replicas, and DCP would otherwise keep each key from whichever rank its dedup picks, mixing
     # ranks within one module. DeepSpeed saves rank 0's too.
-    replica_lead = sdp is None or sdp.ctx.rank("dp") == 0
+    replica_lead = sdp is None or sdp.ctx.rank("dp_cp") == 0
     for k, v in layout.module.state_dict(keep_vars=True).items():
         if k in out.shapes and not (isinstance(v, nn.Parameter) and v in owned) and replica_lead:
             out.whole(layout, v, f"model.{k}", v)

@@ -274,7 +274,7 @@ class NvmeOffload(CpuOffload):
                 for fut in pending:  # never leave a writer running into the next attempt
                     fut.cancel()
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        all_reduce(failed, group=self.sdp.ctx.group("dp"), op="sum", stats=self.sdp.comm_stats)
+        all_reduce(failed, group=self.sdp.ctx.group("dp_cp"), op="sum", stats=self.sdp.comm_stats)
         if error is not None:
             raise error
         if int(failed) > 0:

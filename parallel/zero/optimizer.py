@@ -282,8 +282,8 @@ class ZeroOptimizer:
         sdp = self.sdp
         return {
             "stage": sdp.stage,
-            "dp_size": sdp.ctx.size("dp"),
-            "dp_rank": sdp.ctx.rank("dp"),
+            "dp_size": sdp.ctx.size("dp_cp"),
+            "dp_rank": sdp.ctx.rank("dp_cp"),
             "buckets": [(sb.total, sb.shard, len(sb.segments)) for sb in sdp.sharded_buckets],
         }
 

@@ -188,8 +188,9 @@ class ShardedDataParallel(nn.Module):
         self.offload = offload
         self.offload_params = offload_params
         self.nvme_dir = nvme_dir
-        self._group = ctx.group("dp")
-        self._dp = ctx.size("dp")
+        # ZeRO shards over every replica of a parameter: dp x cp ([Note: the dp_cp group])
+        self._group = ctx.group("dp_cp")
+        self._dp = ctx.size("dp_cp")
         # tensor parallelism inside each dp replica: ZeRO shards this rank's TP slices over dp;
         # the global norm adds over tp with the tp-replicated params counted once
         self._tp = ctx.size("tp")
@@ -214,7 +215,7 @@ class ShardedDataParallel(nn.Module):
         broadcast_module_state(module, group=self._group, stats=self.comm_stats)
         shard_kwargs = dict(
             group=self._group,
-            rank=ctx.rank("dp"),
+            rank=ctx.rank("dp_cp"),
             size=self._dp,
             stage=stage,
             grad_dtype=self.grad_dtype,
@@ -371,7 +372,7 @@ class ShardedDataParallel(nn.Module):
         Example:
             >>> torch.save(sdp.full_state_dict(rank0_only=True), "model.pt")  # on rank 0
         """
-        want = not rank0_only or self.ctx.rank("dp") == 0
+        want = not rank0_only or self.ctx.rank("dp_cp") == 0
         if self._units is not None:  # every rank takes part in the gathers
             return self._units.full_state_dict(self.module, want)
         if not want:

@@ -27,7 +27,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 
 _LAUNCH, _MODEL, _OPTIM, _LOG = "launch", "model", "optimization (FusedAdamW)", "evaluation and logging"
 _CKPT = "checkpoints, restarts and timeouts (docs/operations.md)"
-_PARALLEL = "tensor and pipeline parallelism (composed with --strategy on the dp axis)"
+_PARALLEL = "tensor, context and pipeline parallelism (composed with --strategy on the dp axis)"
 _CONFIG = "DeepSpeed-style config (shardkit.initialize; docs/engine.md)"
 Model = Literal["tinygpt", "hf:gpt2", "hf:llama"]
 
@@ -40,6 +40,7 @@ CONFIG_EXCLUSIVE = {
     "precision": "fp32",
     "tp": 1,
     "pp": 1,
+    "cp": 1,
     "checkpointing": "none",
     "grad_buckets": "copy",
     "fused_ce": False,  # the config's fused_cross_entropy section decides it
@@ -127,6 +128,16 @@ class TrainConfig:
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = _opt("1f1b", "pipeline schedule (--pp > 1)", _PARALLEL)
     microbatches: int = _opt(4, "micro-batches per step (--pp > 1); must divide --batch-size", _PARALLEL, metavar="M")
     virtual_stages: int = _opt(1, "stages per rank (--schedule interleaved)", _PARALLEL, metavar="V")
+    cp: int = _opt(
+        1,
+        "context-parallel ranks: each holds 1/cp of every sequence's tokens and attention runs over the shards "
+        "(docs/context_parallel.md); nproc = dp x cp x tp x pp",
+        _PARALLEL,
+        metavar="N",
+    )
+    cp_mode: Literal["ring", "ulysses"] = _opt(
+        "ring", "with --cp: ring attention (key/value blocks around the ring) or Ulysses (all-to-all to head shards)", _PARALLEL
+    )
     sequence_parallel: bool = _opt(
         False, "with --tp: activations between the linears as sequence shards (LayerNorm grads summed over tp)", _PARALLEL
     )
@@ -255,21 +266,22 @@ class TrainConfig:
                 raise ValueError(f"--sample with --model {self.model}: generation is TinyGPT's")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
-        for name in ("tp", "pp", "microbatches", "virtual_stages"):
+        for name in ("tp", "pp", "cp", "microbatches", "virtual_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.nnodes > 1:
             host, sep, port = (self.rdzv_endpoint or "").rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT, got {self.rdzv_endpoint!r}")
-        model_ranks = self.tp * self.pp
+        model_ranks = self.model_ranks
         world = self.nproc * self.nnodes if world_size is None else world_size
         if world % model_ranks:
-            raise ValueError(f"nproc={world} must be a multiple of tp x pp = {self.tp} x {self.pp}")
+            named = f"cp x tp x pp = {self.cp} x {self.tp} x {self.pp}" if self.cp > 1 else f"tp x pp = {self.tp} x {self.pp}"
+            raise ValueError(f"nproc={world} must be a multiple of {named}")
         dp = world // model_ranks
         if dp > 1 and self.strategy == "none" and self.config is None:
             raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp, zero1 or zero2 (zero3 without --pp)")
-        if model_ranks > 1:
+        if self.tp * self.pp > 1:
             if self.strategy == "zero3" and self.pp > 1:
                 raise ValueError(
                     "strategy=zero3 with --pp: ZeRO-3's per-unit gathers would have to run per micro-batch inside "
@@ -296,6 +308,7 @@ class TrainConfig:
                     f"pp x virtual_stages = {self.pp * self.virtual_stages} stages but TinyGPT has only "
                     f"n_layers + 2 = {self.n_layers + 2} blocks (embedding, layers, head)"
                 )
+        self._validate_context_parallel()
         self._validate_checkpoints(world)
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs --schedule interleaved")
@@ -324,6 +337,37 @@ class TrainConfig:
             raise ValueError("--schedule interleaved needs --virtual-stages V >= 2 (stages per rank; with V = 1 it is 1f1b)")
         if self.offload != "none" and not self.strategy.startswith("zero"):
             raise ValueError(f"offload={self.offload} needs --strategy zero1, zero2 or zero3")
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks that hold one replica's model and sequences: ``cp × tp × pp`` (dp = world / this)."""
+        return self.cp * self.tp * self.pp
+
+    def _validate_context_parallel(self) -> None:
+        """``--cp``: what it composes with ([Note: what a cp plan changes] in shardkit.parallel.context.plan)."""
+        if self.cp == 1:
+            return
+        if self.pp > 1:
+            raise ValueError("--cp with --pp is not supported yet: use --cp with --strategy and --tp")
+        if self.strategy == "none":
+            raise ValueError("--cp needs --strategy ddp, zero1, zero2 or zero3: the cp ranks' gradients are summed")
+        if self.fused_ce:
+            raise ValueError("--cp with --fused-ce is not supported yet")
+        if self.dropout:
+            raise ValueError(
+                f"--cp with --dropout {self.dropout}: attention over sequence shards has no dropout; use --dropout 0"
+            )
+        if self.sample:
+            raise ValueError("--sample with --cp: generation runs on whole sequences; use --sample 0")
+        chunks = 2 * self.cp
+        if self.seq_len % chunks:
+            raise ValueError(f"--seq-len {self.seq_len} must be a multiple of 2 x cp = {chunks} (zigzag: two chunks per cp rank)")
+        heads = self.n_heads // self.tp
+        if self.cp_mode == "ulysses" and heads % self.cp:
+            raise ValueError(
+                f"--cp-mode ulysses splits each rank's {heads} heads (n_heads / tp) over cp={self.cp}: they must divide; "
+                "or use --cp-mode ring"
+            )
 
     def _validate_checkpoints(self, world_size: int) -> None:
         """The checkpoint, restart and timeout flags (see [Note: resuming a training run])."""

@@ -76,6 +76,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
         n_heads=cfg.n_heads,
         seq_len=cfg.seq_len,
         dropout=cfg.dropout,
+        attention="sdpa" if cfg.cp > 1 else "eager",  # cp routes SDPA calls over the shards
     )
 
 

@@ -34,6 +34,7 @@ from shardkit.hf_models import LogitsOnly, hf_tp_plan
 from shardkit.kernels import FusedAdamW
 from shardkit.models import gpt_blocks
 from shardkit.parallel import AsyncCheckpointer, DynamicLossScaler, ParallelModel, parallelize
+from shardkit.parallel.context import gpt_cp_plan, hf_gpt2_cp_plan, llama_cp_plan
 from shardkit.parallel.strategy import get_strategy_class
 from shardkit.parallel.tensor import gpt_plan
 from shardkit.parallel.zero import plan_memory
@@ -112,7 +113,7 @@ def planned_memory(cfg: TrainConfig, model: nn.Module, dp: int) -> dict[str, Any
     """
     cls = get_strategy_class(cfg.strategy)
     stage = getattr(cls, "stage", 0 if cfg.strategy == "ddp" else None)
-    if not isinstance(stage, int) or cfg.tp * cfg.pp > 1:
+    if not isinstance(stage, int) or cfg.model_ranks > 1:
         return None
     opts = cfg.strategy_options()
     offload = None if opts.get("offload", "none") == "none" else opts["offload"]
@@ -194,7 +195,11 @@ def train(cfg: TrainConfig) -> TrainResult:
     # The backend follows the device, not CUDA's presence: --device cpu trains over gloo even on
     # a GPU machine (from_env's default would pick NCCL there and then fail on CPU tensors).
     ctx = ParallelContext.from_env(
-        backend="gloo" if device.type == "cpu" else "nccl", tp=cfg.tp, pp=cfg.pp, timeout=timedelta(seconds=cfg.timeout)
+        backend="gloo" if device.type == "cpu" else "nccl",
+        tp=cfg.tp,
+        pp=cfg.pp,
+        cp=cfg.cp,
+        timeout=timedelta(seconds=cfg.timeout),
     )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         # a frozen peer is named and ended in seconds, not after --timeout; on a timeout, the
@@ -236,6 +241,7 @@ def _train(
         autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
         dp_options=cfg.strategy_options(),
         fused_cross_entropy=cfg.fused_ce,
+        cp={"plan": _cp_plan(cfg, model), "mode": cfg.cp_mode} if cfg.cp > 1 else None,
     )
     if hb is not None:  # what the heartbeat publishes as this rank's progress
         hb.track(*par.comm_stats())
@@ -373,7 +379,7 @@ def _train(
         "comm": report.comm,
     }
     result = TrainResult(summary, train_losses, evals, lrs, ranks=[summary])
-    if rank == 0 and cfg.sample > 0 and cfg.tp * cfg.pp == 1:  # TP/PP hold parts of the model
+    if rank == 0 and cfg.sample > 0 and cfg.model_ranks == 1:  # TP/PP hold parts of the model
         model = par.module
         prompt = corpus.tokenizer.encode("\n").view(1, 1).to(device)
         gen = torch.Generator(device).manual_seed(cfg.seed)
@@ -396,17 +402,26 @@ def _train(
     return result
 
 
+def _cp_plan(cfg: TrainConfig, model: nn.Module) -> dict[str, str]:
+    """The cp plan of ``--model`` (an HF model is wrapped in LogitsOnly: its paths under ``hf.``)."""
+    if cfg.model == "tinygpt":
+        return gpt_cp_plan()
+    plan = hf_gpt2_cp_plan() if cfg.model == "hf:gpt2" else llama_cp_plan()
+    return {f"hf.{k}": v for k, v in plan.items()}
+
+
 def _layout(cfg: TrainConfig, dp: int) -> str:
-    """`` dp=2 x tp=2 x pp=2 (1f1b, m=4)`` when tensor or pipeline parallelism is on, else ``""``."""
-    if cfg.tp * cfg.pp == 1:
+    """`` dp=2 x tp=2 x pp=2 (1f1b, m=4)`` when tensor, context or pipeline parallelism is on, else ``""``."""
+    if cfg.model_ranks == 1:
         return ""
     pipe = f" ({cfg.schedule}, m={cfg.microbatches})" if cfg.pp > 1 else ""
-    return f" dp={dp} x tp={cfg.tp} x pp={cfg.pp}{pipe}"
+    cp = f" x cp={cfg.cp} ({cfg.cp_mode})" if cfg.cp > 1 else ""
+    return f" dp={dp}{cp} x tp={cfg.tp} x pp={cfg.pp}{pipe}"
 
 
 def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int) -> None:
     print(
-        f"== summary: {cfg.model} {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, len(ranks) // (cfg.tp * cfg.pp))}, world={len(ranks)}, "
+        f"== summary: {cfg.model} {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, len(ranks) // cfg.model_ranks)}, world={len(ranks)}, "
         f"{cfg.precision}, {cfg.steps} steps =="
     )
     for s in ranks:
@@ -419,5 +434,5 @@ def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int)
         if s.get("plan"):
             print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")
     if len(ranks) > 1:
-        print(fmt_total_throughput(ranks, cfg.tp * cfg.pp))
+        print(fmt_total_throughput(ranks, cfg.model_ranks))
     sys.stdout.flush()

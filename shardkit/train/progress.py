@@ -53,16 +53,16 @@ def fmt_rank_summary(s: dict[str, Any]) -> str:
 
 def fmt_total_throughput(ranks: list[dict[str, Any]], model_parallel: int) -> str:
     """The job's training throughput, each token counted once: the ranks of one model replica
-    (``model_parallel`` = tp × pp of them) process the same tokens, so the sum over ranks is
-    divided by it.
+    (``model_parallel`` = cp × tp × pp of them) process the same tokens, so the sum over ranks
+    is divided by it.
 
     Example:
         >>> fmt_total_throughput([{"tokens_per_s": 4e3}] * 4, model_parallel=2)
-        'total  | 8.0k tok/s over 2 data-parallel replicas (4 ranks, tp x pp = 2)'
+        'total  | 8.0k tok/s over 2 data-parallel replicas (4 ranks, 2 per replica)'
     """
     replicas = len(ranks) // model_parallel
     total = sum(s["tokens_per_s"] for s in ranks) / model_parallel
-    layout = f" ({len(ranks)} ranks, tp x pp = {model_parallel})" if model_parallel > 1 else ""
+    layout = f" ({len(ranks)} ranks, {model_parallel} per replica)" if model_parallel > 1 else ""
     noun = "replica" if replicas == 1 else "replicas"
     return f"total  | {total / 1e3:.1f}k tok/s over {replicas} data-parallel {noun}{layout}"
 

@@ -20,7 +20,7 @@ def test_total_throughput_counts_each_replica_once() -> None:
     ranks = [{"tokens_per_s": 1000.0 + r} for r in range(8)]  # per-rank rates differ a little
     line = fmt_total_throughput(ranks, model_parallel=4)
     assert f"{sum(s['tokens_per_s'] for s in ranks) / 4 / 1e3:.1f}k tok/s" in line
-    assert "over 2 data-parallel replicas (8 ranks, tp x pp = 4)" in line
+    assert "over 2 data-parallel replicas (8 ranks, 4 per replica)" in line
     assert fmt_total_throughput(ranks[:2], model_parallel=1) == "total  | 2.0k tok/s over 2 data-parallel replicas"
 
 

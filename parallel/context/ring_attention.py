@@ -1,0 +1,133 @@
+"""Ring attention: each cp rank keeps its queries and the key/value blocks travel around the ring.
+
+[Note: ring attention]
+With ``N = cp`` ranks, rank ``r`` holds the queries, keys and values of its tokens (positions
+from :func:`~shardkit.parallel.context.shard_positions`). Forward, step ``i = 0 .. N-1``: rank
+``r`` attends its queries to the key/value block of rank ``(r - i) mod N`` (its own first) with
+:func:`~shardkit.kernels.attention.attention_block_forward`, which masks by the tokens' global
+positions, and merges the block into its running output with the log-sum-exp rule
+(:func:`~shardkit.kernels.attention.merge_attention_blocks`); meanwhile the block moves on to
+rank ``r + 1`` (:func:`~shardkit.comm.ring_shift`, posted before the block's compute so the
+transfer overlaps it). After ``N`` steps each rank has the exact attention of its queries over
+the whole sequence, and no rank ever held more than two key/value blocks.
+
+Backward replays the ring with the merged ``lse`` and ``delta = rowsum(dO * O)``
+(:func:`~shardkit.kernels.attention.attention_block_backward`): ``dq`` accumulates locally;
+each block's ``dk``/``dv`` accumulate in an fp32 buffer that travels with the block, one rank
+behind it, and after ``N`` shifts arrives back at the block's owner.
+
+With the zigzag layout and a causal mask every rank does the same work at every step (each
+holds one early and one late chunk; [Note: sequence layouts]); blocks or rows a query cannot
+see are skipped by the kernels, not computed and masked.
+
+Bytes per rank and layer: forward ``(N - 1)`` key/value blocks (``2 B Hkv S/N D`` elements
+each); backward ``N - 1`` key/value blocks plus ``N`` fp32 ``dk``/``dv`` blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardkit.comm import CommHandle, CommStats, ParallelContext, ring_shift
+from shardkit.kernels.attention import attention_block_backward, attention_block_forward, merge_attention_blocks
+from shardkit.kernels.runtime import Backend
+
+from .sequence_layout import SequenceLayout, shard_positions
+
+__all__ = ["ring_attention"]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        fctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pctx: ParallelContext,
+        causal: bool,
+        layout: SequenceLayout,
+        scale: float | None,
+        backend: Backend,
+        stats: CommStats | None,
+    ) -> torch.Tensor:
+        group, n, me = pctx.group("cp"), pctx.size("cp"), pctx.rank("cp")
+        seq_len = q.shape[2] * n
+        positions = [shard_positions(seq_len, cp=n, rank=r, layout=layout, device=q.device) for r in range(n)]
+        kv = torch.stack([k, v])  # one buffer, one transfer per step
+        spare = torch.empty_like(kv)
+        out = lse = None
+        for step in range(n):
+            handle = ring_shift(spare, kv, group=group, async_op=True, stats=stats) if step < n - 1 else None
+            src = (me - step) % n
+            o, s = attention_block_forward(
+                q, kv[0], kv[1], positions[me], positions[src], scale=scale, causal=causal, backend=backend
+            )
+            if out is None:
+                out, lse = o, s
+            else:
+                merge_attention_blocks(out, lse, o, s)
+            if handle is not None:
+                kv, spare = handle.wait(), kv
+        assert out is not None and lse is not None
+        fctx.save_for_backward(q, k, v, out, lse)
+        fctx.pctx, fctx.causal, fctx.scale, fctx.backend, fctx.stats = pctx, causal, scale, backend, stats
+        fctx.positions = positions
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(fctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = fctx.saved_tensors
+        pctx: ParallelContext = fctx.pctx
+        group, n, me = pctx.group("cp"), pctx.size("cp"), pctx.rank("cp")
+        positions, stats = fctx.positions, fctx.stats
+        dout = dout.contiguous()
+        delta = (dout.float() * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv, kv_spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
+        dkv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # travels with its block
+        dkv_spare = torch.empty_like(dkv)
+        dkv_handle: CommHandle | None = None
+        for step in range(n):
+            kv_handle = ring_shift(kv_spare, kv, group=group, async_op=True, stats=stats) if step < n - 1 else None
+            src = (me - step) % n
+            bq, bk, bv = attention_block_backward(
+                dout, q, kv[0], kv[1], lse, delta, positions[me], positions[src],
+                scale=fctx.scale, causal=fctx.causal, backend=fctx.backend, out=out,
+            )  # fmt: skip
+            dq += bq
+            if dkv_handle is not None:  # block src's accumulator, arriving from rank me - 1
+                dkv, dkv_spare = dkv_handle.wait(), dkv
+            dkv[0] += bk
+            dkv[1] += bv
+            dkv_handle = ring_shift(dkv_spare, dkv, group=group, async_op=True, stats=stats) if n > 1 else None
+            if kv_handle is not None:
+                kv, kv_spare = kv_handle.wait(), kv
+        if dkv_handle is not None:  # the last shift brings each block's gradient home
+            dkv = dkv_handle.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ctx: ParallelContext,
+    causal: bool = True,
+    layout: SequenceLayout = "zigzag",
+    scale: float | None = None,
+    backend: Backend = "auto",
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Ring attention over ``ctx``'s cp axis: see [Note: ring attention].
+
+    Arguments as :func:`~shardkit.parallel.context.context_parallel_attention` (which checks
+    them; call that one).
+
+    Example:
+        >>> out = ring_attention(q, k, v, ctx=ctx)      # q/k/v: this rank's [B, H, S/cp, D]
+    """
+    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ctx, causal, layout, scale, backend, stats)

@@ -1,0 +1,130 @@
+"""Ulysses attention: all-to-all from sequence shards to head shards, full attention, and back.
+
+[Note: Ulysses attention]
+DeepSpeed-Ulysses' scheme. With ``N = cp`` ranks each holding ``S/N`` tokens of every head,
+one all-to-all per tensor regroups ``q``, ``k``, ``v`` so that each rank holds the *whole*
+sequence for ``H/N`` of the heads; attention then runs unchanged (``F.scaled_dot_product_attention``,
+so flash attention on a GPU), and one all-to-all takes the output back to sequence shards.
+Bytes per rank and layer: ``4 (N-1)/N`` of its ``[B, H, S/N, D]`` shard forward (q, k, v, out),
+the same backward: unlike ring attention this does not grow with ``N``, but ``N`` may not
+exceed the number of heads.
+
+Heads: the query heads ``H`` must be divisible by ``N``. Key/value heads (GQA/MQA) ``Hkv``
+either divide by ``N`` (each rank gets ``Hkv/N``) or divide ``N``; then each key/value head is
+repeated ``N/Hkv`` times first (DeepSpeed's uneven-heads rule), so rank ``j`` gets the one
+key/value head its query heads use; the repeat's backward sums the copies' gradients. Any
+other count is a ``ValueError``.
+
+The all-gathered sequence is in the layout's order (rank after rank); it is permuted to
+sequence order before the attention (the causal mask needs it) and back after.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shardkit.comm import CommStats, ParallelContext, all_to_all
+
+from .sequence_layout import SequenceLayout, shard_positions
+
+__all__ = ["ulysses_attention", "check_ulysses_heads"]
+
+
+def check_ulysses_heads(heads: int, kv_heads: int, cp: int) -> None:
+    """Raise a ``ValueError`` when ``heads`` query / ``kv_heads`` key-value heads cannot be
+    split over ``cp`` ranks (see [Note: Ulysses attention]).
+
+    Example:
+        >>> check_ulysses_heads(32, 8, 4)       # 8 query heads and 2 kv heads per rank
+        >>> check_ulysses_heads(32, 2, 4)       # each kv head repeated twice: 1 per rank
+    """
+    if heads % cp:
+        raise ValueError(
+            f"mode='ulysses' splits the {heads} query heads over cp={cp} ranks: heads must be divisible by cp "
+            "(use mode='ring', which has no such limit)"
+        )
+    if kv_heads % cp and cp % kv_heads:
+        raise ValueError(
+            f"mode='ulysses' needs the {kv_heads} key/value heads to divide by cp={cp} or to divide it "
+            "(use mode='ring', which has no such limit)"
+        )
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """``[B, H, S/N, D]`` (this rank's tokens, all heads) -> ``[B, H/N, S, D]`` (all tokens in
+    layout order, this rank's heads); backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
+        fctx.pctx, fctx.stats = pctx, stats
+        return _sequence_to_heads(x, pctx, stats)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _heads_to_sequence(grad, fctx.pctx, fctx.stats), None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """The inverse of :class:`_SequenceToHeads`."""
+
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
+        fctx.pctx, fctx.stats = pctx, stats
+        return _heads_to_sequence(x, pctx, stats)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _sequence_to_heads(grad, fctx.pctx, fctx.stats), None, None
+
+
+def _sequence_to_heads(x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
+    n = pctx.size("cp")
+    b, h, s, d = x.shape
+    send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # [N (head group), B, H/N, S/N, D]
+    recv = torch.empty_like(send)
+    all_to_all(recv, send, group=pctx.group("cp"), stats=stats)  # [N (source rank), B, H/N, S/N, D]
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+
+
+def _heads_to_sequence(x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
+    n = pctx.size("cp")
+    b, hn, seq, d = x.shape
+    send = x.reshape(b, hn, n, seq // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [N (token rank), B, H/N, S/N, D]
+    recv = torch.empty_like(send)
+    all_to_all(recv, send, group=pctx.group("cp"), stats=stats)  # [N (head group), B, H/N, S/N, D]
+    return recv.transpose(0, 1).reshape(b, n * hn, seq // n, d)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ctx: ParallelContext,
+    causal: bool = True,
+    layout: SequenceLayout = "zigzag",
+    scale: float | None = None,
+    stats: CommStats | None = None,
+) -> torch.Tensor:
+    """Ulysses attention over ``ctx``'s cp axis: see [Note: Ulysses attention].
+
+    Arguments as :func:`~shardkit.parallel.context.context_parallel_attention` (which checks
+    them; call that one).
+
+    Example:
+        >>> out = ulysses_attention(q, k, v, ctx=ctx)   # q/k/v: this rank's [B, H, S/cp, D]
+    """
+    n = ctx.size("cp")
+    check_ulysses_heads(q.shape[1], k.shape[1], n)
+    if k.shape[1] < n:  # each kv head repeated so that every rank gets the one its queries use
+        k = k.repeat_interleave(n // k.shape[1], dim=1)
+        v = v.repeat_interleave(n // v.shape[1], dim=1)
+    seq_len = q.shape[2] * n
+    order = torch.cat([shard_positions(seq_len, cp=n, rank=r, layout=layout, device=q.device) for r in range(n)])
+    to_sequence = torch.argsort(order)  # layout order -> sequence order
+    qh, kh, vh = (_SequenceToHeads.apply(t, ctx, stats).index_select(2, to_sequence) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    return _HeadsToSequence.apply(out.index_select(2, order).contiguous(), ctx, stats)

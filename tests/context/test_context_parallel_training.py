@@ -1,0 +1,158 @@
+"""Training with context parallelism equals the single-process model on the full sequences.
+
+TinyGPT (learned positions, tied head) through ``parallelize(..., cp={...})`` with every dp
+strategy, with tp 2, and with activation checkpointing: losses, clipped global norms, the
+evaluation loss and every final parameter against ``dense_run`` (one process, the whole batch,
+the same seed and SGD steps) from ``parallelize_cases``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardkit.comm import ParallelContext
+from shardkit.models import gpt_blocks
+from shardkit.parallel import parallelize
+from shardkit.parallel.context import gpt_cp_plan
+from shardkit.parallel.tensor import gpt_plan, shard_state_dict
+from distributed import forbid_collectives
+from parallelize_cases import B, CLIP, T, VOCAB, _dense_slice_eval, dense_run, lm_batches, tiny_gpt
+from tolerances import FP32
+
+
+def _train_with_cp(cp: int, tp: int, strategy: str, mode: str, layout: str, checkpointing: bool = False) -> list[float]:
+    world = dist.get_world_size()
+    with ParallelContext.from_world(cp=cp, tp=tp) as ctx:
+        dense, ref_losses, ref_norms = dense_run(True)
+        kwargs = {"tp_plan": gpt_plan()} if tp > 1 else {}
+        if checkpointing:
+            kwargs.update(blocks=gpt_blocks, checkpointing=True)
+        cp_opts = {"plan": gpt_cp_plan(), "mode": mode, "layout": layout}
+        par = parallelize(tiny_gpt(True), ctx, dp=strategy, cp=cp_opts, **kwargs)
+        opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
+        dp, r = ctx.size("dp"), ctx.rank("dp")
+        assert dp == world // (cp * tp)
+        rows = slice(r * B // dp, (r + 1) * B // dp)
+        losses = []
+        for step, (x, y) in enumerate(lm_batches()):
+            opt.zero_grad(set_to_none=True)
+            loss = par.forward_backward(x[rows], y[rows])  # full sequences: each cp rank keeps its tokens
+            norm = par.clip(CLIP)
+            par.step(opt)
+            mean = loss.clone().reshape(1)
+            if dp > 1:
+                dist.all_reduce(mean, group=ctx.group("dp"))
+                mean /= dp
+            losses.append(float(mean))
+            assert abs(float(norm) - ref_norms[step]) <= 1e-4 * ref_norms[step], (step, float(norm), ref_norms[step])
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
+        gen = torch.Generator().manual_seed(99)
+        xv, yv = torch.randint(VOCAB, (B, T), generator=gen), torch.randint(VOCAB, (B, T), generator=gen)
+        assert abs(par.evaluate(xv[rows], yv[rows]) - _dense_slice_eval(dense, xv[rows], yv[rows])) < 1e-5
+        want = shard_state_dict(dense.state_dict(), gpt_plan(), ctx) if tp > 1 else dense.state_dict()
+        module = getattr(par.module, "module", par.module)
+        state = par.module.full_state_dict() if strategy.startswith("zero") else module.state_dict()
+        for key, value in state.items():
+            torch.testing.assert_close(value, want[key], **FP32, msg=lambda m, key=key: f"{key}: {m}")
+        return losses
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_cp2_trains_like_the_dense_model(dist_pool, mode):
+    dist_pool.run(_train_with_cp, 2, 1, "ddp", mode, "zigzag", world_size=2, timeout=120)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_cp2_with_zero_trains_like_the_dense_model(dist_pool, strategy):
+    """dp 2 x cp 2: ZeRO shards over the 4 replicas of each parameter (the dp_cp group)."""
+    dist_pool.run(_train_with_cp, 2, 1, strategy, "ring", "zigzag", world_size=4, timeout=180)
+
+
+def test_cp4_contiguous_layout(dist_pool):
+    dist_pool.run(_train_with_cp, 4, 1, "ddp", "ring", "contiguous", world_size=4, timeout=180)
+
+
+def test_cp2_with_tp2(dist_pool):
+    """cp 2 x tp 2 (tp innermost): the TP layers' heads, then attention over the cp shards."""
+    dist_pool.run(_train_with_cp, 2, 2, "zero2", "ulysses", "zigzag", world_size=4, timeout=180)
+
+
+def test_cp2_with_activation_checkpointing(dist_pool):
+    dist_pool.run(_train_with_cp, 2, 1, "ddp", "ring", "zigzag", True, world_size=2, timeout=120)
+
+
+def _refusals_body():
+    with ParallelContext.from_world(cp=2) as ctx:
+        model = tiny_gpt(True)
+        cases = [
+            ({}, ValueError, "cp is required"),
+            ({"cp": {"mode": "ring"}}, ValueError, "'plan' is required"),
+            ({"cp": {"plan": gpt_cp_plan(), "mode": "p2p"}}, ValueError, "mode must be one of"),
+            ({"cp": {"plan": gpt_cp_plan(), "chunks": 2}}, ValueError, r"unknown option\(s\) \['chunks'\]"),
+            ({"cp": {"plan": {"blocks.*.attn": "heads"}}}, ValueError, "styles must be one of"),
+            ({"cp": {"plan": {"encoder.*": "attention"}}}, ValueError, "names no module"),
+            ({"cp": {"plan": gpt_cp_plan()}, "dp": "none"}, ValueError, "dp='none' with cp > 1"),
+            ({"cp": {"plan": gpt_cp_plan()}, "loss_fn": lambda o, t: o.sum()}, ValueError, "custom loss_fn"),
+            ({"cp": {"plan": gpt_cp_plan()}, "fused_cross_entropy": True}, ValueError, "fused_cross_entropy"),
+            ({"cp": "ring"}, TypeError, "ContextParallelOptions or a dict"),
+        ]
+        patch = forbid_collectives()
+        try:
+            for kwargs, error, match in cases:
+                with pytest.raises(error, match=match):
+                    parallelize(model, ctx, **kwargs)
+        finally:
+            patch.stop()
+        par = parallelize(model, ctx, cp={"plan": gpt_cp_plan()})
+        with pytest.raises(ValueError, match="must be a multiple of 4; pad it to 12 tokens"):
+            par.forward_backward(torch.zeros(2, 10, dtype=torch.long), torch.zeros(2, 10, dtype=torch.long))
+    with ParallelContext.from_world() as ctx:  # no cp axis
+        with pytest.raises(ValueError, match="cp axis has size 1"):
+            parallelize(tiny_gpt(True), ctx, cp={"plan": gpt_cp_plan()})
+    return True
+
+
+def test_parallelize_refuses_bad_cp_options_before_any_collective(dist_pool):
+    assert all(dist_pool.run(_refusals_body, world_size=2))
+
+
+def _checkpoint_body(path: str):
+    """dp 2 x cp 2 ZeRO-2: save after 3 steps; resuming at dp 2 x cp 2 gives the uninterrupted
+    run's parameters bitwise, and at dp 4 (no cp) within the fp32 tolerance (the checkpoint's dp is
+    the dp_cp group's 4 replicas, so it reshards like any dp 4 one)."""
+    from shardkit.parallel import load_checkpoint, save_checkpoint
+
+    batches = lm_batches()
+
+    def run(cp, steps, load=False, save=False):
+        with ParallelContext.from_world(cp=cp) as ctx:
+            kwargs = {"cp": {"plan": gpt_cp_plan()}} if cp > 1 else {}
+            par = parallelize(tiny_gpt(True), ctx, dp="zero2", **kwargs)
+            opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
+            if load:
+                load_checkpoint(path, par, opt)
+            dp, r = ctx.size("dp"), ctx.rank("dp")
+            rows = slice(r * B // dp, (r + 1) * B // dp)
+            for x, y in steps:
+                opt.zero_grad(set_to_none=True)
+                par.forward_backward(x[rows], y[rows])
+                par.clip(CLIP)
+                par.step(opt)
+            if save:
+                save_checkpoint(path, par, opt)
+            return {k: v.clone() for k, v in par.module.full_state_dict().items()}
+
+    run(2, batches[:3], save=True)
+    whole = run(2, batches)
+    resumed = run(2, batches[3:], load=True)
+    resharded = run(1, batches[3:], load=True)
+    for key, value in whole.items():
+        assert torch.equal(resumed[key], value), key
+        torch.testing.assert_close(resharded[key], value, **FP32, msg=lambda m, key=key: f"{key}: {m}")
+    return True
+
+
+def test_cp_checkpoint_resumes_and_reshards(dist_pool, tmp_path):
+    assert all(dist_pool.run(_checkpoint_body, str(tmp_path / "ckpt"), world_size=4, timeout=240))
