@@ -79,6 +79,23 @@ def _cross_entropy_cuda_rows(res: dict) -> list[str]:
     return rows
 
 
+def _attention_kernel_rows(res: dict) -> list[str]:
+    """The blockwise attention kernels (ring attention's block) vs SDPA's flash backend."""
+    s, rows = res["settings"], []
+    cmd = " ".join(res["command"])
+    for r in res["rows"]:
+        for phase, label in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
+            ours, peer = r[phase]["shardkit"], r[phase]["sdpa_flash"]
+            rows.append(
+                f"| blockwise attention {label} (fp32 out + lse), S={r['seq']}, B={s['batch']} H={s['heads']} "
+                f"Hkv={s['kv_heads']} D={s['head_dim']}, {'causal' if s['causal'] else 'full'}, bf16, {res['device']} "
+                f"| {ours['median_ms']:.3f} ms, {ours['tflops_at_median']:.0f} TFLOP/s "
+                f"| F.scaled_dot_product_attention (flash) {peer['median_ms']:.3f} ms, {peer['tflops_at_median']:.0f} TFLOP/s "
+                f"| **{r[phase]['ratio']:.3f}×** (min {ours['min_ms'] / peer['min_ms']:.3f}×) | `{cmd}` |"
+            )
+    return rows
+
+
 def _fused_ce_rows(res: dict) -> list[str]:
     """The fused linear + cross-entropy (tp = 1) vs the unfused head + loss, time and peak memory."""
     rows, mib = [], 2**20
@@ -213,6 +230,9 @@ def render() -> str:
     ce = _load("cross_entropy_cuda.json")
     if ce:
         rows += _cross_entropy_cuda_rows(ce)
+    attention = _load("attention_kernels_cuda.json")
+    if attention:
+        rows += _attention_kernel_rows(attention)
     for name in ("fused_ce_cpu.json", "fused_ce_cuda.json"):
         fused_ce = _load(name)
         if fused_ce:
@@ -238,7 +258,7 @@ def render() -> str:
     ]
     note = (
         "\nRows that name a GPU were measured on the lent GPU they name (torch 2.11+cu130, Triton 3.6: "
-        "`perf/cuda/gpu_checks.sh`, `perf/fused_ce.py --device cuda`); every other row on the 2-core CPU "
+        "`perf/cuda/gpu_checks.sh`, `perf/fused_ce.py --device cuda`, `perf/cuda/attention_kernels.py`); every other row on the 2-core CPU "
         "development machine. "
         "Min/median over repeats and machine details are in `perf/results/*.json`. "
         "Kernel quality on sm_80/sm_90 (registers, spills, vector widths): `perf/results/kernel_report.json`."
