@@ -348,11 +348,15 @@ class ParallelModel:
             self.set_phase("pipeline step")
             scale = self.loss_scaler.scale if self.loss_scaler is not None else None
             self._pp_state = None
+            if self.sequence is not None:  # this cp rank's tokens (the first and last stages read them)
+                inputs, targets = self.sequence.shard_if_held(inputs, targets)
             with record_function("shardkit::pipeline_step"), self.loss_path(targets):
                 loss = torch.tensor(self.pipeline.step(inputs, targets, loss_scale=scale))
+            if self.sequence is not None:  # the replica's loss, from every cp rank's sum and count
+                loss = self.sequence.replica_loss(*self.pipeline.last_loss_sum_count, device=self.ctx.device).cpu()
             if self.strategy is not None:  # ZeRO: reduce-scatter each bucket into this rank's shard
                 self.module.reduce_gradients()  # (nothing inside no_sync: see there)
-            elif axis_size(self.ctx, "dp") > 1 and not self._accumulating:
+            elif axis_size(self.ctx, "dp_cp") > 1 and not self._accumulating:
                 self._reduce_over_dp()
             return loss
         self.set_phase("forward")
@@ -427,8 +431,13 @@ class ParallelModel:
         With a pipeline, one forward runs stage by stage (:meth:`PipelineParallel.evaluate`).
         """
         if self.pipeline is not None:
+            if self.sequence is not None:
+                inputs, targets = self.sequence.shard_if_held(inputs, targets)
             with self.loss_path(targets):
-                return self.pipeline.evaluate(inputs, targets)
+                value = self.pipeline.evaluate(inputs, targets)
+            if self.sequence is not None:
+                return float(self.sequence.replica_loss(*self.pipeline.last_loss_sum_count, device=self.ctx.device))
+            return value
         was = self.module.training
         self.module.eval()
         try:
@@ -518,7 +527,8 @@ class ParallelModel:
 
     @torch.no_grad()
     def _reduce_over_dp(self) -> None:
-        """Average the stage gradients over dp: one all-reduce of a flat buffer per grad dtype.
+        """Average the stage gradients over dp (and cp: [Note: the dp_cp group]): one all-reduce
+        of a flat buffer per grad dtype.
 
         Every trainable parameter has its place in the buffer (zeros where this rank has no
         grad), so the buffers agree in size on every dp rank, and one used flag per parameter
@@ -526,7 +536,7 @@ class ParallelModel:
         reached) keeps ``grad=None``, as in single-process training; one used on some ranks
         gets the sum over those ranks divided by the dp size.
         """
-        dp = self.ctx.size("dp")
+        dp = self.ctx.size("dp_cp")
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in self.parameters():
             by_dtype.setdefault(getattr(p, "grad_dtype", None) or p.dtype, []).append(p)
@@ -538,7 +548,7 @@ class ParallelModel:
                 ]
                 parts.append(torch.tensor(has, dtype=dtype, device=params[0].device))
                 flat = torch.cat(parts)
-                all_reduce(flat, group=self.ctx.group("dp"), stats=self.stats)
+                all_reduce(flat, group=self.ctx.group("dp_cp"), stats=self.stats)
                 total = flat.numel() - len(params)
                 used = flat[total:].tolist() if not all(has) else [1.0] * len(params)
                 flat[:total].div_(dp)
@@ -600,8 +610,8 @@ def parallelize(
             :class:`~shardkit.parallel.context.ContextParallelOptions` or a dict of its fields
             (``{"plan": gpt_cp_plan(), "mode": "ring"}``). :meth:`ParallelModel.forward_backward`
             then takes full sequences and runs this rank's tokens ([Note: the loss over cp
-            shards]); the gradients are reduced over dp × cp. Not yet with pp > 1, a user
-            ``loss_fn`` or ``fused_cross_entropy``.
+            shards]); the gradients are reduced over dp × cp. With pp, each stage runs this
+            rank's tokens. Not with a user ``loss_fn`` or ``fused_cross_entropy``.
 
     Returns:
         A :class:`ParallelModel`.
@@ -687,6 +697,8 @@ def parallelize(
         )
         par.stats = stats
         par.fused_heads = fused
+        if cp_opts is not None:  # the pipeline's loss is already (sum, count): it normalizes over dp x cp
+            par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, pipe_loss, stats=stats)
         return par
     # 3. activation checkpointing on the blocks (no pipeline)
     if checkpointing:
@@ -721,9 +733,7 @@ def parallelize(
     par.stats = stats
     par.fused_heads = fused
     if cp_opts is not None:
-        heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead)]
-        pair = _vocab_parallel_loss(ctx, heads[0].vocab_size, pair=True) if heads else _token_cross_entropy_sum
-        par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, pair, stats=stats)
+        par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, pipe_loss, stats=stats)
     return par
 
 
@@ -747,8 +757,6 @@ def _check_context_parallel(
     plan_modules(model, opts.plan)  # its patterns name modules of the model as given
     if size == 1:
         raise ValueError("cp: the context's cp axis has size 1; build it with cp > 1 (ParallelContext.from_env(cp=2))")
-    if axis_size(ctx, "pp") > 1:
-        raise ValueError("cp with pp > 1 is not supported yet: use cp with dp and tp")
     if dp == "none":
         raise ValueError("dp='none' with cp > 1: the cp ranks' gradients must be summed; pick 'ddp' or a ZeRO stage")
     if loss_fn is not None:

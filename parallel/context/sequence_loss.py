@@ -68,6 +68,33 @@ class SequenceShardedLoss:
         y = None if targets is None else shard_sequence(targets, self.ctx, dim=1, layout=self.layout)
         return x, y
 
+    def replica_loss(self, total: float, count: float, device: torch.device) -> torch.Tensor:
+        """``S / N`` from this rank's token-loss sum and count (one all-reduce over cp): for a
+        pipeline, whose loss function already normalizes its gradients over dp × cp.
+
+        Example:
+            >>> split.replica_loss(*pipe.last_loss_sum_count, device=ctx.device)
+            tensor(4.0123)
+        """
+        both = torch.tensor([total, count], dtype=torch.float64, device=device)
+        all_reduce(both, group=self.ctx.group("cp"), stats=self.stats)
+        return (both[0] / both[1].clamp(min=1.0)).float()
+
+    def shard_if_held(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """:meth:`shard` for a pipeline rank, which holds the inputs (first stage), the targets
+        (last stage), both or neither; each is ``[B, S, ...]`` and checked as :meth:`shard` does.
+
+        Example:
+            >>> x, y = split.shard_if_held(None, targets)          # a last stage that is not the first
+        """
+        x = None if inputs is None else self.shard(inputs, None)[0]
+        y = None if targets is None else self.shard(targets, None)[0]
+        if inputs is not None and targets is not None and targets.shape[:2] != inputs.shape[:2]:
+            raise ValueError(f"targets: shape {tuple(targets.shape)} does not match the inputs' {tuple(inputs.shape[:2])}")
+        return x, y
+
     def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(for_backward, loss)``: ``cp * s_r / N`` (differentiable) and ``S / N`` (detached, fp32)."""
         total, count = self.loss_and_count(output, targets)

@@ -48,8 +48,9 @@ def evaluate_pipeline(
     inputs: torch.Tensor | None,
     targets: torch.Tensor | None,
     device: torch.device,
-) -> float:
-    """Mean loss of ``inputs``/``targets`` through the pipeline, on every pp rank (collective on pp).
+) -> tuple[float, float]:
+    """``(loss sum, token count)`` of ``inputs``/``targets`` through the pipeline, on every pp rank
+    (collective on pp); a mean-form ``loss_fn`` counts as ``(mean, 1)``.
 
     Args:
         stages: this rank's stages ``{stage index: module}`` (stage ``s`` on rank ``s % num_ranks``).
@@ -63,7 +64,8 @@ def evaluate_pipeline(
             that exception (see [Note: a failing evaluation]).
 
     Example:
-        >>> pipe.evaluate(x, y)   # PipelineParallel's method calls this
+        >>> total, count = evaluate_pipeline(...)   # PipelineParallel.evaluate returns total / count
+        >>> total / count
         4.0123
     """
     was = {s: m.training for s, m in stages.items()}
@@ -71,7 +73,7 @@ def evaluate_pipeline(
         m.eval()
     try:
         failed, message, cause = -1, "", None  # the first failed stage; its owner's text and exception
-        x, value = inputs, 0.0
+        x, value, count = inputs, 0.0, 1.0
         for s in range(num_stages):
             owner, prev = s % num_ranks, (s - 1) % num_ranks
             if owner != rank:
@@ -89,7 +91,7 @@ def evaluate_pipeline(
                     x = stages[s](x)
                     if s == num_stages - 1:
                         out = loss_fn(x, targets)
-                        value = float(out[0] / out[1] if isinstance(out, tuple) else out)
+                        value, count = (float(out[0]), float(out[1])) if isinstance(out, tuple) else (float(out), 1.0)
                     elif not isinstance(x, torch.Tensor):
                         raise TypeError(f"a stage must return one tensor, got {type(x).__name__}")
                     else:
@@ -107,13 +109,13 @@ def evaluate_pipeline(
                     isend(x, dst=nxt, tag=p2p_tag(s, _EVAL_MB + 1, False, num_stages), group=group).wait()
         # [Note: a failing evaluation]: the outcome rides with the loss, from the last stage
         last = (num_stages - 1) % num_ranks
-        result = torch.tensor([float(failed), value], dtype=torch.float64, device=device)
+        result = torch.tensor([float(failed), value, count], dtype=torch.float64, device=device)
         broadcast(result, src=last, group=group)
         failed = int(result[0])
         if failed >= 0:
             text = broadcast_text(message, src=failed % num_ranks, rank=rank, group=group, device=device)
             raise ValueError(text) from cause
-        return float(result[1])
+        return float(result[1]), float(result[2])
     finally:
         for s, m in stages.items():
             m.train(was[s])

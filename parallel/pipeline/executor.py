@@ -169,6 +169,10 @@ class PipelineParallel:
         self.timeline: list[TimedAction] = []
         #: last step's per-micro-batch losses (same on every pp rank).
         self.microbatch_losses: list[float] = []
+        #: ``(sum of token losses, token count)`` of the last step's (or evaluation's) batch on this
+        #: rank, the same on every pp rank: context parallelism adds them over cp for the
+        #: replica's loss ([Note: the loss over cp shards] in shardkit.parallel.context.sequence_loss)
+        self.last_loss_sum_count: tuple[float, float] = (0.0, 0.0)
 
     # [Note: splitting by measured time]
     # split="time" weighs each block by its measured forward + backward seconds on one
@@ -190,7 +194,7 @@ class PipelineParallel:
         loss_fn = None if target is None else self.loss_fn  # the last block's time includes the loss
         times = measure_block_times(as_block_list(blocks), example, loss_fn=loss_fn, target=target)
         total = torch.tensor([round(t * 1e9) for t in times], dtype=torch.int64, device=self.ctx.device)
-        for axis in ("pp", "dp", "tp"):
+        for axis in ("pp", "dp", "cp", "tp"):
             if self.ctx.size(axis) > 1:
                 all_reduce(total, group=self.ctx.group(axis), op="sum", stats=self.stats)
         return total.tolist()
@@ -209,7 +213,7 @@ class PipelineParallel:
         Example:
             >>> val = pipe.evaluate(x_val, y_val)   # inputs read on the first stage, targets on the last
         """
-        return evaluate_pipeline(
+        total, count = evaluate_pipeline(
             self.stages,
             num_stages=self.schedule.num_stages,
             rank=self.rank,
@@ -220,6 +224,8 @@ class PipelineParallel:
             targets=targets,
             device=self.ctx.device,
         )
+        self.last_loss_sum_count = (total, count)
+        return total / count if count else float("nan")
 
     def close(self) -> None:
         """Release the process groups created for tied parameters (see
@@ -526,10 +532,12 @@ class PipelineParallel:
             sums, counts = values[:m], values[m : 2 * m]
             failed = [r for r in range(p) if values[2 * m + r]]
             total = norm = sum(counts)
-            dp, failed_replicas = self.ctx.size("dp") if self.normalize_over_dp else 1, 0.0
+            # every replica of the parameters: dp, and cp whose ranks hold other tokens of the same
+            # sequences ([Note: the dp_cp group] in shardkit.comm.context)
+            dp, failed_replicas = self.ctx.size("dp_cp") if self.normalize_over_dp else 1, 0.0
             if dp > 1:  # [Note: pipeline loss normalization]: the count of every dp replica's batch
                 both = torch.tensor([total, float(bool(failed))], dtype=torch.float64, device=dev)
-                all_reduce(both, group=self.ctx.group("dp"), stats=self.stats)
+                all_reduce(both, group=self.ctx.group("dp_cp"), stats=self.stats)
                 global_total, failed_replicas = both.tolist()
                 norm = global_total / dp  # the caller's average over dp divides by dp once more
             if failed:  # [Note: a stage failing mid-step]: the first failed rank's message everywhere
@@ -546,6 +554,7 @@ class PipelineParallel:
             self.tied.sync_grads(st.grad_acc)  # sum-form, before the division: see tied.py
             st.apply_grads(counts, m, norm)
             self.microbatch_losses = [a / c if c else float("nan") for a, c in zip(sums, counts, strict=True)]
+            self.last_loss_sum_count = (sum(sums), total)
             return sum(sums) / total if total else float("nan")
 
     # ---- helpers ------------------------------------------------------------------------------

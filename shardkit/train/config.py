@@ -347,8 +347,6 @@ class TrainConfig:
         """``--cp``: what it composes with ([Note: what a cp plan changes] in shardkit.parallel.context.plan)."""
         if self.cp == 1:
             return
-        if self.pp > 1:
-            raise ValueError("--cp with --pp is not supported yet: use --cp with --strategy and --tp")
         if self.strategy == "none":
             raise ValueError("--cp needs --strategy ddp, zero1, zero2 or zero3: the cp ranks' gradients are summed")
         if self.fused_ce:

@@ -92,7 +92,6 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
         (dict(nproc=2, tp=2, seq_len=33, sequence_parallel=True), "seq_len=33"),
         (dict(nproc=3, cp=2, strategy="ddp"), "multiple of cp x tp x pp"),
         (dict(nproc=2, cp=2), "--cp needs --strategy"),
-        (dict(nproc=4, cp=2, pp=2, strategy="ddp"), "--cp with --pp"),
         (dict(nproc=2, cp=2, strategy="ddp", dropout=0.1), "--dropout 0"),
         (dict(nproc=2, cp=2, strategy="ddp", fused_ce=True), "--fused-ce"),
         (dict(nproc=2, cp=2, strategy="ddp", seq_len=30), "multiple of 2 x cp = 4"),

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.comm import ParallelContext
-from shardkit.models import gpt_blocks
+from shardkit.models import gpt_blocks, lm_loss
 from shardkit.parallel import parallelize
 from shardkit.parallel.context import gpt_cp_plan
 from shardkit.parallel.tensor import gpt_plan, shard_state_dict
@@ -22,21 +22,54 @@ from parallelize_cases import B, CLIP, T, VOCAB, _dense_slice_eval, dense_run, l
 from tolerances import FP32
 
 
-def _train_with_cp(cp: int, tp: int, strategy: str, mode: str, layout: str, checkpointing: bool = False) -> list[float]:
+def _right_padded(batches):
+    """Every row's last 5 targets ignored: with T=16 and zigzag over cp 2, rank 0 (positions 0-3,
+    12-15) keeps 4 valid targets per row and rank 1 (4-11) 7, so a mean of the cp ranks' means
+    would be wrong; each dp replica keeps the same count, so the dp average of replica means is
+    the dense mean."""
+    out = []
+    for x, y in batches:
+        y = y.clone()
+        y[:, -5:] = -100
+        out.append((x, y))
+    return out
+
+
+def _dense_run_on(batches):
+    """``dense_run`` on other batches: one process, the whole batch, torch's clip, SGD momentum."""
+    model = tiny_gpt(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    losses, norms = [], []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        losses.append(float(loss.detach()))
+    return model, losses, norms
+
+
+def _train_with_cp(
+    cp: int, tp: int, strategy: str, mode: str, layout: str, checkpointing: bool = False, pp: int = 1, padded: bool = False
+) -> list[float]:
     world = dist.get_world_size()
-    with ParallelContext.from_world(cp=cp, tp=tp) as ctx:
-        dense, ref_losses, ref_norms = dense_run(True)
+    batches = _right_padded(lm_batches()) if padded else lm_batches()
+    with ParallelContext.from_world(cp=cp, tp=tp, pp=pp) as ctx:
+        dense, ref_losses, ref_norms = _dense_run_on(batches) if padded else dense_run(True)
         kwargs = {"tp_plan": gpt_plan()} if tp > 1 else {}
-        if checkpointing:
-            kwargs.update(blocks=gpt_blocks, checkpointing=True)
+        if checkpointing or pp > 1:
+            kwargs.update(blocks=gpt_blocks, checkpointing=checkpointing)
+        if pp > 1:
+            kwargs.update(pp={"microbatches": 2, "schedule": "1f1b"})
         cp_opts = {"plan": gpt_cp_plan(), "mode": mode, "layout": layout}
         par = parallelize(tiny_gpt(True), ctx, dp=strategy, cp=cp_opts, **kwargs)
         opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
         dp, r = ctx.size("dp"), ctx.rank("dp")
-        assert dp == world // (cp * tp)
+        assert dp == world // (cp * tp * pp)
         rows = slice(r * B // dp, (r + 1) * B // dp)
         losses = []
-        for step, (x, y) in enumerate(lm_batches()):
+        for step, (x, y) in enumerate(batches):
             opt.zero_grad(set_to_none=True)
             loss = par.forward_backward(x[rows], y[rows])  # full sequences: each cp rank keeps its tokens
             norm = par.clip(CLIP)
@@ -50,7 +83,14 @@ def _train_with_cp(cp: int, tp: int, strategy: str, mode: str, layout: str, chec
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), **FP32)
         gen = torch.Generator().manual_seed(99)
         xv, yv = torch.randint(VOCAB, (B, T), generator=gen), torch.randint(VOCAB, (B, T), generator=gen)
+        if padded:
+            ((xv, yv),) = _right_padded([(xv, yv)])
         assert abs(par.evaluate(xv[rows], yv[rows]) - _dense_slice_eval(dense, xv[rows], yv[rows])) < 1e-5
+        if pp > 1:  # this rank's blocks, keyed by block index (the unsplit nn.Sequential(*blocks)'s keys)
+            dense_blocks = torch.nn.Sequential(*gpt_blocks(dense)).state_dict()
+            for key, value in par.pipeline.full_state_dict().items():
+                torch.testing.assert_close(value, dense_blocks[key], **FP32, msg=lambda m, key=key: f"{key}: {m}")
+            return losses
         want = shard_state_dict(dense.state_dict(), gpt_plan(), ctx) if tp > 1 else dense.state_dict()
         module = getattr(par.module, "module", par.module)
         state = par.module.full_state_dict() if strategy.startswith("zero") else module.state_dict()
@@ -62,6 +102,11 @@ def _train_with_cp(cp: int, tp: int, strategy: str, mode: str, layout: str, chec
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_cp2_trains_like_the_dense_model(dist_pool, mode):
     dist_pool.run(_train_with_cp, 2, 1, "ddp", mode, "zigzag", world_size=2, timeout=120)
+
+
+def test_right_padded_batches_weigh_tokens_over_the_replica(dist_pool):
+    """dp 2 x cp 2, ZeRO-2: the cp ranks hold 4 and 7 valid targets per row (see _right_padded)."""
+    dist_pool.run(_train_with_cp, 2, 1, "zero2", "ring", "zigzag", False, 1, True, world_size=4, timeout=180)
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
@@ -77,6 +122,13 @@ def test_cp4_contiguous_layout(dist_pool):
 def test_cp2_with_tp2(dist_pool):
     """cp 2 x tp 2 (tp innermost): the TP layers' heads, then attention over the cp shards."""
     dist_pool.run(_train_with_cp, 2, 2, "zero2", "ulysses", "zigzag", world_size=4, timeout=180)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_cp2_with_pp2_trains_like_the_dense_model(dist_pool, strategy):
+    """cp 2 x pp 2 (1f1b, 2 micro-batches): each stage runs this rank's tokens; the pipeline
+    normalizes by the token count over dp x cp, the replica's loss sums the cp ranks' shares."""
+    dist_pool.run(_train_with_cp, 2, 1, strategy, "ring", "zigzag", False, 2, True, world_size=4, timeout=240)
 
 
 def test_cp2_with_activation_checkpointing(dist_pool):
