@@ -96,6 +96,44 @@ def _attention_kernel_rows(res: dict) -> list[str]:
     return rows
 
 
+def _context_parallel_rows(res: dict) -> list[str]:
+    """Context parallelism on CPU: the attention vs the peers on the same shards, and the per-rank
+    step memory and time of TinyGPT against cp = 1."""
+    rows, mib, cmd = [], 2**20, f"`{res['command']}`"
+    pairs = (
+        ("ring attention", "shardkit_ring_zigzag", "torch_ring_load_balanced", "PyTorch ring (load-balanced)"),
+        ("Ulysses attention", "shardkit_ulysses_contiguous", "deepspeed_ulysses", "DeepSpeed DistributedAttention"),
+    )
+    for cp_key, by_len in res["attention"].items():
+        for r in sorted(by_len.values(), key=lambda r: r["seq_len"]):
+            for label, ours, peer, peer_name in pairs:
+                o, p = r["methods"].get(ours), r["methods"].get(peer)
+                if not (o and p and o["available"] and p["available"]):
+                    continue
+                ratio = r["ratios"][f"{ours}/{peer}"]
+                rows.append(
+                    f"| {label} fwd+bwd, {cp_key.replace('cp', 'cp=')}, S={r['seq_len']} ({r['tokens_per_rank']} tokens/rank), "
+                    f"{res['attention_shape'].split(', S =')[0]}, {res['nproc']} ranks {res['backend']} "
+                    f"| {o['median_ms']:.0f} ms, peak {o['peak_bytes'] / mib:.0f} MiB "
+                    f"| {peer_name} {p['median_ms']:.0f} ms, peak {p['peak_bytes'] / mib:.0f} MiB "
+                    f"| **{ratio['median']:.3f}×** (min {ratio['min']:.3f}×) | {cmd} |"
+                )
+    for r in sorted(res["model_level"].values(), key=lambda r: r["seq_len"]):
+        base = r["configs"]["cp1"]
+        for name, c in r["configs"].items():
+            if name == "cp1" or not c["available"]:
+                continue
+            rows.append(
+                f"| TinyGPT step per rank, {name.replace('_', ' ')} vs the whole sequence on one rank, S={r['seq_len']}, "
+                f"{r['params'] / 1e6:.2f}M params, CPU "
+                f"| {c['median_ms']:.0f} ms, peak {c['peak_bytes'] / mib:.1f} MiB "
+                f"| cp=1 {base['median_ms']:.0f} ms, peak {base['peak_bytes'] / mib:.1f} MiB "
+                f"| **{r['time_ratio_vs_cp1'][name]['median']:.3f}×** time, {r['memory_ratio_vs_cp1'][name]:.3f}× memory "
+                f"({r['memory_over_ideal'][name]:.2f}× of 1/cp) | {cmd} |"
+            )
+    return rows
+
+
 def _fused_ce_rows(res: dict) -> list[str]:
     """The fused linear + cross-entropy (tp = 1) vs the unfused head + loss, time and peak memory."""
     rows, mib = [], 2**20
@@ -246,6 +284,9 @@ def render() -> str:
     tp = _load("tp_cpu.json")
     if tp:
         rows += _tp_rows(tp)
+    context = _load("context_parallel_cpu.json")
+    if context:
+        rows += _context_parallel_rows(context)
     pipeline = _load("pipeline_cpu.json")
     if pipeline:
         rows += _pipeline_rows(pipeline)

@@ -36,6 +36,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "tp": Benchmark(
         "tp.py", "tensor/sequence parallel step vs DTensor; vocab-parallel cross-entropy vs gather + F.cross_entropy"
     ),
+    "context_parallel": Benchmark(
+        "context_parallel.py",
+        "context parallelism: attention vs PyTorch's ring and DeepSpeed Ulysses; per-rank step memory and time vs cp",
+    ),
     "pipeline": Benchmark("pipeline.py", "pipeline schedules (step time, measured bubble) vs torch.distributed.pipelining"),
     "zero": Benchmark("zero.py", "ZeRO-1/2/3 (+ CPU offload) step time and memory vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed"),
 }

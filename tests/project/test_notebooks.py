@@ -24,6 +24,7 @@ def test_notebooks_exist() -> None:
         "04_tensor_parallel.ipynb",
         "05_pipeline.ipynb",
         "06_from_deepspeed.ipynb",
+        "07_context_parallel.ipynb",
     } <= names
 
 
