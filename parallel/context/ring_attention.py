@@ -69,8 +69,8 @@ class _RingAttention(torch.autograd.Function):
                 out, lse = o, s
             else:
                 merge_attention_blocks(out, lse, o, s)
-            if handle is not None:
-                kv, spare = handle.wait(), kv
+            if handle is not None:  # the block just sent is the next send's buffer, if there is one
+                kv, spare = handle.wait(), (kv if step + 2 < n else None)
         assert out is not None and lse is not None
         fctx.save_for_backward(q, k, v, out, lse)
         fctx.pctx, fctx.causal, fctx.scale, fctx.backend, fctx.stats = pctx, causal, scale, backend, stats
@@ -103,8 +103,8 @@ class _RingAttention(torch.autograd.Function):
             dkv[0] += bk
             dkv[1] += bv
             dkv_handle = ring_shift(dkv_spare, dkv, group=group, async_op=True, stats=stats) if n > 1 else None
-            if kv_handle is not None:
-                kv, kv_spare = kv_handle.wait(), kv
+            if kv_handle is not None:  # as in forward: no buffer kept past the last send
+                kv, kv_spare = kv_handle.wait(), (kv if step + 2 < n else None)
         if dkv_handle is not None:  # the last shift brings each block's gradient home
             dkv = dkv_handle.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
