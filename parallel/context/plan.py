@@ -13,7 +13,10 @@ nothing needs to change: embeddings, norms, MLPs and the head work per token. Tw
   for ``S/cp`` local tokens means nothing over the full sequence, and the blockwise attention
   has no dropout. TinyGPT, HF GPT-2 and Llama (``attn_implementation="sdpa"``, the default)
   call SDPA this way when the batch has no padding mask; right-padded batches need none (with
-  ``ignore_index`` targets on the padding, a causal model's real tokens never see it).
+  ``ignore_index`` targets on the padding, a causal model's real tokens never see it). An
+  ``attention_mask=`` passed to the model itself is refused on every rank by a hook on the
+  model, all-ones or not: Hugging Face drops an all-ones mask, so a rank whose shard has no
+  padding would otherwise enter the ring while its peer refused, and wait until the timeout.
 * **positions** (style ``"positions"``): a model numbers its tokens ``0 .. t-1`` from its input
   length, which under cp is the local ``S/cp``. The module that consumes those numbers (a
   learned position table such as TinyGPT's ``pos_emb`` or GPT-2's ``wpe``, or Llama's
@@ -318,8 +321,21 @@ def context_parallelize(
     if ctx.size("cp") == 1:  # the plan is valid; nothing to change on one rank
         return []
     settings = _Settings(ctx, mode, layout, backend, stats)
-    handles: list[RemovableHandle] = []
+    handles: list[RemovableHandle] = [model.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)]
     for name, (module, style) in found.items():
         hook = _attention_hooks if style == "attention" else _position_hook
         handles += hook(module, name, settings)
     return handles
+
+
+def _refuse_attention_mask(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """An ``attention_mask=`` given to the model is refused on every rank alike, before any
+    transfer: inside, Hugging Face drops an all-ones mask, so a rank whose shard has no padding
+    would enter the ring while a rank with padding refused its mask, and wait for it until the
+    group's timeout."""
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError(
+            f"{type(model).__name__}: context parallelism attends over the whole sequence with a causal mask; pass "
+            "no attention_mask (right-padded batches with ignore_index targets need none; left padding is not "
+            "supported under cp)"
+        )

@@ -110,12 +110,16 @@ def _eager_body():
         mask[0, :2] = 0
         sdpa = _gpt2()
         context_parallelize(sdpa, ctx, hf_gpt2_cp_plan())
-        with pytest.raises(ValueError, match="explicit attn_mask"):
+        with pytest.raises(ValueError, match="pass no attention_mask"):
             sdpa(input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=mask, use_cache=False)
+        # an all-ones mask too: the rank whose shard has padding would refuse while this one attends
+        with pytest.raises(ValueError, match="pass no attention_mask"):
+            sdpa(input_ids=torch.zeros(1, 8, dtype=torch.long), attention_mask=torch.ones_like(mask), use_cache=False)
     return True
 
 
 def test_eager_attention_and_padding_masks_are_refused(dist_pool):
     """Eager attention never calls SDPA (it would attend over the local tokens only: silently
-    wrong), and a left-padding mask built for the local tokens means nothing over cp."""
+    wrong), and an attention_mask is refused on every rank alike, all-ones or not (a mask with
+    padding on one rank's shard only would send that rank's peers into the ring alone)."""
     assert all(dist_pool.run(_eager_body, world_size=2))
