@@ -606,9 +606,11 @@ def parallelize(
             (the plan's vocab-parallel head, else an ``nn.Linear`` named ``lm_head``/``head``),
             a string names it. The loss is then the head's (``loss_fn`` must be None); calling
             the model directly still returns logits.
-        cp: how sequences split over ctx's cp axis (required when cp > 1):
+        cp: how sequences split over ctx's cp axis:
             :class:`~shardkit.parallel.context.ContextParallelOptions` or a dict of its fields
-            (``{"plan": gpt_cp_plan(), "mode": "ring"}``). :meth:`ParallelModel.forward_backward`
+            (``{"plan": gpt_cp_plan(), "mode": "ring"}``); checked and ignored when cp = 1; None
+            with cp > 1 runs the whole batch on every cp rank (e.g. a second model without
+            attention). :meth:`ParallelModel.forward_backward`
             then takes full sequences and runs this rank's tokens ([Note: the loss over cp
             shards]); the gradients are reduced over dp × cp. With pp, each stage runs this
             rank's tokens. Not with a user ``loss_fn`` or ``fused_cross_entropy``.
@@ -747,16 +749,12 @@ def _check_context_parallel(
 ) -> ContextParallelOptions | None:
     """The cp options of :func:`parallelize`, checked before any collective."""
     size = axis_size(ctx, "cp")
-    if cp is None:
-        if size > 1:
-            raise ValueError(
-                f"cp is required ({{'plan': gpt_cp_plan()}} or ContextParallelOptions): ctx has a cp axis of size {size}"
-            )
-        return None
+    if cp is None:  # with cp > 1: every cp rank runs the whole batch (a model without attention, a
+        return None  # second model beside a sequence-sharded one); its gradients agree over cp
     opts = ContextParallelOptions.of(cp)
     plan_modules(model, opts.plan)  # its patterns name modules of the model as given
-    if size == 1:
-        raise ValueError("cp: the context's cp axis has size 1; build it with cp > 1 (ParallelContext.from_env(cp=2))")
+    if size == 1:  # as a tp_plan at tp = 1: checked, then nothing to do (one script for any cp)
+        return None
     if dp == "none":
         raise ValueError("dp='none' with cp > 1: the cp ranks' gradients must be summed; pick 'ddp' or a ZeRO stage")
     if loss_fn is not None:

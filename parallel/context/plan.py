@@ -189,6 +189,15 @@ class _AttentionOverShards(TorchFunctionMode):
             )
         s = self.settings
         self.calls += 1
+        if query.shape[2] == 1:
+            raise ValueError(
+                f"{self.where}: one token per cp rank: Hugging Face models drop the causal flag for a one-token "
+                "query, so the attention would not be causal; give each rank at least 2 tokens"
+            )
+        device = query.device.type
+        if torch.is_autocast_enabled(device):  # SDPA's own autocast cast, which this call bypasses
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         if key.shape[1] != query.shape[1] and not enable_gqa:
             raise ValueError(f"{self.where}: {query.shape[1]} query heads over {key.shape[1]} key heads without enable_gqa")
         return context_parallel_attention(
@@ -218,14 +227,20 @@ def _attention_hooks(module: nn.Module, name: str, settings: _Settings) -> list[
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
 
-def _global_positions(local: torch.Tensor, settings: _Settings, length: int, where: str) -> torch.Tensor:
+def _global_positions(mod: nn.Module, local: torch.Tensor, settings: _Settings, length: int, where: str) -> torch.Tensor:
     cp = settings.ctx.size("cp")
     if local.numel() and (int(local.min()) < 0 or int(local.max()) >= length):
         raise ValueError(
-            f"{where}: context parallelism maps local token indices 0..{length - 1} to positions in the full "
-            f"sequence, got indices up to {int(local.max())} (a KV cache or a position offset is not supported)"
+            f"{where}: context parallelism maps this rank's local token indices 0..{length - 1} to positions in "
+            f"the full sequence, got indices up to {int(local.max())}: pass position_ids of the local tokens "
+            "(0..t-1, the model's default) or none; a KV cache or a position offset is not supported"
         )
     table = shard_positions(length * cp, cp=cp, rank=settings.ctx.rank("cp"), layout=settings.layout, device=local.device)
+    if isinstance(mod, nn.Embedding) and length * cp > mod.num_embeddings:
+        raise ValueError(
+            f"{where}: the full sequence has {length * cp} tokens ({length} on each of cp={cp} ranks) but the "
+            f"position table holds {mod.num_embeddings}"
+        )
     return table[local]
 
 
@@ -233,13 +248,13 @@ def _position_hook(module: nn.Module, name: str, settings: _Settings) -> list[Re
     def remap(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if "position_ids" in kwargs:  # rotary embeddings: forward(x, position_ids)
             ids = kwargs["position_ids"]
-            kwargs = {**kwargs, "position_ids": _global_positions(ids, settings, ids.shape[-1], name)}
+            kwargs = {**kwargs, "position_ids": _global_positions(mod, ids, settings, ids.shape[-1], name)}
             return args, kwargs
         index = 1 if len(args) > 1 and not isinstance(mod, nn.Embedding) else 0
         if len(args) <= index or not isinstance(args[index], torch.Tensor):
             raise ValueError(f"{name}: a 'positions' module takes the positions as its first argument or position_ids")
         ids = args[index]
-        mapped = _global_positions(ids, settings, ids.shape[-1], name)
+        mapped = _global_positions(mod, ids, settings, ids.shape[-1], name)
         return (*args[:index], mapped, *args[index + 1 :]), kwargs
 
     return [module.register_forward_pre_hook(remap, with_kwargs=True)]
@@ -317,6 +332,8 @@ def context_parallelize(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     found = plan_modules(model, plan)
     if ctx.size("cp") == 1:  # the plan is valid; nothing to change on one rank
         return []

@@ -170,9 +170,11 @@ def gather_sequence(
     """The full sequence from every cp rank's part: the inverse of :func:`shard_sequence`.
 
     Collective over ``ctx.group("cp")``. Differentiable: the gradient of this rank's part is its
-    tokens' slice of the full tensor's gradient, which is right when every cp rank uses the
-    gathered tensor the same way (e.g. a loss over the whole sequence computed on every rank):
-    the cp ranks' parameter gradients are then summed over cp, as the dp_cp reduction does.
+    tokens' slice of the full tensor's gradient. When every cp rank computes the same loss from
+    the gathered tensor, each rank's parameter gradients are its tokens' share, and the full
+    gradient is their *sum* over cp; the dp strategies (``parallelize``) *average* over the
+    dp × cp ranks, so back-propagate ``cp * loss`` there, as
+    :class:`~shardkit.parallel.context.SequenceShardedLoss` does for its own loss.
 
     Args:
         x: this rank's part, ``S / cp`` tokens along ``dim``.

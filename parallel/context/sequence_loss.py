@@ -53,11 +53,13 @@ class SequenceShardedLoss:
         """This cp rank's tokens of ``[B, S, ...]`` inputs and ``[B, S]`` targets.
 
         Raises:
-            ValueError: ``S`` does not split over cp in the layout (the message says what to pad to),
-                or the targets' sequence length differs from the inputs'.
+            ValueError: the cp ranks hold batches of different shapes (on every cp rank alike), ``S``
+                does not split over cp in the layout (the message says what to pad to), or the
+                targets' sequence length differs from the inputs'.
         """
         if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
             raise ValueError("inputs: context parallelism splits dim 1 of [batch, seq, ...] inputs")
+        self._check_same_batch(inputs)  # first: the checks below then decide alike on every cp rank
         check_sequence_length(inputs.shape[1], self.ctx.size("cp"), self.layout)
         if targets is not None and (targets.dim() < 2 or targets.shape[1] != inputs.shape[1]):
             raise ValueError(
@@ -79,6 +81,20 @@ class SequenceShardedLoss:
         both = torch.tensor([total, count], dtype=torch.float64, device=device)
         all_reduce(both, group=self.ctx.group("cp"), stats=self.stats)
         return (both[0] / both[1].clamp(min=1.0)).float()
+
+    def _check_same_batch(self, inputs: torch.Tensor) -> None:
+        """Every cp rank must hold the same full batch: one 16-byte all-reduce of its shape over cp,
+        so ranks handed different data raise the same ``ValueError`` instead of exchanging blocks
+        of different sizes (or of the same size but other tokens)."""
+        b, s = inputs.shape[0], inputs.shape[1]
+        shape = torch.tensor([b, s, -b, -s], dtype=torch.int64, device=inputs.device)
+        all_reduce(shape, group=self.ctx.group("cp"), op="max", stats=self.stats)
+        if shape[0] != -shape[2] or shape[1] != -shape[3]:
+            raise ValueError(
+                f"inputs: the cp ranks of a replica must get the same full batch (each keeps its tokens); this "
+                f"rank has [{b}, {s}], the cp group between [{-int(shape[2])}, {-int(shape[3])}] and "
+                f"[{int(shape[0])}, {int(shape[1])}]"
+            )
 
     def shard_if_held(
         self, inputs: torch.Tensor | None, targets: torch.Tensor | None

@@ -243,6 +243,8 @@ class TrainConfig:
         if self.config is not None:
             if not os.path.isfile(self.config) and self.config not in EXAMPLE_CONFIGS:
                 raise ValueError(f"--config {self.config}: no such file (nor a shipped example: {', '.join(EXAMPLE_CONFIGS)})")
+            if self.cp != 1:
+                raise ValueError("--cp with --config: the engine has no context-parallel section yet; drop --cp or --config")
             for name, default in CONFIG_EXCLUSIVE.items():
                 if getattr(self, name) != default:
                     flag = f"--{getattr(self, name)}" if name == "precision" else f"--{name.replace('_', '-')}"

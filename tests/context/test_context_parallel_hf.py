@@ -22,6 +22,7 @@ from shardkit.parallel.context import (
     gather_sequence,
     hf_gpt2_cp_plan,
     llama_cp_plan,
+    shard_sequence,
 )
 from tolerances import FP32
 
@@ -123,3 +124,45 @@ def test_eager_attention_and_padding_masks_are_refused(dist_pool):
     wrong), and an attention_mask is refused on every rank alike, all-ones or not (a mask with
     padding on one rank's shard only would send that rank's peers into the ring alone)."""
     assert all(dist_pool.run(_eager_body, world_size=2))
+
+
+def _autocast_body(mode: str):
+    """Llama's rotary step leaves q, k in fp32 and v in bf16 under autocast: the plan casts them
+    as SDPA's own autocast would, so the cp logits follow the unparallelized bf16 ones."""
+    dense = _llama()
+    model = copy.deepcopy(dense)
+    ids = torch.randint(VOCAB, (2, T), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = dense(input_ids=ids, use_cache=False).logits.float()
+    with ParallelContext.from_world(cp=dist.get_world_size()) as ctx:
+        context_parallelize(model, ctx, llama_cp_plan(), mode=mode)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            part = model(input_ids=shard_sequence(ids, ctx), use_cache=False).logits.float()
+        torch.testing.assert_close(gather_sequence(part, ctx), ref, atol=5e-2, rtol=5e-2)
+    return True
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_llama_under_bf16_autocast(dist_pool, mode):
+    assert all(dist_pool.run(_autocast_body, mode, world_size=2, timeout=120))
+
+
+def _edge_body():
+    with ParallelContext.from_world(cp=2) as ctx:
+        model = _llama()
+        context_parallelize(model, ctx, llama_cp_plan(), layout="contiguous")
+        with pytest.raises(ValueError, match="one token per cp rank"):
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False)  # S = 2 over cp 2
+        with pytest.raises(ValueError, match="pass position_ids of the local tokens"):
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long), position_ids=torch.arange(4, 8)[None], use_cache=False)
+        gpt2 = _gpt2()  # 32 positions
+        context_parallelize(gpt2, ctx, hf_gpt2_cp_plan())
+        with pytest.raises(ValueError, match="the full sequence has 64 tokens"):
+            gpt2(input_ids=torch.zeros(1, 32, dtype=torch.long), use_cache=False)
+    return True
+
+
+def test_edge_cases_are_named(dist_pool):
+    """One token per rank (HF drops the causal flag), sharded position_ids, and a sequence longer
+    than the position table: each a ValueError saying what to do, on every rank."""
+    assert all(dist_pool.run(_edge_body, world_size=2, timeout=120))
