@@ -111,10 +111,18 @@ class SequenceShardedLoss:
             raise ValueError(f"targets: shape {tuple(targets.shape)} does not match the inputs' {tuple(inputs.shape[:2])}")
         return x, y
 
-    def __call__(self, output: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(for_backward, loss)``: ``cp * s_r / N`` (differentiable) and ``S / N`` (detached, fp32)."""
+    def __call__(
+        self, output: torch.Tensor, targets: torch.Tensor, *, divide_by: float | torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(for_backward, loss)``: ``cp * s_r / N`` (differentiable) and ``S / N`` (detached, fp32).
+
+        Args:
+            output, targets: this rank's output and targets (``loss_and_count``'s arguments).
+            divide_by: ``N`` itself instead of the replica's count of valid targets (Hugging
+                Face's ``num_items_in_batch``: the count over every micro-batch of a step).
+        """
         total, count = self.loss_and_count(output, targets)
         both = torch.stack([total.detach().float(), count.to(total.device).float()])
         all_reduce(both, group=self.ctx.group("cp"), stats=self.stats)
-        n = both[1].clamp(min=1.0)
+        n = both[1].clamp(min=1.0) if divide_by is None else torch.as_tensor(divide_by, device=both.device).float()
         return total * (self.ctx.size("cp") / n), (both[0] / n).detach()

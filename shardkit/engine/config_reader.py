@@ -32,6 +32,8 @@ from .deepspeed_keys import (
     UNSUPPORTED_KEYS,
 )
 from .resolved import (
+    CP_MODES,
+    ContextParallelConfig,
     EngineConfig,
     LossScaleConfig,
     OffloadConfig,
@@ -474,7 +476,7 @@ def load_config(
     Args:
         config: a path to a JSON file, or the dict itself (never modified).
         world_size: ranks in the job; the data-parallel size is ``world_size / (tensor_parallel.size
-            × pipeline.stages)``.
+            × pipeline.stages × sequence_parallel_size)``.
         strict: unknown keys raise (True) or warn, one warning per key (False).
         log_ignored: log the keys accepted without effect (False: a caller that reports
             ``.ignored`` itself, or only validates before the run that will log them).
@@ -537,6 +539,17 @@ def describe_ignored(keys: tuple[str, ...] | list[str]) -> str:
     return ", ".join(f"{k} ({IGNORED_REASONS[k]})" if k in IGNORED_REASONS else k for k in keys)
 
 
+def _context_parallel(r: Reader) -> ContextParallelConfig:
+    """DeepSpeed's top-level ``sequence_parallel_size`` (the ranks that split each sequence; its
+    data-parallel size is world / sequence_parallel_size, as here) and shardkit's
+    ``context_parallel`` section: ``mode`` and ``layout`` (docs/engine.md, "Long sequences")."""
+    size = r.get("sequence_parallel_size", to_int, 1, check=_positive, must="be >= 1")
+    sec = r.section("context_parallel")
+    mode = sec.choice("mode", CP_MODES, "ulysses")
+    layout = sec.choice("layout", ("zigzag", "contiguous"), "zigzag")
+    return ContextParallelConfig(size, mode, layout)
+
+
 def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
     """Every section of the config (``ignored`` left empty: the caller fills it)."""
     tp = r.section("tensor_parallel")
@@ -560,11 +573,13 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
             f"pipeline.virtual_stages={virtual}: stages per rank need pipeline.schedule 'interleaved', got {schedule!r}"
         )
     partition = pp.choice("partition", ("layers", "params"), "layers")
-    if world_size % (tp_size * stages):
+    cp = _context_parallel(r)
+    if world_size % (tp_size * stages * cp.size):
         raise ValueError(
             f"world_size {world_size} is not divisible by tensor_parallel.size ({tp_size}) × pipeline.stages ({stages})"
+            + (f" × sequence_parallel_size ({cp.size})" if cp.size > 1 else "")
         )
-    dp = world_size // (tp_size * stages)
+    dp = world_size // (tp_size * stages * cp.size)
     train, micro, gas = _batch(r, dp)
     microbatches = pp.get("microbatches", to_int, gas, check=_positive, must="be >= 1")
     if stages > 1 and (micro * gas) % microbatches:
@@ -582,6 +597,19 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
             "fused_cross_entropy.enabled with pipeline.stages > 1: not offered in the engine (a pipeline's loss "
             "is its PipelineModule's loss_fn); parallelize(fused_cross_entropy=True) fuses a pipeline's last stage"
         )
+    if cp.size > 1:  # what the engine's forward over sequence shards does not combine with
+        if stages > 1:
+            raise ValueError(
+                f"sequence_parallel_size={cp.size} with pipeline.stages={stages}: not offered in the engine yet; "
+                "parallelize(cp=..., pp=...) composes them (docs/context_parallel.md)"
+            )
+        if fused.enabled:
+            raise ValueError(f"sequence_parallel_size={cp.size} with fused_cross_entropy.enabled: not supported yet")
+        if tp_size > 1 and not tp_cfg.gather_logits:
+            raise ValueError(
+                f"sequence_parallel_size={cp.size} with tensor_parallel.gather_logits=false: the engine forms the loss "
+                "over the sequence shards from whole-vocabulary logits; set gather_logits true"
+            )
     precision = dataclasses.replace(_precision(r), autocast=_torch_autocast(r, stages))
     cfg = EngineConfig(
         world_size=world_size,
@@ -598,6 +626,7 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
         tensor_parallel=tp_cfg,
         pipeline=PipelineConfig(stages, schedule, microbatches, virtual, partition),
         fused_cross_entropy=fused,
+        context_parallel=cp,
         ignored=(),
         source=_frozen(data),
     )

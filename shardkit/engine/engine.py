@@ -41,6 +41,7 @@ from shardkit.parallel.memory_report import replicated_memory_report
 from shardkit.parallel.tensor import gather_state_dict, heads_compute_loss
 
 from .resolved import EngineConfig
+from .sequence_split import SequenceSplitForward
 from .throughput import Monitor, ThroughputTimer
 
 __all__ = ["Engine"]
@@ -98,6 +99,7 @@ class Engine(nn.Module):
         loss_scaler: DynamicLossScaler | None,
         tp_state: tuple[dict[str, Any], dict[str, int]] | None = None,
         client_optimizer: Any = None,
+        sequence_split: SequenceSplitForward | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -124,6 +126,9 @@ class Engine(nn.Module):
         # tensor_parallel: the plan the module was converted with and the real vocabulary size of
         # its vocabulary-split weights (to gather dense state dicts)
         self._tp_state = tp_state
+        # sequence_parallel_size > 1: the forward over this rank's tokens ([Note: the engine's
+        # forward over cp] in shardkit/engine/sequence_split.py)
+        self._sequence_split = sequence_split
 
     # ---- DeepSpeed's config accessors ----------------------------------------------------------
     def zero_optimization_stage(self) -> int:
@@ -269,12 +274,17 @@ class Engine(nn.Module):
     # ---- the step ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The module's forward (through the ZeRO/DataParallel wrapper), under ``torch_autocast``'s
-        autocast when the config enables it (:meth:`PrecisionConfig.forward_context`)."""
+        autocast when the config enables it (:meth:`PrecisionConfig.forward_context`). With
+        ``sequence_parallel_size`` > 1 it takes each replica's whole sequences and runs this
+        rank's tokens ([Note: the engine's forward over cp] in
+        :mod:`shardkit.engine.sequence_split`)."""
         self.tput_timer.start()  # stopped by step(): DeepSpeed's timed span
         self.parallel.set_phase("forward")
         with self.config.precision.forward_context(self.ctx.device.type):
             if self.parallel.fused_heads:
                 return self._forward_fused_loss(args, kwargs)
+            if self._sequence_split is not None:
+                return self._sequence_split(self._wrapped, args, kwargs)
             return self._wrapped(*args, **kwargs)
 
     def _forward_fused_loss(self, args: tuple, kwargs: dict[str, Any]) -> Any:

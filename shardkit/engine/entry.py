@@ -17,6 +17,11 @@ config (:func:`shardkit.engine.load_config`):
 * ``tensor_parallel.size`` > 1: the context gets a tp axis (dp = world / (tp × pp)), the plan the
   section names (:mod:`shardkit.engine.model_layout`) is ``parallelize``'s ``tp_plan``, and the dp
   strategy runs on the dp axis (ZeRO × TP: the epilogue agrees the norm and overflow over tp).
+* ``sequence_parallel_size`` > 1 (DeepSpeed's key): the context gets a cp axis (dp = world /
+  (tp × pp × cp)), the model's cp plan (built in for TinyGPT, GPT-2 and Llama, or ``cp_plan=``)
+  is ``parallelize``'s ``cp`` with the ``context_parallel`` section's mode and layout, and the
+  engine's forward takes whole sequences and runs this rank's tokens
+  (:mod:`shardkit.engine.sequence_split`).
 * ``pipeline.stages`` > 1: ``parallelize``'s ``pp`` (TP → stages → dp) behind a
   :class:`~shardkit.engine.pipeline_engine.PipelineEngine` (``train_batch``/``eval_batch``).
 * a :class:`shardkit.deepspeed.pipe.PipelineModule` (DeepSpeed's): the same pipeline, its
@@ -55,6 +60,7 @@ from shardkit.parallel import (
 from shardkit.parallel.param_groups import resolve_param_groups
 from shardkit.parallel.pipeline.split import as_block_list, split_blocks
 from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
+from shardkit.parallel.context.plan import plan_modules as cp_plan_modules
 from shardkit.parallel.tensor import plan_modules
 
 from .config_reader import load_config, load_raw
@@ -66,10 +72,12 @@ from .model_layout import (
     gather_head_logits,
     groups_by_name,
     regroup,
+    cp_plan_for,
     tp_plan_for,
     vocab_sizes,
 )
 from .resolved import EngineConfig
+from .sequence_split import SequenceSplitForward
 
 __all__ = ["build_parallel", "initialize"]
 
@@ -93,6 +101,7 @@ def initialize(
     config_params: str | Path | Mapping[str, Any] | None = None,
     strict: bool = True,
     tp_plan: Mapping[str, Any] | None = None,
+    cp_plan: Mapping[str, str] | None = None,
     blocks: Callable[[nn.Module], Any] | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     **auto_values: Any,
@@ -124,6 +133,9 @@ def initialize(
         strict: unknown config keys raise (True) or warn (False).
         tp_plan: with ``tensor_parallel.size`` > 1, a TP plan ``{module pattern: style}`` of
             :mod:`shardkit.parallel.tensor` instead of the one ``tensor_parallel.plan`` names.
+        cp_plan: with ``sequence_parallel_size`` > 1, a context-parallel plan ``{module pattern:
+            "attention" | "positions"}`` (:func:`shardkit.parallel.context.context_parallelize`)
+            for a model without a built-in one (TinyGPT, Hugging Face GPT-2 and Llama have one).
         blocks: with ``pipeline.stages`` > 1, ``blocks(model) -> [first, ..., last]``, modules
             whose composition is the model's forward (the pipeline's cut points). Not needed for
             an ``nn.Sequential``/``nn.ModuleList`` (its children), shardkit's TinyGPT or a
@@ -188,8 +200,9 @@ def initialize(
         if split is not None:
             cfg = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, partition=split))
         _check_supported(cfg)
-        tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
+        tp, pp, cp = cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.context_parallel.size
         plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
+        sequence_plan = _check_sequence_split(model, cfg, cp_plan)
         blocks = default_blocks(model, blocks) if pp > 1 else None
         if isinstance(optimizer, torch.optim.Optimizer):  # its own groups, with their options
             owned = set(model.parameters())
@@ -205,18 +218,27 @@ def initialize(
         make_optimizer = _optimizer_factory(cfg, optimizer, model)
         _check_scheduler(lr_scheduler, optimizer)
         if ctx is None:
-            ctx = ParallelContext.from_world(tp=tp, pp=pp)  # the default group exists
-        want = {"pp": pp, "dp": cfg.dp_size, "cp": 1, "tp": tp}
+            ctx = ParallelContext.from_world(tp=tp, pp=pp, cp=cp)  # the default group exists
+        want = {"pp": pp, "dp": cfg.dp_size, "cp": cp, "tp": tp}
         if ctx.sizes != want:
             raise ValueError(
                 f"ctx: axes {ctx.sizes} but the config asks for {want} (tensor_parallel.size, pipeline.stages, "
-                "dp = world / (tp × pp)); build the context with those sizes or pass ctx=None"
+                "sequence_parallel_size, dp = world / (tp × pp × cp)); build the context with those sizes or pass ctx=None"
             )
 
         model = _to_device_and_dtype(model, ctx, cfg)
         scaler = cfg.precision.loss_scaler.make() if cfg.precision.dtype == "fp16" else None
         parallel, opt = build_parallel(
-            model, ctx, cfg, scaler=scaler, groups=groups, make=make_optimizer, tp_plan=plan, blocks=blocks, loss_fn=loss_fn
+            model,
+            ctx,
+            cfg,
+            scaler=scaler,
+            groups=groups,
+            make=make_optimizer,
+            tp_plan=plan,
+            blocks=blocks,
+            loss_fn=loss_fn,
+            cp_plan=sequence_plan,
         )
         if pp > 1:
             model = parallel.module  # this rank's stages
@@ -249,7 +271,8 @@ def initialize(
             engine: Engine = PipelineEngine(**common)
         else:
             tp_state = (plan, vocab_sizes(model)) if plan is not None else None
-            engine = Engine(tp_state=tp_state, **common)
+            split = SequenceSplitForward(ctx, cfg.context_parallel.layout, parallel.stats) if cp > 1 else None
+            engine = Engine(tp_state=tp_state, sequence_split=split, **common)
         loader = None
         if training_data is not None:  # DeepSpeed's pipeline engine reads its data in order
             loader = _dataloader(training_data, collate_fn, cfg, ctx, shuffle=pp == 1)
@@ -276,11 +299,11 @@ def _the_config(config: Any, config_params: Any, args: Any) -> Any:
     return from_args
 
 
-def _context_from_env(tp: int, pp: int) -> ParallelContext:
+def _context_from_env(tp: int, pp: int, cp: int) -> ParallelContext:
     try:
-        return ParallelContext.from_env(tp=tp, pp=pp)
+        return ParallelContext.from_env(tp=tp, pp=pp, cp=cp)
     except ValueError as e:  # raised from WORLD_SIZE alone, before any process group
-        raise ValueError(f"tensor_parallel.size={tp} × pipeline.stages={pp}: {e}") from e
+        raise ValueError(f"tensor_parallel.size={tp} × pipeline.stages={pp} × sequence_parallel_size={cp}: {e}") from e
 
 
 def _is_pipeline_module(model: nn.Module) -> bool:
@@ -390,6 +413,19 @@ def _check_layout(model: nn.Module, cfg: EngineConfig, tp_plan: Any, blocks: Any
         return None
     plan = tp_plan_for(model, cfg.tensor_parallel, tp_plan)
     plan_modules(model, plan, tp)  # every pattern, style and divisibility, before any collective
+    return plan
+
+
+def _check_sequence_split(model: nn.Module, cfg: EngineConfig, cp_plan: Any) -> dict[str, str] | None:
+    """The context-parallel plan to apply (None with ``sequence_parallel_size`` 1), checked
+    against the model and the rest of the config before any collective."""
+    cp = cfg.context_parallel.size
+    if cp == 1:
+        if cp_plan is not None:
+            raise ValueError("cp_plan: given, but the config's sequence_parallel_size is 1 (set it to the cp group size)")
+        return None
+    plan = cp_plan_for(model, cp_plan)
+    cp_plan_modules(model, plan)  # every pattern and style, before any collective
     return plan
 
 
@@ -588,9 +624,10 @@ def build_parallel(
     tp_plan: dict[str, Any] | None,
     blocks: BlocksFn | None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    cp_plan: dict[str, str] | None = None,
 ) -> tuple[ParallelModel, Any]:
-    """The config's layout through :func:`~shardkit.parallel.parallelize` (its TP plan, pipeline and
-    ZeRO stage on the dp axis), and the optimizer over this rank's parameters, the user's param
+    """The config's layout through :func:`~shardkit.parallel.parallelize` (its TP plan, cp plan,
+    pipeline and ZeRO stage on the dp axis), and the optimizer over this rank's parameters, the user's param
     groups kept by name across TP and the pipeline split.
 
     Returns:
@@ -627,6 +664,9 @@ def build_parallel(
         loss_scaler=scaler,
         dp_options=options,
         fused_cross_entropy=cfg.fused_cross_entropy.enabled,
+        cp=None
+        if cp_plan is None
+        else {"plan": cp_plan, "mode": cfg.context_parallel.mode, "layout": cfg.context_parallel.layout},
     )
     for head in par.fused_heads:
         head.chunk_tokens = cfg.fused_cross_entropy.chunk_tokens

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from shardkit.comm import ParallelContext
+from shardkit.parallel.context import gpt_cp_plan, hf_gpt2_cp_plan, llama_cp_plan
 from shardkit.parallel.param_groups import resolve_param_groups
 from shardkit.parallel.tensor import (
     VocabParallelEmbedding,
@@ -32,14 +33,24 @@ from ._reader import Reader, to_int
 from .config_reader import load_raw
 from .resolved import TensorParallelConfig
 
-__all__ = ["axis_sizes", "default_blocks", "gather_head_logits", "groups_by_name", "regroup", "tp_plan_for", "vocab_sizes"]
+__all__ = [
+    "axis_sizes",
+    "cp_plan_for",
+    "default_blocks",
+    "gather_head_logits",
+    "groups_by_name",
+    "regroup",
+    "tp_plan_for",
+    "vocab_sizes",
+]
 
 BlocksFn = Callable[[nn.Module], Sequence[nn.Module]]
 
 
-def axis_sizes(config: str | Any, auto_values: Mapping[str, Any] | None = None) -> tuple[int, int]:
-    """``(tensor_parallel.size, pipeline.stages)`` of a config, read alone: the context's axes
-    must exist before the whole config can be read (its batch rule needs dp = world / (tp × pp)).
+def axis_sizes(config: str | Any, auto_values: Mapping[str, Any] | None = None) -> tuple[int, int, int]:
+    """``(tensor_parallel.size, pipeline.stages, sequence_parallel_size)`` of a config, read alone:
+    the context's axes must exist before the whole config can be read (its batch rule needs
+    dp = world / (tp × pp × cp)).
 
     Args:
         config: a JSON path or a dict.
@@ -49,13 +60,14 @@ def axis_sizes(config: str | Any, auto_values: Mapping[str, Any] | None = None) 
         ValueError: a size that is not an integer >= 1, naming the dotted key.
 
     Example:
-        >>> axis_sizes({"tensor_parallel": {"size": 2}})
-        (2, 1)
+        >>> axis_sizes({"tensor_parallel": {"size": 2}, "sequence_parallel_size": 2})
+        (2, 1, 2)
     """
     r = Reader(load_raw(config), auto_values or {})
     tp = r.section("tensor_parallel").get("size", to_int, 1, check=lambda v: v >= 1, must="be >= 1")
     pp = r.section("pipeline").get("stages", to_int, 1, check=lambda v: v >= 1, must="be >= 1")
-    return tp, pp
+    cp = r.get("sequence_parallel_size", to_int, 1, check=lambda v: v >= 1, must="be >= 1")
+    return tp, pp, cp
 
 
 def _is_tinygpt(model: nn.Module) -> bool:
@@ -104,6 +116,40 @@ def tp_plan_for(model: nn.Module, cfg: TensorParallelConfig, tp_plan: Mapping[st
         tied = getattr(getattr(model, "config", None), "tie_embeddings", True)
         return gpt_plan(tie_embeddings=bool(tied))
     return hf_gpt2_plan(model) if name == "hf_gpt2" else llama_plan(model)
+
+
+def cp_plan_for(model: nn.Module, cp_plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The context-parallel plan ``initialize`` applies with ``sequence_parallel_size`` > 1:
+    ``cp_plan`` if given, else the built-in plan of the model's type.
+
+    Args:
+        model: the dense model (shardkit's TinyGPT, a ``transformers`` GPT-2 or Llama, or any
+            model with ``cp_plan``).
+        cp_plan: ``{module pattern: "attention" | "positions"}`` of the caller's, or None.
+
+    Raises:
+        ValueError: no ``cp_plan`` and no built-in plan for the model's type (naming
+            ``initialize(cp_plan=...)``).
+
+    Example:
+        >>> cp_plan_for(TinyGPT(59))
+        {'blocks.*.attn': 'attention', 'pos_emb': 'positions'}
+    """
+    if cp_plan is not None:
+        if not isinstance(cp_plan, Mapping):
+            raise TypeError(f"cp_plan must be a mapping of module patterns to styles, got {type(cp_plan).__name__}")
+        return dict(cp_plan)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if _is_tinygpt(model):
+        return gpt_cp_plan()
+    if model_type == "gpt2":
+        return hf_gpt2_cp_plan()
+    if model_type == "llama":
+        return llama_cp_plan()
+    raise ValueError(
+        f"sequence_parallel_size > 1: no built-in context-parallel plan for a {type(model).__name__} (built in: "
+        "shardkit's TinyGPT, transformers GPT-2 and Llama); pass initialize(cp_plan={...}) (docs/context_parallel.md)"
+    )
 
 
 def gather_head_logits(model: nn.Module, ctx: ParallelContext) -> int:

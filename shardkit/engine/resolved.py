@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 __all__ = [
+    "ContextParallelConfig",
     "EngineConfig",
     "LossScaleConfig",
     "OffloadConfig",
@@ -223,6 +224,27 @@ class FusedCrossEntropyConfig:
     chunk_tokens: int | None = None
 
 
+#: ``context_parallel.mode`` values (:func:`~shardkit.parallel.context.context_parallel_attention`)
+CP_MODES = ("ulysses", "ring")
+
+
+@dataclass(frozen=True)
+class ContextParallelConfig:
+    """The sequence split: DeepSpeed's top-level ``sequence_parallel_size`` and shardkit's
+    ``context_parallel`` section (docs/engine.md, "Long sequences").
+
+    Attributes:
+        size: ranks that split each sequence (the cp axis; 1: none). dp = world / (tp × pp × size).
+        mode: ``"ulysses"`` (all-to-all of heads, DeepSpeed's meaning of the key) or ``"ring"``
+            (K/V blocks around the ring: any head count).
+        layout: how a sequence is cut: ``"zigzag"`` (balanced causal work) or ``"contiguous"``.
+    """
+
+    size: int = 1
+    mode: str = "ulysses"
+    layout: str = "zigzag"
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """shardkit's ``pipeline`` section (microbatches default: ``gradient_accumulation_steps``,
@@ -245,7 +267,8 @@ class EngineConfig:
 
     Attributes:
         world_size: ranks in the job.
-        dp_size: data-parallel ranks, ``world_size / (tensor_parallel.size × pipeline.stages)``.
+        dp_size: data-parallel ranks, ``world_size / (tensor_parallel.size × pipeline.stages ×
+            sequence_parallel_size)``.
         train_batch_size: samples per optimizer step over all data-parallel ranks.
         train_micro_batch_size_per_gpu: samples per forward/backward on one rank.
         gradient_accumulation_steps: micro-batches per optimizer step.
@@ -258,6 +281,7 @@ class EngineConfig:
         tensor_parallel: shardkit's ``tensor_parallel`` section.
         pipeline: shardkit's ``pipeline`` section.
         fused_cross_entropy: shardkit's ``fused_cross_entropy`` section.
+        context_parallel: ``sequence_parallel_size`` and the ``context_parallel`` section.
         ignored: dotted keys accepted without effect, once each, in the order the parser met them.
         source: the config as given (after JSON loading), read-only.
     """
@@ -275,5 +299,6 @@ class EngineConfig:
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()
     pipeline: PipelineConfig = PipelineConfig()
     fused_cross_entropy: FusedCrossEntropyConfig = FusedCrossEntropyConfig()
+    context_parallel: ContextParallelConfig = ContextParallelConfig()
     ignored: tuple[str, ...] = ()
     source: Mapping[str, Any] = field(default_factory=lambda: _frozen({}), repr=False, compare=False)

@@ -244,7 +244,10 @@ class TrainConfig:
             if not os.path.isfile(self.config) and self.config not in EXAMPLE_CONFIGS:
                 raise ValueError(f"--config {self.config}: no such file (nor a shipped example: {', '.join(EXAMPLE_CONFIGS)})")
             if self.cp != 1:
-                raise ValueError("--cp with --config: the engine has no context-parallel section yet; drop --cp or --config")
+                raise ValueError(
+                    "--cp with --config: the config decides this (its sequence_parallel_size and context_parallel "
+                    "section); drop --cp"
+                )
             for name, default in CONFIG_EXCLUSIVE.items():
                 if getattr(self, name) != default:
                     flag = f"--{getattr(self, name)}" if name == "precision" else f"--{name.replace('_', '-')}"

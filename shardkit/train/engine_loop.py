@@ -57,8 +57,10 @@ __all__ = ["auto_values", "build_model", "train_from_config"]
 _PLANNER_OPTIMIZER = {"FusedAdamW": "adamw", "FusedAdam": "adam", "FusedLion": "lion", "FusedLAMB": "lamb"}
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
+def build_model(cfg: TrainConfig, vocab_size: int, *, cp: int | None = None) -> nn.Module:
     """The ``--model``: TinyGPT, or a ``transformers`` GPT-2 / Llama built from config (same size flags).
+    ``cp``: the sequence split when a config sets it (default ``cfg.cp``); above 1, Hugging Face
+    models get SDPA attention, which the cp plan routes over the shards.
 
     Example:
         >>> build_model(TrainConfig(d_model=64, n_layers=2), 59).num_parameters() > 0
@@ -76,7 +78,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> nn.Module:
         n_heads=cfg.n_heads,
         seq_len=cfg.seq_len,
         dropout=cfg.dropout,
-        attention="sdpa" if cfg.cp > 1 else "eager",  # cp routes SDPA calls over the shards
+        attention="sdpa" if (cfg.cp if cp is None else cp) > 1 else "eager",  # cp routes SDPA calls over the shards
     )
 
 
@@ -189,9 +191,9 @@ def train_from_config(cfg: TrainConfig, device: torch.device, t_start: float) ->
     """
     from shardkit.engine.model_layout import axis_sizes
 
-    tp, pp = axis_sizes(cfg.config, auto_values(cfg))  # the config's tensor_parallel / pipeline axes
+    tp, pp, cp = axis_sizes(cfg.config, auto_values(cfg))  # the config's tensor_parallel / pipeline / sequence axes
     ctx = ParallelContext.from_env(
-        backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp, timeout=timedelta(seconds=cfg.timeout)
+        backend="gloo" if device.type == "cpu" else "nccl", tp=tp, pp=pp, cp=cp, timeout=timedelta(seconds=cfg.timeout)
     )
     with ctx:  # destroyed on exit (the default group too): the ranks meet first unless this one raised
         # a frozen peer is named and ended in seconds, not after --timeout; on a timeout, the
@@ -220,7 +222,7 @@ def _train(
     micro, gas = ecfg.train_micro_batch_size_per_gpu, ecfg.gradient_accumulation_steps
     corpus = load_corpus()
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg, corpus.tokenizer.vocab_size).to(device)
+    model = build_model(cfg, corpus.tokenizer.vocab_size, cp=ctx.size("cp")).to(device)
     hf = cfg.model != "tinygpt"
     n_params = sum(p.numel() for p in model.parameters())  # a tied weight once
     engine, _, _, _ = shardkit.initialize(model=model, model_parameters=_param_groups(model), config=cfg.config, ctx=ctx, **auto)

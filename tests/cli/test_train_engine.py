@@ -87,6 +87,17 @@ def test_zero2_fp32_two_ranks_equal_one_process(tmp_path: Path, fp32_single: dic
     assert log["eval"][-1][1] < log["eval"][0][1]
 
 
+def test_sequence_parallel_size_two_ranks_equal_one_process(tmp_path: Path, fp32_single: dict) -> None:
+    """DeepSpeed's sequence_parallel_size 2: the two ranks are one replica, each running half of
+    every sequence of the whole 8-row batch (dp = world / 2 = 1)."""
+    cfg = json.loads(Path(_variant(tmp_path, ZERO2, fp16=False)).read_text())
+    cfg["sequence_parallel_size"], cfg["context_parallel"] = 2, {"mode": "ring"}
+    path = tmp_path / "zero2_sp2.json"
+    path.write_text(json.dumps(cfg))
+    log, _ = _run(["--nproc", "2", "--batch-size", "8", "--config", str(path)], tmp_path)
+    _same_evals(log, fp32_single)
+
+
 def test_gradient_accumulation_is_the_same_global_batch(tmp_path: Path, fp32_single: dict) -> None:
     """micro 4 x gas 2 in one process: two engine.step() calls per optimizer step, same losses."""
     log, _ = _run(["--nproc", "1", "--batch-size", "4", "--config", _variant(tmp_path, ZERO2, fp16=False, gas=2)], tmp_path)

@@ -97,7 +97,7 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
         (dict(nproc=2, cp=2, strategy="ddp", seq_len=30), "multiple of 2 x cp = 4"),
         (dict(nproc=4, cp=4, strategy="ddp", n_heads=2, d_model=32, cp_mode="ulysses"), "--cp-mode ring"),
         (dict(nproc=2, cp=2, strategy="ddp", sample=100), "--sample 0"),
-        (dict(nproc=2, cp=2, config="zero2_config_accelerate.json"), "no context-parallel section"),
+        (dict(nproc=2, cp=2, config="zero2_config_accelerate.json"), "its sequence_parallel_size"),
     ],
 )
 def test_bad_parallel_combinations_name_the_flag(kwargs: dict, word: str) -> None:
