@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import shardkit
 from shardkit.bench import BENCHMARKS
@@ -30,6 +31,10 @@ from shardkit.bench import run as run_benchmark
 from shardkit.train.config import TrainConfig, add_arguments, from_args, to_argv
 from shardkit.train.process_lifetime import die_with_parent
 from shardkit.train.worker_logs import earlier_failures, failure_report, first_failures, rank_stderr
+
+if TYPE_CHECKING:  # the planner imports torch: the CLI loads these for `shardkit plan` only
+    from shardkit.parallel.activation_memory import ActivationPlan
+    from shardkit.parallel.zero.planner import StageTable
 
 #: more CPU ranks per core than this is refused by ``shardkit train`` (see ``_check_cores``)
 MAX_RANKS_PER_CORE = 4
@@ -49,6 +54,8 @@ examples:
   shardkit bench zero                                ZeRO-1/2 vs ZeroRedundancyOptimizer, FSDP2, DeepSpeed
   shardkit plan --params 7.5e9 --dp 64 --precision fp16 --device-gb 32
                                                      per-rank memory of DDP and ZeRO-1/2/3
+  shardkit plan --model tinygpt --seq-len 4096 --cp 4
+                                                     + activations per rank, cp = 1 and cp = 4
   shardkit consolidate ckpt/latest export/           sharded checkpoint -> plain torch.save files
 
 `shardkit COMMAND --help` lists a command's flags.
@@ -69,7 +76,10 @@ _PLAN_DESCRIPTION = """\
 Predict per-rank device memory (params, grads, optimizer state, transient buffers), host/NVMe
 memory with offload, and communication per step for DDP (stage 0) and ZeRO-1/2/3, without
 allocating anything (formulas: docs/planner.md). Sizes in GB = 1e9 bytes, the ZeRO paper's unit.
-Activations are not included: leave room for them."""
+With --model tinygpt, also the activations per rank of one forward + backward of --batch-size
+sequences of --seq-len tokens, at cp = 1 and at --cp N (each rank holding 1/N of every sequence),
+and model states + activations per rank. With --params, activations are not included: leave
+room for them."""
 
 _CONSOLIDATE_DESCRIPTION = """\
 Read a checkpoint saved by shardkit.parallel.save_checkpoint (any dp size, ZeRO stage,
@@ -80,6 +90,8 @@ Details: docs/checkpoint.md."""
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _PLAN_MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "seq_len")
+_TRAIN_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+_PLAN_ACTIVATION_FLAGS = {"batch_size": "--batch-size", "cp": "--cp", "cp_mode": "--cp-mode", "device": "--device"}
 
 
 def _count(text: str) -> int:
@@ -140,17 +152,37 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
                 metavar=f.metadata["metavar"],
                 help=f"{f.metadata['help']} (default %(default)s)",
             )
+    # default None: given with --params they are a usage error; with --model, `shardkit train`'s defaults
+    acts = plan.add_argument_group('activations (--model tinygpt; docs/planner.md, "Activations")')
+    acts.add_argument("--batch-size", type=int, metavar="B", help=f"sequences per rank (default {_TRAIN_DEFAULTS['batch_size']})")
+    acts.add_argument("--cp", type=int, metavar="N", help="context-parallel ranks: each holds 1/N of every sequence (default 1)")
+    acts.add_argument("--cp-mode", choices=["ring", "ulysses"], help="attention over the cp ranks (default ring)")
+    acts.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        help="whose attention kernels' working buffers to count; cpu: torch's CPU path, ring attention on slice copies (default cuda)",
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    """``shardkit plan``: print the stage table (and one stage's breakdown with ``--stage``).
+    """``shardkit plan``: print the stage table (and one stage's breakdown with ``--stage``); with
+    ``--model tinygpt`` also the activations per rank at cp = 1 and ``--cp N``, and model states +
+    activations per stage (docs/planner.md, "Activations").
 
     Raises:
-        ValueError: an invalid combination (e.g. ``--offload-params`` without ``--offload``).
+        ValueError: an invalid combination (e.g. ``--offload-params`` without ``--offload``, ``--cp``
+            without ``--model tinygpt``) or value (``--cp 0``, a ``--seq-len`` that does not split
+            into ``2 * cp`` chunks); the message names the flag.
     """
     from shardkit.parallel.zero.planner import plan_table  # imports torch
     from shardkit.parallel.zero.planner import plan_memory, unit_sizes
 
+    given = [flag for name, flag in _PLAN_ACTIVATION_FLAGS.items() if getattr(args, name) is not None]
+    if args.model != "tinygpt" and given:
+        raise ValueError(f"{given[0]} needs --model tinygpt: activations are counted from the model's shape")
+    cp = 1 if args.cp is None else args.cp
+    if cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {cp}")
     what: object = args.params
     unit = args.unit_params
     if args.model == "tinygpt":
@@ -164,7 +196,7 @@ def run_plan(args: argparse.Namespace) -> int:
         unit = unit if unit is not None else max(unit_sizes(what, {Block}))
     optimizer: str | int = int(args.optimizer) if args.optimizer.isdigit() else args.optimizer
     kw = dict(
-        dp=args.dp,
+        dp=args.dp * cp,  # parameters are replicated over dp x cp; ZeRO shards over that (dp_cp) group
         precision=args.precision,
         optimizer=optimizer,
         offload=args.offload,
@@ -175,7 +207,13 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     if args.stage is not None and args.stage != 3 and args.offload_params:
         raise ValueError("--offload-params needs --stage 3 (or no --stage)")
+    activations = _plan_activations(args, cp) if args.model == "tinygpt" else None  # its flag errors first
     table = plan_table(what, **kw)  # type: ignore[arg-type]
+    if cp > 1:
+        print(
+            f"cp = {cp}: parameters are replicated over dp x cp = {args.dp} x {cp} = {args.dp * cp} ranks (the dp_cp group), "
+            "over which DDP reduces and ZeRO shards: the table's dp is that group's size"
+        )
     print(table.render())
     if unit is None and args.stage in (None, 3):
         print(
@@ -183,12 +221,68 @@ def run_plan(args: argparse.Namespace) -> int:
             "pass --unit-params N (the largest block's parameters) for the per-block gathers it really does, "
             "or --model tinygpt to count them"
         )
+    if activations is not None:
+        print()
+        print(_render_activations(args, activations, table))
     if args.stage is not None:
         if args.stage == 0:
             kw.pop("offload"), kw.pop("offload_params")
         print()
         print(plan_memory(what, stage=args.stage, **kw).table())  # type: ignore[arg-type]
     return 0
+
+
+def _plan_activations(args: argparse.Namespace, cp: int) -> list[ActivationPlan]:
+    """The activation plans of ``--model tinygpt`` at cp = 1 and (with ``--cp N``) cp = N."""
+    from shardkit.data import ALPHABET
+    from shardkit.parallel.activation_memory import activation_bytes
+
+    batch = _TRAIN_DEFAULTS["batch_size"] if args.batch_size is None else args.batch_size
+    mode = args.cp_mode or "ring"
+    if batch < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch}")
+    if cp > 1 and args.seq_len % (2 * cp):
+        raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2 x cp = {2 * cp} (zigzag: two chunks per cp rank)")
+    if cp > 1 and mode == "ulysses" and args.n_heads % cp:
+        raise ValueError(f"--cp-mode ulysses splits the {args.n_heads} heads (--n-heads) over --cp {cp}: they must divide")
+    kw = dict(
+        seq_len=args.seq_len,
+        batch=batch,
+        d_model=args.d_model,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        vocab_size=len(ALPHABET),
+        dtype_bytes=4 if args.precision == "fp32" else 2,
+        mode=mode,
+        device=args.device or "cuda",
+    )
+    return [activation_bytes(**kw, cp=c) for c in sorted({1, cp})]
+
+
+def _render_activations(args: argparse.Namespace, plans: list[ActivationPlan], table: StageTable) -> str:
+    """The activations table, then model states + activations per rank for each stage."""
+    from shardkit.parallel.activation_memory import activation_table
+    from shardkit.parallel.zero.planner import format_gb
+
+    last = plans[-1]
+    stage_plans = table.plans
+    scale, name = (10**9, "GB") if max(p.device_total for p in stage_plans) + last.per_rank >= 10**9 else (10**6, "MB")
+    a = "fp32" if last.dtype_bytes == 4 else "2-byte"
+    head = (
+        f"activations per rank in {name} (1e{9 if name == 'GB' else 6}) of one forward + backward: TinyGPT "
+        f"d_model {args.d_model}, {args.n_layers} layers, {args.n_heads} heads; batch {last.batch} x {last.seq_len} tokens, "
+        f"{a} activations, cp-mode {args.cp_mode or 'ring'}, {last.device} attention kernels; "
+        'peak = saved + working buffers (docs/planner.md, "Activations")'
+    )
+    totals = []
+    for p in stage_plans:
+        both = p.device_total + last.per_rank
+        fits = "" if p.device_bytes is None else (" fits" if both <= p.device_bytes else " does NOT fit")
+        totals.append(
+            f"{p.name} {format_gb(p.device_total, scale)} + {format_gb(last.per_rank, scale)} = {format_gb(both, scale)}{fits}"
+        )
+    foot = f"model states (total above) + activations peak per rank at cp = {last.cp}, {name}: " + " | ".join(totals)
+    return "\n".join([head, activation_table(plans, unit=scale), foot])
 
 
 def _cpu_count() -> int:
