@@ -31,7 +31,7 @@ from .collectives import (
     ring_shift,
     send,
 )
-from .context import AXES, DEFAULT_TIMEOUT, DP_CP, ParallelContext
+from .context import AXES, DEFAULT_TIMEOUT, DP_CP, CpSplit, ParallelContext
 from .handle import CommHandle, CommTimeoutError
 from .heartbeat import Heartbeat
 from .stats import CommStats, group_label
@@ -40,6 +40,7 @@ __all__ = [
     "AXES",
     "DEFAULT_TIMEOUT",
     "DP_CP",
+    "CpSplit",
     "ParallelContext",
     "CommHandle",
     "CommStats",

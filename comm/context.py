@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["AXES", "DEFAULT_TIMEOUT", "DP_CP", "ParallelContext"]
+__all__ = ["AXES", "DEFAULT_TIMEOUT", "DP_CP", "CpSplit", "ParallelContext"]
 
 #: Mesh axes, outermost first; see [Note: mesh layout].
 AXES: tuple[str, ...] = ("pp", "dp", "cp", "tp")
@@ -199,6 +199,31 @@ def _new_dp_cp_group(layout: torch.Tensor, *, timeout: timedelta | None) -> dist
 
 
 @dataclass(frozen=True)
+class CpSplit:
+    """The cp axis cut in two for hybrid context parallelism ([Note: hybrid attention] in
+    :mod:`shardkit.parallel.context.hybrid_attention`): all-to-all groups of ``a2a_size``
+    consecutive cp ranks, and a ring through the ranks that hold the same place in each of them.
+    Cp rank ``c`` is ``ring_rank * a2a_size + a2a_rank``. Built by :meth:`ParallelContext.cp_split`.
+
+    Attributes:
+        a2a, a2a_size, a2a_rank: this rank's all-to-all group, its size and this rank's place in it.
+        ring, ring_size, ring_rank: this rank's ring group (``cp / a2a_size`` ranks) and place.
+
+    Example:
+        >>> split = ctx.cp_split(2)             # cp = 4: a2a groups {0, 1}, {2, 3}; rings {0, 2}, {1, 3}
+        >>> split.a2a_size, split.ring_size
+        (2, 2)
+    """
+
+    a2a: dist.ProcessGroup
+    a2a_size: int
+    a2a_rank: int
+    ring: dist.ProcessGroup
+    ring_size: int
+    ring_rank: int
+
+
+@dataclass(frozen=True)
 class ParallelContext:
     """Named parallel axes ``pp``, ``dp``, ``cp``, ``tp`` over a 4-D ``DeviceMesh``.
 
@@ -223,6 +248,8 @@ class ParallelContext:
     _owns_world: bool = field(default=False, repr=False, compare=False)
     # the flattened dp x cp group when cp > 1 ([Note: the dp_cp group]); None when cp == 1
     _dp_cp: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
+    # the cp axis split for hybrid attention, by all-to-all group size (cp_split)
+    _cp_splits: dict[int, CpSplit] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -532,6 +559,50 @@ class ParallelContext:
         if self._axis(axis) == DP_CP:
             return self.size("dp") * self.size("cp")
         return self.mesh.size(AXES.index(axis))
+
+    def cp_split(self, a2a_size: int, *, timeout: timedelta = DEFAULT_TIMEOUT) -> CpSplit:
+        """The cp axis as all-to-all groups of ``a2a_size`` consecutive cp ranks and the rings
+        across them (:class:`CpSplit`), for ``context_parallel_attention(mode="hybrid")``.
+
+        The first call for a size creates the groups of every cp group of the world: a
+        collective over the default group, so every rank must make it, at the same point
+        (``context_parallelize`` and ``parallelize`` do it up front, before a pipeline splits
+        the ranks' work). Later calls return the same groups; :meth:`destroy` releases them.
+
+        Args:
+            a2a_size: ranks per all-to-all group; must divide ``size("cp")``.
+            timeout: the new groups' timeout ([Note: process-group timeouts]).
+
+        Raises:
+            ValueError: ``a2a_size`` is not a positive divisor of the cp size.
+
+        Example:
+            >>> ctx = ParallelContext.from_env(cp=4)
+            >>> ctx.cp_split(2).ring_size
+            2
+        """
+        cp = self.size("cp")
+        if isinstance(a2a_size, bool) or not isinstance(a2a_size, int) or a2a_size < 1 or cp % a2a_size:
+            raise ValueError(f"a2a_size must be a positive divisor of the cp size {cp}, got {a2a_size!r}")
+        if a2a_size in self._cp_splits:
+            return self._cp_splits[a2a_size]
+        _check_timeout(timeout)
+        me = dist.get_rank()
+        rows = self.mesh.mesh.movedim(AXES.index("cp"), -1).reshape(-1, cp).tolist()  # every cp group's ranks
+        rings = cp // a2a_size
+        mine: dict[str, tuple[dist.ProcessGroup, int, int]] = {}
+        for kind, members in (
+            ("a2a", [row[g * a2a_size : (g + 1) * a2a_size] for row in rows for g in range(rings)]),
+            ("ring", [row[i::a2a_size] for row in rows for i in range(a2a_size)]),
+        ):
+            for ranks in members:  # the same groups in the same order on every rank
+                group = dist.new_group(ranks, timeout=timeout, group_desc=f"shardkit_cp_{kind}")
+                if me in ranks:
+                    mine[kind] = (group, len(ranks), ranks.index(me))
+                    self._owned.append(group)
+        split = CpSplit(*mine["a2a"], *mine["ring"])
+        self._cp_splits[a2a_size] = split
+        return split
 
     def submesh(self, axes: str | Sequence[str]) -> DeviceMesh:
         """The sub-``DeviceMesh`` over ``axes`` (one name or several, in pp, dp, cp, tp order).

@@ -89,6 +89,7 @@ from .tensor import (
     vocab_parallel_cross_entropy,
 )
 from .tensor.fused_head import FusedCrossEntropyHead, deferred_heads, fuse_lm_head_loss, heads_compute_loss
+from .context.attention import check_ulysses_size
 from .context.plan import ContextParallelOptions, context_parallelize, plan_modules
 from .context.sequence_loss import SequenceShardedLoss
 from .tensor.plan import VocabParallelLMHead
@@ -641,7 +642,14 @@ def parallelize(
     # (parameters untouched, so it may come before or after TP; after, its patterns name the TP modules)
     if cp_opts is not None:
         context_parallelize(
-            model, ctx, cp_opts.plan, mode=cp_opts.mode, layout=cp_opts.layout, backend=cp_opts.backend, stats=stats
+            model,
+            ctx,
+            cp_opts.plan,
+            mode=cp_opts.mode,
+            layout=cp_opts.layout,
+            backend=cp_opts.backend,
+            stats=stats,
+            ulysses_size=cp_opts.ulysses_size,
         )
     # 1b. the fused head loss: the head hands its input to the loss ([Note: the deferred head
     # inside the head's forward] in parallel/tensor/fused_head.py)
@@ -764,6 +772,10 @@ def _check_context_parallel(
         )
     if fused_cross_entropy:
         raise ValueError("cp with fused_cross_entropy is not supported yet")
+    try:
+        check_ulysses_size(opts.mode, opts.ulysses_size, size)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"cp: {e}") from None
     return opts
 
 

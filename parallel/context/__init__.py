@@ -5,7 +5,8 @@
   :func:`shard_positions` — their positions (for rotary embeddings and masks).
 * :func:`context_parallel_attention` — attention of this rank's queries over the whole
   sequence: ``mode="ring"`` (key/value blocks around the ring, blockwise attention merged by
-  log-sum-exp) or ``mode="ulysses"`` (all-to-all to head shards and back).
+  log-sum-exp), ``mode="ulysses"`` (all-to-all to head shards and back) or ``mode="hybrid"``
+  (all-to-all within groups of ``ulysses_size`` cp ranks, the ring across the groups).
 * :func:`context_parallelize` with a plan (:func:`gpt_cp_plan`, :func:`hf_gpt2_cp_plan`,
   :func:`llama_cp_plan`) — a whole model on this rank's tokens;
   ``parallelize(..., cp={"plan": ...})`` does it for training, with the loss of
@@ -22,7 +23,8 @@ Example:
     >>> out = context_parallel_attention(q, k, v, ctx=ctx, mode="ring", causal=True)
 """
 
-from .attention import MODES, ContextParallelMode, context_parallel_attention
+from .attention import MODES, ContextParallelMode, check_ulysses_size, context_parallel_attention
+from .hybrid_attention import hybrid_attention
 from .plan import ContextParallelOptions, context_parallelize, gpt_cp_plan, hf_gpt2_cp_plan, llama_cp_plan
 from .ring_attention import ring_attention
 from .sequence_layout import LAYOUTS, SequenceLayout, check_sequence_length, gather_sequence, shard_positions, shard_sequence
@@ -42,8 +44,10 @@ __all__ = [
     "SequenceLayout",
     "check_sequence_length",
     "check_ulysses_heads",
+    "check_ulysses_size",
     "context_parallel_attention",
     "gather_sequence",
+    "hybrid_attention",
     "ring_attention",
     "shard_positions",
     "shard_sequence",

@@ -8,7 +8,10 @@ context parallelism.
 Which mode: Ulysses moves a constant ``4 (cp-1)/cp`` of the activations per layer and runs the
 stock (flash) attention, but needs the heads to split over cp; ring attention works for any
 head count and overlaps its transfers with the blockwise compute, and its bytes grow with cp.
-Megatron-Core names the same choice ``cp_comm_type`` (``"p2p"`` = ring, ``"a2a"`` = Ulysses).
+``"hybrid"`` does Ulysses within groups of ``ulysses_size`` cp ranks and the ring across them
+([Note: hybrid attention]): all-to-all where it is cheap (inside a node), fewer ring steps, and
+only ``ulysses_size`` must divide the heads. Megatron-Core names the same choice
+``cp_comm_type`` (``"p2p"`` = ring, ``"a2a"`` = Ulysses, ``"a2a+p2p"`` = hybrid).
 """
 
 from __future__ import annotations
@@ -21,19 +24,46 @@ import torch.nn.functional as F
 from shardkit.comm import CommStats, ParallelContext
 from shardkit.kernels.runtime import Backend
 
+from .hybrid_attention import hybrid_attention
 from .ring_attention import ring_attention
 from .sequence_layout import LAYOUTS, SequenceLayout
 from .ulysses_attention import check_ulysses_heads, ulysses_attention
 
-__all__ = ["ContextParallelMode", "MODES", "context_parallel_attention"]
+__all__ = ["ContextParallelMode", "MODES", "check_ulysses_size", "context_parallel_attention"]
 
-ContextParallelMode = Literal["ring", "ulysses"]
+ContextParallelMode = Literal["ring", "ulysses", "hybrid"]
 #: The modes (see the module docstring).
-MODES: tuple[str, ...] = ("ring", "ulysses")
+MODES: tuple[str, ...] = ("ring", "ulysses", "hybrid")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check(q: object, k: object, v: object, ctx: object, mode: object, causal: object, layout: object, scale: object) -> None:
+def check_ulysses_size(mode: object, ulysses_size: object, cp: int) -> None:
+    """``ulysses_size`` must be given with ``mode="hybrid"`` only, as a positive divisor of ``cp``.
+
+    Example:
+        >>> check_ulysses_size("hybrid", 2, 4)
+    """
+    if mode != "hybrid":
+        if ulysses_size is not None:
+            raise ValueError(f"ulysses_size: applies to mode='hybrid' only, got mode={mode!r}")
+        return
+    if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int):
+        raise TypeError(f"mode='hybrid' needs ulysses_size (ranks per all-to-all group), an int; got {ulysses_size!r}")
+    if ulysses_size < 1 or (cp > 1 and cp % ulysses_size):  # checked, then unused, at cp = 1
+        raise ValueError(f"ulysses_size must be a positive divisor of the cp size {cp}, got {ulysses_size}")
+
+
+def _check(
+    q: object,
+    k: object,
+    v: object,
+    ctx: object,
+    mode: object,
+    causal: object,
+    layout: object,
+    scale: object,
+    ulysses_size: object,
+) -> None:
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -70,8 +100,12 @@ def _check(q: object, k: object, v: object, ctx: object, mode: object, causal: o
             f"layout='zigzag' gives each rank two chunks: the local sequence length must be even, got {s} "
             "(shard the sequence with shard_sequence(..., layout='zigzag'), which checks the full length)"
         )
+    check_ulysses_size(mode, ulysses_size, cp)
     if mode == "ulysses" and cp > 1:
         check_ulysses_heads(h, k.shape[1], cp)
+    if mode == "hybrid" and cp > 1:
+        assert isinstance(ulysses_size, int)
+        check_ulysses_heads(h, k.shape[1], ulysses_size, mode="hybrid")
 
 
 def context_parallel_attention(
@@ -86,6 +120,7 @@ def context_parallel_attention(
     scale: float | None = None,
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    ulysses_size: int | None = None,
 ) -> torch.Tensor:
     """This cp rank's part of ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)`` over
     the full sequence, from every rank's part of ``q``, ``k``, ``v``.
@@ -99,7 +134,8 @@ def context_parallel_attention(
         q: ``[batch, heads, S/cp, head_dim]``, fp32/bf16/fp16.
         k, v: ``[batch, kv_heads, S/cp, head_dim]``, ``heads % kv_heads == 0`` (GQA/MQA).
         ctx: the context; its ``cp`` axis holds the sequence (size 1: plain attention).
-        mode: ``"ring"`` ([Note: ring attention]) or ``"ulysses"`` ([Note: Ulysses attention]).
+        mode: ``"ring"`` ([Note: ring attention]), ``"ulysses"`` ([Note: Ulysses attention]) or
+            ``"hybrid"`` ([Note: hybrid attention]).
         causal: causal mask over the *full* sequence's positions.
         layout: how the sequence is split ([Note: sequence layouts]); the positions the
             causal mask uses follow it.
@@ -107,6 +143,9 @@ def context_parallel_attention(
         backend: ring mode's blockwise kernels (:mod:`shardkit.kernels.attention`): ``"auto"``
             is Triton on CUDA, torch on CPU.
         stats: optional :class:`~shardkit.comm.CommStats` for the transfers.
+        ulysses_size: with ``mode="hybrid"``, the ranks of each all-to-all group (a divisor of
+            cp; :meth:`ParallelContext.cp_split` creates the groups on first use, a collective
+            over the world).
 
     Returns:
         ``[batch, heads, S/cp, head_dim]`` in ``q``'s dtype.
@@ -121,9 +160,14 @@ def context_parallel_attention(
         >>> out = context_parallel_attention(q, k, v, ctx=ctx, mode="ring")
         >>> full = gather_sequence(out, ctx, dim=2)                   # == SDPA(q_full, k_full, v_full, is_causal=True)
     """
-    _check(q, k, v, ctx, mode, causal, layout, scale)
+    _check(q, k, v, ctx, mode, causal, layout, scale, ulysses_size)
     if ctx.size("cp") == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if mode == "ulysses":
         return ulysses_attention(q, k, v, ctx=ctx, causal=causal, layout=layout, scale=scale, stats=stats)
+    if mode == "hybrid":
+        assert ulysses_size is not None
+        return hybrid_attention(
+            q, k, v, ctx=ctx, ulysses_size=ulysses_size, causal=causal, layout=layout, scale=scale, backend=backend, stats=stats
+        )
     return ring_attention(q, k, v, ctx=ctx, causal=causal, layout=layout, scale=scale, backend=backend, stats=stats)

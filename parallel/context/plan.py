@@ -43,7 +43,7 @@ from torch.utils.hooks import RemovableHandle
 from shardkit.comm import CommStats, ParallelContext
 from shardkit.kernels.runtime import Backend
 
-from .attention import MODES, ContextParallelMode, context_parallel_attention
+from .attention import MODES, ContextParallelMode, check_ulysses_size, context_parallel_attention
 from .sequence_layout import LAYOUTS, SequenceLayout, shard_positions
 
 __all__ = [
@@ -96,18 +96,23 @@ class ContextParallelOptions:
     Attributes:
         plan: ``{module pattern: "attention" | "positions"}`` (:func:`gpt_cp_plan`,
             :func:`hf_gpt2_cp_plan`, :func:`llama_cp_plan`).
-        mode: ``"ring"`` or ``"ulysses"`` (:func:`~shardkit.parallel.context.context_parallel_attention`).
+        mode: ``"ring"``, ``"ulysses"`` or ``"hybrid"``
+            (:func:`~shardkit.parallel.context.context_parallel_attention`).
         layout: ``"zigzag"`` or ``"contiguous"`` ([Note: sequence layouts]).
         backend: ring mode's attention kernels (``"auto"``: Triton on CUDA, torch on CPU).
+        ulysses_size: with ``mode="hybrid"``, the cp ranks of each all-to-all group (a divisor of
+            cp; the ring runs across the groups).
 
     Example:
         >>> parallelize(model, ctx, cp={"plan": gpt_cp_plan(), "mode": "ulysses"})
+        >>> parallelize(model, ctx, cp={"plan": gpt_cp_plan(), "mode": "hybrid", "ulysses_size": 2})
     """
 
     plan: Mapping[str, str]
     mode: ContextParallelMode = "ring"
     layout: SequenceLayout = "zigzag"
     backend: Backend = "auto"
+    ulysses_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.plan, Mapping) or not self.plan:
@@ -121,6 +126,10 @@ class ContextParallelOptions:
             raise ValueError(f"cp: layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.backend not in ("auto", "triton", "torch"):
             raise ValueError(f"cp: backend must be 'auto', 'triton' or 'torch', got {self.backend!r}")
+        try:
+            check_ulysses_size(self.mode, self.ulysses_size, cp=1)  # the divisor is checked against the ctx
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"cp: {e}") from None
 
     @classmethod
     def of(cls, value: ContextParallelOptions | Mapping[str, Any]) -> ContextParallelOptions:
@@ -134,9 +143,9 @@ class ContextParallelOptions:
             return value
         if not isinstance(value, Mapping):
             raise TypeError(f"cp must be ContextParallelOptions or a dict of its fields, got {type(value).__name__}")
-        unknown = set(value) - {"plan", "mode", "layout", "backend"}
+        unknown = set(value) - {"plan", "mode", "layout", "backend", "ulysses_size"}
         if unknown:
-            raise ValueError(f"cp: unknown option(s) {sorted(unknown)}; options are plan, mode, layout, backend")
+            raise ValueError(f"cp: unknown option(s) {sorted(unknown)}; options are plan, mode, layout, backend, ulysses_size")
         if "plan" not in value:
             raise ValueError("cp: 'plan' is required, e.g. {'plan': gpt_cp_plan()}")
         return cls(**value)
@@ -149,6 +158,7 @@ class _Settings:
     layout: SequenceLayout
     backend: Backend
     stats: CommStats | None
+    ulysses_size: int | None = None
 
 
 class _AttentionOverShards(TorchFunctionMode):
@@ -202,7 +212,7 @@ class _AttentionOverShards(TorchFunctionMode):
             raise ValueError(f"{self.where}: {query.shape[1]} query heads over {key.shape[1]} key heads without enable_gqa")
         return context_parallel_attention(
             query, key, value, ctx=s.ctx, mode=s.mode, causal=bool(is_causal), layout=s.layout, scale=scale,
-            backend=s.backend, stats=s.stats,
+            backend=s.backend, stats=s.stats, ulysses_size=s.ulysses_size,
         )  # fmt: skip
 
 
@@ -295,6 +305,7 @@ def context_parallelize(
     layout: SequenceLayout = "zigzag",
     backend: Backend = "auto",
     stats: CommStats | None = None,
+    ulysses_size: int | None = None,
 ) -> list[RemovableHandle]:
     """Make ``model`` run on this cp rank's tokens (see [Note: what a cp plan changes]), in place.
 
@@ -307,8 +318,10 @@ def context_parallelize(
         model: the model; built the same on every cp rank.
         ctx: the context; its ``cp`` axis holds the sequence.
         plan: ``{module pattern: "attention" | "positions"}``, e.g. :func:`gpt_cp_plan`.
-        mode, layout, backend: as :func:`~shardkit.parallel.context.context_parallel_attention`
-            (the layout must be the one the inputs were sharded with).
+        mode, layout, backend, ulysses_size: as
+            :func:`~shardkit.parallel.context.context_parallel_attention` (the layout must be
+            the one the inputs were sharded with). ``mode="hybrid"`` creates its groups here
+            (:meth:`ParallelContext.cp_split`: every rank of the world calls this).
         stats: optional :class:`~shardkit.comm.CommStats` for the attention's transfers.
 
     Returns:
@@ -334,10 +347,14 @@ def context_parallelize(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    check_ulysses_size(mode, ulysses_size, ctx.size("cp"))
     found = plan_modules(model, plan)
     if ctx.size("cp") == 1:  # the plan is valid; nothing to change on one rank
         return []
-    settings = _Settings(ctx, mode, layout, backend, stats)
+    if mode == "hybrid":  # the groups now, on every rank: a pipeline later runs some layers on some ranks only
+        assert ulysses_size is not None
+        ctx.cp_split(ulysses_size)
+    settings = _Settings(ctx, mode, layout, backend, stats, ulysses_size)
     handles: list[RemovableHandle] = [model.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)]
     for name, (module, style) in found.items():
         hook = _attention_hooks if style == "attention" else _position_hook

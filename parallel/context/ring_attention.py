@@ -26,9 +26,11 @@ each); backward ``N - 1`` key/value blocks plus ``N`` fp32 ``dk``/``dv`` blocks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shardkit.comm import CommHandle, CommStats, ParallelContext, ring_shift
 from shardkit.kernels.attention import attention_block_backward, attention_block_forward, merge_attention_blocks
@@ -36,26 +38,51 @@ from shardkit.kernels.runtime import Backend
 
 from .sequence_layout import SequenceLayout, shard_positions
 
-__all__ = ["ring_attention"]
+__all__ = ["Ring", "ring_attention"]
 
 
-class _RingAttention(torch.autograd.Function):
+@dataclass(frozen=True)
+class Ring:
+    """The ranks a ring attention passes key/value blocks around.
+
+    Attributes:
+        group: the ring's process group (``ring_shift`` sends to its next rank).
+        size, rank: ranks in the ring and this rank's place.
+        positions: for each ring rank, the global positions of the tokens it holds (``[tokens]``
+            int64, in the order of its q/k/v rows): what the causal mask compares.
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    positions: list[torch.Tensor]
+
+    @classmethod
+    def over_cp(cls, ctx: ParallelContext, seq_len: int, layout: SequenceLayout, device: torch.device) -> Ring:
+        """The cp axis as the ring, each rank holding its ``layout`` share of ``seq_len`` tokens."""
+        n = ctx.size("cp")
+        positions = [shard_positions(seq_len, cp=n, rank=r, layout=layout, device=device) for r in range(n)]
+        return cls(ctx.group("cp"), n, ctx.rank("cp"), positions)
+
+
+class RingAttention(torch.autograd.Function):
+    """``(q, k, v, ring, causal, scale, backend, stats) -> out``: [Note: ring attention] over
+    ``ring`` (:class:`Ring`); q/k/v ``[B, H, tokens, D]`` with ``ring.positions[ring.rank]``'s
+    tokens."""
+
     @staticmethod
     def forward(
         fctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        pctx: ParallelContext,
+        ring: Ring,
         causal: bool,
-        layout: SequenceLayout,
         scale: float | None,
         backend: Backend,
         stats: CommStats | None,
     ) -> torch.Tensor:
-        group, n, me = pctx.group("cp"), pctx.size("cp"), pctx.rank("cp")
-        seq_len = q.shape[2] * n
-        positions = [shard_positions(seq_len, cp=n, rank=r, layout=layout, device=q.device) for r in range(n)]
+        group, n, me, positions = ring.group, ring.size, ring.rank, ring.positions
         kv = torch.stack([k, v])  # one buffer, one transfer per step
         spare = torch.empty_like(kv)
         out = lse = None
@@ -73,16 +100,14 @@ class _RingAttention(torch.autograd.Function):
                 kv, spare = handle.wait(), (kv if step + 2 < n else None)
         assert out is not None and lse is not None
         fctx.save_for_backward(q, k, v, out, lse)
-        fctx.pctx, fctx.causal, fctx.scale, fctx.backend, fctx.stats = pctx, causal, scale, backend, stats
-        fctx.positions = positions
+        fctx.ring, fctx.causal, fctx.scale, fctx.backend, fctx.stats = ring, causal, scale, backend, stats
         return out.to(q.dtype)
 
     @staticmethod
     def backward(fctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = fctx.saved_tensors
-        pctx: ParallelContext = fctx.pctx
-        group, n, me = pctx.group("cp"), pctx.size("cp"), pctx.rank("cp")
-        positions, stats = fctx.positions, fctx.stats
+        ring: Ring = fctx.ring
+        group, n, me, positions, stats = ring.group, ring.size, ring.rank, ring.positions, fctx.stats
         dout = dout.contiguous()
         delta = (dout.float() * out).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -107,7 +132,7 @@ class _RingAttention(torch.autograd.Function):
                 kv, kv_spare = kv_handle.wait(), (kv if step + 2 < n else None)
         if dkv_handle is not None:  # the last shift brings each block's gradient home
             dkv = dkv_handle.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -130,4 +155,5 @@ def ring_attention(
     Example:
         >>> out = ring_attention(q, k, v, ctx=ctx)      # q/k/v: this rank's [B, H, S/cp, D]
     """
-    return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ctx, causal, layout, scale, backend, stats)
+    ring = Ring.over_cp(ctx, q.shape[2] * ctx.size("cp"), layout, q.device)
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring, causal, scale, backend, stats)

@@ -24,77 +24,81 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardkit.comm import CommStats, ParallelContext, all_to_all
 
 from .sequence_layout import SequenceLayout, shard_positions
 
-__all__ = ["ulysses_attention", "check_ulysses_heads"]
+__all__ = ["HeadsToSequence", "SequenceToHeads", "check_ulysses_heads", "ulysses_attention"]
 
 
-def check_ulysses_heads(heads: int, kv_heads: int, cp: int) -> None:
+def check_ulysses_heads(heads: int, kv_heads: int, cp: int, *, mode: str = "ulysses") -> None:
     """Raise a ``ValueError`` when ``heads`` query / ``kv_heads`` key-value heads cannot be
-    split over ``cp`` ranks (see [Note: Ulysses attention]).
+    split over ``cp`` ranks by an all-to-all (see [Note: Ulysses attention]); ``mode`` names the
+    caller in the message (``"hybrid"``: ``cp`` is then the all-to-all group size).
 
     Example:
         >>> check_ulysses_heads(32, 8, 4)       # 8 query heads and 2 kv heads per rank
         >>> check_ulysses_heads(32, 2, 4)       # each kv head repeated twice: 1 per rank
     """
+    over, by = (f"cp={cp} ranks", "cp") if mode == "ulysses" else (f"all-to-all groups of ulysses_size={cp}", "ulysses_size")
     if heads % cp:
         raise ValueError(
-            f"mode='ulysses' splits the {heads} query heads over cp={cp} ranks: heads must be divisible by cp "
+            f"mode={mode!r} splits the {heads} query heads over {over}: heads must be divisible by {by} "
             "(use mode='ring', which has no such limit)"
         )
     if kv_heads % cp and cp % kv_heads:
         raise ValueError(
-            f"mode='ulysses' needs the {kv_heads} key/value heads to divide by cp={cp} or to divide it "
+            f"mode={mode!r} needs the {kv_heads} key/value heads to divide by {by}={cp} or to divide it "
             "(use mode='ring', which has no such limit)"
         )
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """``[B, H, S/N, D]`` (this rank's tokens, all heads) -> ``[B, H/N, S, D]`` (all tokens in
-    layout order, this rank's heads); backward is the inverse all-to-all."""
+class SequenceToHeads(torch.autograd.Function):
+    """``(x, group, stats)``: ``[B, H, S/N, D]`` (this rank's tokens, all heads) -> ``[B, H/N, S, D]``
+    (the ``N`` ranks' tokens of ``group``, rank after rank; this rank's heads); backward is the
+    inverse all-to-all."""
 
     @staticmethod
-    def forward(fctx: Any, x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
-        fctx.pctx, fctx.stats = pctx, stats
-        return _sequence_to_heads(x, pctx, stats)
-
-    @staticmethod
-    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _heads_to_sequence(grad, fctx.pctx, fctx.stats), None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """The inverse of :class:`_SequenceToHeads`."""
-
-    @staticmethod
-    def forward(fctx: Any, x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
-        fctx.pctx, fctx.stats = pctx, stats
-        return _heads_to_sequence(x, pctx, stats)
+    def forward(fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+        fctx.group, fctx.stats = group, stats
+        return _sequence_to_heads(x, group, stats)
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _sequence_to_heads(grad, fctx.pctx, fctx.stats), None, None
+        return _heads_to_sequence(grad, fctx.group, fctx.stats), None, None
 
 
-def _sequence_to_heads(x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
-    n = pctx.size("cp")
+class HeadsToSequence(torch.autograd.Function):
+    """``(x, group, stats)``: the inverse of :class:`SequenceToHeads`."""
+
+    @staticmethod
+    def forward(fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+        fctx.group, fctx.stats = group, stats
+        return _heads_to_sequence(x, group, stats)
+
+    @staticmethod
+    def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _sequence_to_heads(grad, fctx.group, fctx.stats), None, None
+
+
+def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+    n = group.size()
     b, h, s, d = x.shape
     send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # [N (head group), B, H/N, S/N, D]
     recv = torch.empty_like(send)
-    all_to_all(recv, send, group=pctx.group("cp"), stats=stats)  # [N (source rank), B, H/N, S/N, D]
+    all_to_all(recv, send, group=group, stats=stats)  # [N (source rank), B, H/N, S/N, D]
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
 
 
-def _heads_to_sequence(x: torch.Tensor, pctx: ParallelContext, stats: CommStats | None) -> torch.Tensor:
-    n = pctx.size("cp")
+def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+    n = group.size()
     b, hn, seq, d = x.shape
     send = x.reshape(b, hn, n, seq // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [N (token rank), B, H/N, S/N, D]
     recv = torch.empty_like(send)
-    all_to_all(recv, send, group=pctx.group("cp"), stats=stats)  # [N (head group), B, H/N, S/N, D]
+    all_to_all(recv, send, group=group, stats=stats)  # [N (head group), B, H/N, S/N, D]
     return recv.transpose(0, 1).reshape(b, n * hn, seq // n, d)
 
 
@@ -125,6 +129,7 @@ def ulysses_attention(
     seq_len = q.shape[2] * n
     order = torch.cat([shard_positions(seq_len, cp=n, rank=r, layout=layout, device=q.device) for r in range(n)])
     to_sequence = torch.argsort(order)  # layout order -> sequence order
-    qh, kh, vh = (_SequenceToHeads.apply(t, ctx, stats).index_select(2, to_sequence) for t in (q, k, v))
+    group = ctx.group("cp")
+    qh, kh, vh = (SequenceToHeads.apply(t, group, stats).index_select(2, to_sequence) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
-    return _HeadsToSequence.apply(out.index_select(2, order).contiguous(), ctx, stats)
+    return HeadsToSequence.apply(out.index_select(2, order).contiguous(), group, stats)

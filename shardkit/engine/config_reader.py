@@ -547,7 +547,15 @@ def _context_parallel(r: Reader) -> ContextParallelConfig:
     sec = r.section("context_parallel")
     mode = sec.choice("mode", CP_MODES, "ulysses")
     layout = sec.choice("layout", ("zigzag", "contiguous"), "zigzag")
-    return ContextParallelConfig(size, mode, layout)
+    ulysses = sec.get("ulysses_size", to_int, None, check=_positive, must="be >= 1")
+    if mode == "hybrid" and (ulysses is None or size % ulysses):
+        raise ValueError(
+            f"context_parallel.mode='hybrid' needs context_parallel.ulysses_size, a divisor of sequence_parallel_size "
+            f"{size} (got {ulysses})"
+        )
+    if mode != "hybrid" and ulysses is not None:
+        raise ValueError(f"context_parallel.ulysses_size applies to mode 'hybrid' only (mode is {mode!r})")
+    return ContextParallelConfig(size, mode, layout, ulysses)
 
 
 def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:

@@ -666,7 +666,12 @@ def build_parallel(
         fused_cross_entropy=cfg.fused_cross_entropy.enabled,
         cp=None
         if cp_plan is None
-        else {"plan": cp_plan, "mode": cfg.context_parallel.mode, "layout": cfg.context_parallel.layout},
+        else {
+            "plan": cp_plan,
+            "mode": cfg.context_parallel.mode,
+            "layout": cfg.context_parallel.layout,
+            "ulysses_size": cfg.context_parallel.ulysses_size,
+        },
     )
     for head in par.fused_heads:
         head.chunk_tokens = cfg.fused_cross_entropy.chunk_tokens

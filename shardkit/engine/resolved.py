@@ -225,7 +225,7 @@ class FusedCrossEntropyConfig:
 
 
 #: ``context_parallel.mode`` values (:func:`~shardkit.parallel.context.context_parallel_attention`)
-CP_MODES = ("ulysses", "ring")
+CP_MODES = ("ulysses", "ring", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -235,14 +235,17 @@ class ContextParallelConfig:
 
     Attributes:
         size: ranks that split each sequence (the cp axis; 1: none). dp = world / (tp × pp × size).
-        mode: ``"ulysses"`` (all-to-all of heads, DeepSpeed's meaning of the key) or ``"ring"``
-            (K/V blocks around the ring: any head count).
+        mode: ``"ulysses"`` (all-to-all of heads, DeepSpeed's meaning of the key), ``"ring"``
+            (K/V blocks around the ring: any head count) or ``"hybrid"`` (Ulysses within groups
+            of ``ulysses_size`` ranks, the ring across them).
         layout: how a sequence is cut: ``"zigzag"`` (balanced causal work) or ``"contiguous"``.
+        ulysses_size: ``"hybrid"``'s all-to-all group size (a divisor of ``size``), else None.
     """
 
     size: int = 1
     mode: str = "ulysses"
     layout: str = "zigzag"
+    ulysses_size: int | None = None
 
 
 @dataclass(frozen=True)

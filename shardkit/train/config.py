@@ -135,9 +135,13 @@ class TrainConfig:
         _PARALLEL,
         metavar="N",
     )
-    cp_mode: Literal["ring", "ulysses"] = _opt(
-        "ring", "with --cp: ring attention (key/value blocks around the ring) or Ulysses (all-to-all to head shards)", _PARALLEL
+    cp_mode: Literal["ring", "ulysses", "hybrid"] = _opt(
+        "ring",
+        "with --cp: ring attention (key/value blocks around the ring), Ulysses (all-to-all to head shards) or hybrid "
+        "(Ulysses within groups of --cp-ulysses ranks, the ring across them)",
+        _PARALLEL,
     )
+    cp_ulysses: int = _opt(0, "with --cp-mode hybrid: cp ranks per all-to-all group (a divisor of --cp)", _PARALLEL, metavar="U")
     sequence_parallel: bool = _opt(
         False, "with --tp: activations between the linears as sequence shards (LayerNorm grads summed over tp)", _PARALLEL
     )
@@ -350,6 +354,8 @@ class TrainConfig:
 
     def _validate_context_parallel(self) -> None:
         """``--cp``: what it composes with ([Note: what a cp plan changes] in shardkit.parallel.context.plan)."""
+        if self.cp_ulysses and self.cp_mode != "hybrid":
+            raise ValueError(f"--cp-ulysses {self.cp_ulysses} applies to --cp-mode hybrid only")
         if self.cp == 1:
             return
         if self.strategy == "none":
@@ -371,6 +377,15 @@ class TrainConfig:
                 f"--cp-mode ulysses splits each rank's {heads} heads (n_heads / tp) over cp={self.cp}: they must divide; "
                 "or use --cp-mode ring"
             )
+        if self.cp_mode == "hybrid":
+            u = self.cp_ulysses
+            if u < 1 or self.cp % u:
+                raise ValueError(f"--cp-mode hybrid needs --cp-ulysses U, a divisor of --cp {self.cp} (got {u})")
+            if heads % u:
+                raise ValueError(
+                    f"--cp-ulysses {u} splits each rank's {heads} heads (n_heads / tp) over its all-to-all groups: "
+                    "they must divide"
+                )
 
     def _validate_checkpoints(self, world_size: int) -> None:
         """The checkpoint, restart and timeout flags (see [Note: resuming a training run])."""

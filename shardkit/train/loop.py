@@ -241,7 +241,7 @@ def _train(
         autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
         dp_options=cfg.strategy_options(),
         fused_cross_entropy=cfg.fused_ce,
-        cp={"plan": _cp_plan(cfg, model), "mode": cfg.cp_mode} if cfg.cp > 1 else None,
+        cp={"plan": _cp_plan(cfg, model), "mode": cfg.cp_mode, "ulysses_size": cfg.cp_ulysses or None} if cfg.cp > 1 else None,
     )
     if hb is not None:  # what the heartbeat publishes as this rank's progress
         hb.track(*par.comm_stats())
@@ -415,7 +415,8 @@ def _layout(cfg: TrainConfig, dp: int) -> str:
     if cfg.model_ranks == 1:
         return ""
     pipe = f" ({cfg.schedule}, m={cfg.microbatches})" if cfg.pp > 1 else ""
-    cp = f" x cp={cfg.cp} ({cfg.cp_mode})" if cfg.cp > 1 else ""
+    mode = f"{cfg.cp_mode} {cfg.cp_ulysses}x{cfg.cp // max(cfg.cp_ulysses, 1)}" if cfg.cp_mode == "hybrid" else cfg.cp_mode
+    cp = f" x cp={cfg.cp} ({mode})" if cfg.cp > 1 else ""
     return f" dp={dp}{cp} x tp={cfg.tp} x pp={cfg.pp}{pipe}"
 
 

@@ -98,6 +98,10 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
         (dict(nproc=4, cp=4, strategy="ddp", n_heads=2, d_model=32, cp_mode="ulysses"), "--cp-mode ring"),
         (dict(nproc=2, cp=2, strategy="ddp", sample=100), "--sample 0"),
         (dict(nproc=2, cp=2, config="zero2_config_accelerate.json"), "its sequence_parallel_size"),
+        (dict(nproc=4, cp=4, strategy="ddp", cp_mode="hybrid"), "needs --cp-ulysses U"),
+        (dict(nproc=4, cp=4, strategy="ddp", cp_mode="hybrid", cp_ulysses=3), "a divisor of --cp 4"),
+        (dict(nproc=4, cp=4, strategy="ddp", cp_mode="hybrid", cp_ulysses=4, n_heads=2, d_model=32), "--cp-ulysses 4"),
+        (dict(nproc=2, cp=2, strategy="ddp", cp_ulysses=2), "--cp-mode hybrid only"),
     ],
 )
 def test_bad_parallel_combinations_name_the_flag(kwargs: dict, word: str) -> None:

@@ -36,13 +36,15 @@ def _reference(q, k, v, dout, causal):
     return out.detach(), q64.grad, k64.grad, v64.grad
 
 
-def _attention_body(cp, mode, causal, layout, heads, kv_heads, seq, dtype=torch.float32):
+def _attention_body(cp, mode, causal, layout, heads, kv_heads, seq, dtype=torch.float32, ulysses_size=None):
     tol = FP32 if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     q, k, v, dout = _full_inputs(2, heads, kv_heads, seq, 8, dtype)
     with ParallelContext.from_world(cp=cp) as ctx:
         stats = CommStats()
         shards = [shard_sequence(t, ctx, dim=2, layout=layout).requires_grad_() for t in (q, k, v)]
-        out = context_parallel_attention(*shards, ctx=ctx, mode=mode, causal=causal, layout=layout, stats=stats)
+        out = context_parallel_attention(
+            *shards, ctx=ctx, mode=mode, causal=causal, layout=layout, stats=stats, ulysses_size=ulysses_size
+        )
         out.backward(shard_sequence(dout, ctx, dim=2, layout=layout))
         got = [gather_sequence(t, ctx, dim=2, layout=layout) for t in (out.detach(), *(s.grad for s in shards))]
         ref = _reference(q, k, v, dout, causal)
@@ -70,6 +72,43 @@ def test_grouped_query_attention(dist_pool, mode, kv_heads):
     """GQA/MQA: 4 query heads over 2 or 1 key/value heads at cp 4 (Ulysses repeats kv heads
     so each rank gets the one its queries use; the repeat's gradient sums the copies)."""
     dist_pool.run(_attention_body, 4, mode, True, "zigzag", 4, kv_heads, 16, world_size=4)
+
+
+@pytest.mark.parametrize(
+    ("ulysses_size", "causal", "layout", "kv_heads"),
+    [(2, True, "zigzag", 4), (2, False, "contiguous", 2), (2, True, "zigzag", 1), (1, True, "zigzag", 2), (4, True, "zigzag", 4)],
+    ids=["2x2-causal", "2x2-full-contiguous", "2x2-mqa", "1x4-ring", "4x1-ulysses"],
+)
+def test_hybrid_attention_equals_full_attention(dist_pool, ulysses_size, causal, layout, kv_heads):
+    """cp 4 as all-to-all groups of ulysses_size ranks x a ring across them: out, dq, dk, dv equal
+    SDPA's on the full sequence; the all-to-alls stay in their groups, the ring in its own."""
+    summaries = dist_pool.run(
+        _attention_body, 4, "hybrid", causal, layout, 4, kv_heads, 16, ulysses_size=ulysses_size, world_size=4
+    )
+    for summary in summaries:
+        for op, label in (("all_to_all", "shardkit_cp_a2a["), ("ring_shift", "shardkit_cp_ring[")):
+            groups = summary.get(op, {"groups": {}})["groups"]  # a group of one rank sends nothing
+            assert all(g.startswith(label) for g in groups) and bool(groups) == (ulysses_size != (1 if op == "all_to_all" else 4))
+
+
+def _hybrid_refusals_body():
+    q = torch.randn(1, 4, 4, 8)
+    with ParallelContext.from_world(cp=4) as ctx:
+        cases = [
+            ({"mode": "hybrid"}, TypeError, "needs ulysses_size"),
+            ({"mode": "hybrid", "ulysses_size": 3}, ValueError, "positive divisor of the cp size 4"),
+            ({"mode": "ring", "ulysses_size": 2}, ValueError, "applies to mode='hybrid' only"),
+        ]
+        for kwargs, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                context_parallel_attention(q, q, q, ctx=ctx, **kwargs)
+        with pytest.raises(ValueError, match="heads must be divisible by ulysses_size"):
+            context_parallel_attention(q[:, :3], q[:, :3], q[:, :3], ctx=ctx, mode="hybrid", ulysses_size=2)
+        return ctx.cp_split(2) is ctx.cp_split(2)  # created once, then the same groups
+
+
+def test_hybrid_refusals_name_the_argument(dist_pool):
+    assert all(dist_pool.run(_hybrid_refusals_body, world_size=4))
 
 
 def test_ring_attention_in_bf16(dist_pool):

@@ -51,7 +51,15 @@ def _dense_run_on(batches):
 
 
 def _train_with_cp(
-    cp: int, tp: int, strategy: str, mode: str, layout: str, checkpointing: bool = False, pp: int = 1, padded: bool = False
+    cp: int,
+    tp: int,
+    strategy: str,
+    mode: str,
+    layout: str,
+    checkpointing: bool = False,
+    pp: int = 1,
+    padded: bool = False,
+    ulysses_size: int | None = None,
 ) -> list[float]:
     world = dist.get_world_size()
     batches = _right_padded(lm_batches()) if padded else lm_batches()
@@ -62,7 +70,7 @@ def _train_with_cp(
             kwargs.update(blocks=gpt_blocks, checkpointing=checkpointing)
         if pp > 1:
             kwargs.update(pp={"microbatches": 2, "schedule": "1f1b"})
-        cp_opts = {"plan": gpt_cp_plan(), "mode": mode, "layout": layout}
+        cp_opts = {"plan": gpt_cp_plan(), "mode": mode, "layout": layout, "ulysses_size": ulysses_size}
         par = parallelize(tiny_gpt(True), ctx, dp=strategy, cp=cp_opts, **kwargs)
         opt = par.make_optimizer(torch.optim.SGD, par.parameters(), lr=0.3, momentum=0.9)
         dp, r = ctx.size("dp"), ctx.rank("dp")
@@ -119,6 +127,11 @@ def test_cp4_contiguous_layout(dist_pool):
     dist_pool.run(_train_with_cp, 4, 1, "ddp", "ring", "contiguous", world_size=4, timeout=180)
 
 
+def test_cp4_hybrid_trains_like_the_dense_model(dist_pool):
+    """cp 4 as 2 all-to-all groups of 2 ranks x rings of 2 (Megatron's a2a+p2p), ZeRO-3."""
+    dist_pool.run(_train_with_cp, 4, 1, "zero3", "hybrid", "zigzag", ulysses_size=2, world_size=4, timeout=180)
+
+
 def test_cp2_with_tp2(dist_pool):
     """cp 2 x tp 2 (tp innermost): the TP layers' heads, then attention over the cp shards."""
     dist_pool.run(_train_with_cp, 2, 2, "zero2", "ulysses", "zigzag", world_size=4, timeout=180)
@@ -148,6 +161,9 @@ def _refusals_body():
             ({"cp": {"plan": gpt_cp_plan()}, "loss_fn": lambda o, t: o.sum()}, ValueError, "custom loss_fn"),
             ({"cp": {"plan": gpt_cp_plan()}, "fused_cross_entropy": True}, ValueError, "fused_cross_entropy"),
             ({"cp": "ring"}, TypeError, "ContextParallelOptions or a dict"),
+            ({"cp": {"plan": gpt_cp_plan(), "mode": "hybrid"}}, TypeError, "needs ulysses_size"),
+            ({"cp": {"plan": gpt_cp_plan(), "mode": "hybrid", "ulysses_size": 4}}, ValueError, "divisor of the cp size 2"),
+            ({"cp": {"plan": gpt_cp_plan(), "ulysses_size": 2}}, ValueError, "applies to mode='hybrid' only"),
         ]
         patch = forbid_collectives()
         try:

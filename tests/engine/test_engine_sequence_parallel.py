@@ -187,6 +187,12 @@ def test_sequence_parallel_size_config_keys():
         load_config(tp_config(0, 1) | {"sequence_parallel_size": 4}, world_size=6)
     with pytest.raises(ValueError, match="context_parallel.mode"):
         load_config(_sp_config(0, 2, "a2a"), world_size=2)
+    hybrid = load_config(_sp_config(0, 4, "hybrid") | {"context_parallel": {"mode": "hybrid", "ulysses_size": 2}}, world_size=4)
+    assert hybrid.context_parallel.ulysses_size == 2
+    with pytest.raises(ValueError, match="needs context_parallel.ulysses_size"):
+        load_config(_sp_config(0, 4, "hybrid"), world_size=4)
+    with pytest.raises(ValueError, match="applies to mode 'hybrid' only"):
+        load_config(tp_config(0, 1) | {"context_parallel": {"ulysses_size": 2}}, world_size=2)
     with pytest.raises(ValueError, match="context_parallel.layout"):
         load_config(tp_config(0, 1) | {"context_parallel": {"layout": "striped"}}, world_size=2)
     with pytest.raises(ValueError, match="pipeline.stages=2: not offered in the engine yet"):
