@@ -53,6 +53,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT, lm_loss
+from shardkit.parallel.profiled_peak import profiled_peak_bytes
 from shardkit.parallel.tensor import gpt_plan, tensor_parallelize, vocab_parallel_cross_entropy
 
 from tp_models import Block, dtensor_blocks, dtensor_tinygpt, ours_blocks
@@ -213,16 +214,7 @@ class _GatherVocab(torch.autograd.Function):
 
 def peak_bytes(fn: Callable[[], None]) -> int:
     """Peak of torch's CPU allocations during ``fn()`` above the level at its start (see MEMORY_METHOD)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
-    cur = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
+    return profiled_peak_bytes(fn)
 
 
 def ce_bench(ctx: ParallelContext, args: argparse.Namespace) -> dict:

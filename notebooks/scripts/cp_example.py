@@ -4,28 +4,16 @@ torchrun --nproc-per-node 2 notebooks/scripts/cp_example.py OUT.json SEQ_LEN"""
 import json, sys, torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT
 from shardkit.parallel import parallelize
+from shardkit.parallel.profiled_peak import profiled_peak_bytes as peak_bytes
 from shardkit.parallel.context import context_parallel_attention, gather_sequence, gpt_cp_plan, shard_sequence
 
 out_path, seq_len = sys.argv[1], int(sys.argv[2])
 ctx = ParallelContext.from_env(backend="gloo", cp=2)  # 2 processes, both on the cp axis
 rank = ctx.rank("cp")
 out = {"seq_len": seq_len}
-
-
-def peak_bytes(fn):
-    """Peak of torch's CPU allocations during fn() above its start (allocation events replayed)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
-    cur = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 # 1. Attention over the shards equals attention over the whole sequence.

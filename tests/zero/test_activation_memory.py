@@ -6,7 +6,7 @@ make an expected value); Korthikanti et al.'s per-layer ``34·s·b·h`` with fla
 ("Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198, §4); and the
 peak of torch's CPU allocator during one real TinyGPT forward + backward, on one process (cp 1)
 and on two gloo ranks with ring attention (cp 2), measured with ``torch.profiler`` as
-``perf/tp.py``'s ``peak_bytes`` does.
+:func:`shardkit.parallel.profiled_peak.profiled_peak_bytes` does.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardkit.parallel.activation_memory import activation_bytes, activation_table
+from shardkit.parallel.profiled_peak import profiled_peak_bytes
 
 # ---- the formula, written out by hand -----------------------------------------------------------
 # A small ring case: S = 8, B = 3, cp = 2 -> T = 12 tokens per rank; d = 16, H = 4, V = 11, fp32.
@@ -197,21 +198,6 @@ def _within(want: int, got: int) -> bool:
     return -BELOW * got <= want - got <= ABOVE * got
 
 
-def _peak_bytes(fn) -> int:
-    """Peak of torch's CPU allocations during ``fn()`` above the level at its start: the memory
-    events of ``torch.profiler`` replayed in time order (``perf/tp.py``'s ``peak_bytes``)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
-    cur = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def _measured_peaks(lengths: tuple[int, ...], checkpointing: bool, reps: int = 2) -> dict[int, tuple[int, int]]:
     """Each rank: the peak of one forward + backward of TinyGPT alone (cp 1) and of the same model
     through ``parallelize(cp=ring)`` on the 2 ranks (cp 2), the min over ``reps`` steps each.
@@ -238,14 +224,14 @@ def _measured_peaks(lengths: tuple[int, ...], checkpointing: bool, reps: int = 2
                 lm_loss(model(x), y).backward()
 
             one()
-            cp1 = min(_peak_bytes(one) for _ in range(reps))
+            cp1 = min(profiled_peak_bytes(one) for _ in range(reps))
             torch.manual_seed(0)
             kw = dict(blocks=gpt_blocks, checkpointing=True) if checkpointing else {}
             par = parallelize(
                 TinyGPT(VOCAB, D, LAYERS, HEADS, s), ctx, dp="ddp", cp={"plan": gpt_cp_plan(), "mode": "ring"}, **kw
             )
             par.forward_backward(x, y)
-            cp2 = min(_peak_bytes(lambda par=par, x=x, y=y: par.forward_backward(x, y)) for _ in range(reps))
+            cp2 = min(profiled_peak_bytes(lambda par=par, x=x, y=y: par.forward_backward(x, y)) for _ in range(reps))
             out[s] = (cp1, cp2)
     return out
 
