@@ -181,6 +181,14 @@ def _expand_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
+def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``t[:, :, rows]`` for torch's CPU flash attention: a strided view (the op reads strides;
+    a copy of each slice per run pair was most of ring attention's working memory on the CPU),
+    copied only when its last dim is not dense."""
+    part = t[:, :, rows]
+    return part if part.stride(-1) == 1 else part.contiguous()
+
+
 def _cpu_flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: list[tuple[slice, slice, bool]],
     out: torch.Tensor, lse: torch.Tensor, scale: float,
@@ -190,7 +198,7 @@ def _cpu_flash_forward(
     q, kx, vx = q.float(), _expand_kv(k, q.shape[1]).float(), _expand_kv(v, q.shape[1]).float()
     for qs, ks, causal in pairs:
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, qs].contiguous(), kx[:, :, ks].contiguous(), vx[:, :, ks].contiguous(), 0.0, causal, scale=scale
+            _rows(q, qs), _rows(kx, ks), _rows(vx, ks), 0.0, causal, scale=scale
         )
         merge_attention_blocks(out[:, :, qs], lse[:, :, qs], o, m)
 
@@ -205,8 +213,8 @@ def _cpu_flash_backward(
     q, kx, vx, dout = q.float(), _expand_kv(k, h).float(), _expand_kv(v, h).float(), dout.float()
     for qs, ks, causal in pairs:
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout[:, :, qs].contiguous(), q[:, :, qs].contiguous(), kx[:, :, ks].contiguous(), vx[:, :, ks].contiguous(),
-            out[:, :, qs].contiguous(), lse[:, :, qs].contiguous(), 0.0, causal, scale=scale,
+            _rows(dout, qs), _rows(q, qs), _rows(kx, ks), _rows(vx, ks), _rows(out, qs), _rows(lse, qs), 0.0, causal,
+            scale=scale,
         )  # fmt: skip
         dq[:, :, qs] += gq
         b, _, sk, d = gk.shape

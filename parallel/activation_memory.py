@@ -29,8 +29,8 @@ transients are smaller for these block shapes):
 * ``attention_backward``: the last block's MLP tensors freed too, its attention backward
   holding that mode's working buffers (ring: the travelling key/value block and its spare, the
   fp32 dK/dV accumulator and its spare, fp32 dQ, the block's gradients; SDPA/Ulysses: dQ, dK,
-  dV and the kernel's fp32 accumulator; on the CPU path, ring attention also copies slices
-  for torch's fused CPU kernel).
+  dV and the kernel's fp32 accumulator; on the CPU path, ring attention also holds torch's
+  fused CPU kernel's per-run gradients and buffers).
 
 Example:
     >>> plan = activation_bytes(seq_len=512, batch=2, d_model=64, n_layers=2, n_heads=4, vocab_size=59, cp=2)
@@ -57,7 +57,7 @@ __all__ = [
 ContextParallelMode = Literal["ring", "ulysses"]
 #: whose attention kernels the working buffers are those of: ``"cuda"`` (flash attention at cp = 1
 #: and in Ulysses, shardkit's Triton blockwise kernels in ring attention) or ``"cpu"`` (torch's
-#: CPU flash attention, which ring attention runs on slice copies)
+#: CPU flash attention, which ring attention runs on each zigzag run's strided view)
 AttentionDevice = Literal["cuda", "cpu"]
 
 #: a block's tensors that its MLP half saves: freed before its attention's backward starts
@@ -270,9 +270,10 @@ def activation_bytes(
             + 4 * (dh + 2 * dkv)  # this step's block gradients, fp32
         )
         if device == "cpu":  # kernels/attention.py, _cpu_flash_backward (zigzag: each run half a shard)
-            # slices of dout, q, k, v, out and the gradients of two consecutive (query run, key run)
-            # pairs, fp32 with k/v expanded to the query heads: 12 half-shard buffers
-            attn_work += 12 * 4 * dh // 2
+            # torch's CPU flash backward on strided views of the runs: the gradients of two
+            # consecutive (query run, key run) pairs (6) and about 3 fp32 buffers of its own, read
+            # off the profiler's timeline: 9 half-shard buffers
+            attn_work += 9 * 4 * dh // 2
             if a != 4:  # fp32 copies of q, k, v, dout
                 attn_work += 4 * 4 * dh
             elif kv != heads:  # k, v repeated to the query heads

@@ -160,7 +160,7 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     acts.add_argument(
         "--device",
         choices=["cuda", "cpu"],
-        help="whose attention kernels' working buffers to count; cpu: torch's CPU path, ring attention on slice copies (default cuda)",
+        help="whose attention kernels' working buffers to count; cpu: torch's CPU path, ring attention's per-run CPU kernel buffers (default cuda)",
     )
 
 
