@@ -7,8 +7,9 @@ STAMP  := $(VENV)/.shardkit-installed
 export TRITON_DEFAULT_FP_FUSION ?= 1
 export PYTHONUNBUFFERED := 1
 NPROC  ?= 2
-# pytest-xdist workers for make test (0: the tests run in the pytest process itself)
-TEST_WORKERS ?= 2
+# pytest-xdist workers for make test (0: the tests run in the pytest process itself). 3 on 2 cores:
+# the tests mostly wait on their rank processes (docs/testing.md, "Workers")
+TEST_WORKERS ?= 3
 # DeepSpeed (the peer the tests and notebook 06 drive) JIT-builds a C++ op on its first
 # init_distributed. Built here once, in the install step, into a directory of this venv: a build
 # that a test timeout kills leaves a `lock` file behind, and in the shared ~/.cache every later
