@@ -29,7 +29,8 @@ Spawns ``--nproc`` local gloo ranks (one torch thread each on 2 cores) and measu
    in the JSON (``max_abs_diff_vs_sdpa``, and between each shardkit method and its peer), and a
    difference above ``TOLERANCE`` stops the run. Then all methods are timed interleaved, repeat
    by repeat (the order rotated each repeat), each call after a barrier; a repeat's time is the
-   slowest rank's. Peak memory per rank: one profiled call per method (``MEMORY_METHOD``).
+   slowest rank's. Peak memory per rank: the smallest of ``MEMORY_CALLS`` profiled calls per
+   method (``MEMORY_METHOD``).
 
 2. **Model level**: one training step's forward + backward (``par.forward_backward(x, y)``, no
    optimizer step) of TinyGPT (``shardkit.models``; default d_model=128, 2 layers, 8 heads,
@@ -42,7 +43,8 @@ Spawns ``--nproc`` local gloo ranks (one torch thread each on 2 cores) and measu
    ``"mode": "ulysses"`` (``--model-modes``), which runs the stock SDPA kernel on whole
    sequences of fewer heads, so it shows how much of ring's numbers are its attention kernels.
    Step time: min/median over interleaved repeats (slowest rank per repeat). Peak activation
-   memory: the profiler peak of one ``forward_backward`` above its start (``MEMORY_METHOD``; the
+   memory: the profiler peak of a ``forward_backward`` above its start, the smallest of
+   ``MEMORY_CALLS`` calls (``MEMORY_METHOD``; the
    gradients of an earlier step are already allocated and accumulated into, so this is
    activations and temporaries), the max over ranks. Reported: per-rank memory over cp1's at the
    same length (``memory_ratio_vs_cp1``; ideal ``1/cp``) and that times cp
@@ -104,17 +106,20 @@ SHORT = {
 }
 #: max abs difference (output and input gradients, fp32) from the cp=1 SDPA that stops the run
 TOLERANCE = 1e-3
+#: profiled calls per method; the smallest peak is reported (MEMORY_METHOD)
+MEMORY_CALLS = 3
 
 MEMORY_METHOD = (
     "torch.profiler(profile_memory=True) records every allocation and free of torch's CPU allocator "
     "(including temporaries inside ATen ops and the tensors the collectives send and receive); the events "
     "are replayed in time order and the peak of the running sum above the start of the measured call is "
-    "reported (perf/tp.py peak_bytes), per rank, then the max over ranks. Attention: the inputs (this "
+    "reported (shardkit.parallel.profiled_peak), per rank, then the max over ranks. Attention: the inputs (this "
     "rank's q, k, v, upstream gradient) exist before the call and are not counted; the output, the input "
     "gradients and everything saved or temporary are. Model: the batch and the gradients of an earlier "
     "step exist before the call (backward accumulates into them), so the peak is activations plus "
-    "temporaries. gloo's own staging buffers are not torch allocations and are not seen. One profiled "
-    "call per method (or cp), separate from the timed calls."
+    "temporaries. gloo's own staging buffers are not torch allocations and are not seen. The smallest of "
+    "MEMORY_CALLS profiled calls per method (or cp), separate from the timed calls: a collective's tensors "
+    "that gloo releases from its own thread a little late can add up to ~5% to one call's peak."
 )
 TIMING_METHOD = (
     "wall time of one call (forward + backward) per method per repeat, each call after a barrier over "
@@ -312,7 +317,7 @@ def attention_bench(ctx: ParallelContext, S: int, args: argparse.Namespace, ds_c
         fns = {name: fn for name, (_, fn) in methods.items()}
         repeats = _repeats(round_s, args.repeats, args)
         samples = _interleaved(fns, args.warmup, repeats)
-        peaks = {name: peak_bytes(fn) for name, fn in fns.items()}
+        peaks = {name: min(peak_bytes(fn) for _ in range(MEMORY_CALLS)) for name, fn in fns.items()}
     finally:
         torch_cp._cp_options.enable_load_balance = saved
     per_rank, peaks_per_rank = _over_ranks(samples, peaks)
@@ -379,7 +384,7 @@ def model_bench(ctxs: dict[int, ParallelContext], S: int, args: argparse.Namespa
     fns = {name: (lambda par=par: par.forward_backward(x, y)) for name, par in pars.items()}
     repeats = _repeats(round_s, args.model_repeats, args)
     samples = _interleaved(fns, args.warmup, repeats)
-    peaks = {name: peak_bytes(fn) for name, fn in fns.items()}
+    peaks = {name: min(peak_bytes(fn) for _ in range(MEMORY_CALLS)) for name, fn in fns.items()}
     per_rank, peaks_per_rank = _over_ranks(samples, peaks)
     rows = {name: _row(per_rank[name], peaks_per_rank[name]) for name in fns}
     for name, (cp, mode) in configs.items():
