@@ -52,12 +52,13 @@ Spawns ``--nproc`` local gloo ranks (one torch thread each on 2 cores) and measu
    cp1's, and its gradients (averaged over dp_cp) too (``max_abs_grad_diff_vs_cp1``).
 
 Results: ``perf/results/context_parallel_cpu.json`` and ``context_parallel_cpu.png`` (``--out``
-to write elsewhere; ``--quick`` runs add ``_quick`` to the names). Timings on a shared machine
-are noisy; the interleaving is what keeps the ratios fair.
+to write elsewhere; ``--quick`` runs add ``_quick`` to the names, ``--nproc N`` other than 2 adds
+``_nprocN``: the README's table reads the 2-rank file). Timings on a shared machine are noisy;
+the interleaving is what keeps the ratios fair.
 
     python perf/context_parallel.py                          # full run (~11 min measured on 2 busy shared cores)
     python perf/context_parallel.py --quick --out /tmp/cp    # smoke run: tiny sizes (used by the tests; 30-90 s, mostly start-up)
-    python perf/context_parallel.py --nproc 4                # also cp=4 (needs >= 4 cores to mean anything)
+    python perf/context_parallel.py --nproc 4                # also cp=4: context_parallel_cpu_nproc4.json (times need >= 4 cores to mean anything; memory does not)
 """
 
 from __future__ import annotations
@@ -595,7 +596,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "context_parallel_cpu" + ("_quick" if args.quick else "")
+    stem = "context_parallel_cpu" + ("" if args.nproc == 2 else f"_nproc{args.nproc}") + ("_quick" if args.quick else "")
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     print()
     print(_table({"attention": report["attention"], "model": report["model_level"]}))

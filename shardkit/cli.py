@@ -183,6 +183,12 @@ def run_plan(args: argparse.Namespace) -> int:
     cp = 1 if args.cp is None else args.cp
     if cp < 1:
         raise ValueError(f"--cp must be >= 1, got {cp}")
+    if args.dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {args.dp}")
+    if args.model == "tinygpt":
+        for name in _PLAN_MODEL_FLAGS:
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     what: object = args.params
     unit = args.unit_params
     if args.model == "tinygpt":

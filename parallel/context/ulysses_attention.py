@@ -44,16 +44,11 @@ def check_ulysses_heads(heads: int, kv_heads: int, cp: int, *, mode: str = "ulys
         >>> check_ulysses_heads(32, 2, 4)       # each kv head repeated twice: 1 per rank
     """
     over, by = (f"cp={cp} ranks", "cp") if mode == "ulysses" else (f"all-to-all groups of ulysses_size={cp}", "ulysses_size")
+    other = "use mode='ring', which has no such limit" + ("" if mode == "ulysses" else ", or a smaller ulysses_size")
     if heads % cp:
-        raise ValueError(
-            f"mode={mode!r} splits the {heads} query heads over {over}: heads must be divisible by {by} "
-            "(use mode='ring', which has no such limit)"
-        )
+        raise ValueError(f"mode={mode!r} splits the {heads} query heads over {over}: heads must be divisible by {by} ({other})")
     if kv_heads % cp and cp % kv_heads:
-        raise ValueError(
-            f"mode={mode!r} needs the {kv_heads} key/value heads to divide by {by}={cp} or to divide it "
-            "(use mode='ring', which has no such limit)"
-        )
+        raise ValueError(f"mode={mode!r} needs the {kv_heads} key/value heads to divide by {by}={cp} or to divide it ({other})")
 
 
 class SequenceToHeads(torch.autograd.Function):

@@ -60,6 +60,7 @@ from shardkit.parallel import (
 from shardkit.parallel.param_groups import resolve_param_groups
 from shardkit.parallel.pipeline.split import as_block_list, split_blocks
 from shardkit.parallel.strategy_names import dp_strategy_of_zero_stage
+from shardkit.parallel.context import check_ulysses_heads
 from shardkit.parallel.context.plan import plan_modules as cp_plan_modules
 from shardkit.parallel.tensor import plan_modules
 
@@ -426,7 +427,33 @@ def _check_sequence_split(model: nn.Module, cfg: EngineConfig, cp_plan: Any) -> 
         return None
     plan = cp_plan_for(model, cp_plan)
     cp_plan_modules(model, plan)  # every pattern and style, before any collective
+    _check_sequence_split_model(model, cfg)
     return plan
+
+
+def _check_sequence_split_model(model: nn.Module, cfg: EngineConfig) -> None:
+    """What the model's config says about the split, named by the config's keys before any
+    collective (the attention would refuse the same at its first forward): heads an all-to-all
+    cannot split, attention dropout."""
+    conf, cpc = getattr(model, "config", None), cfg.context_parallel
+    where = f"sequence_parallel_size={cpc.size} with context_parallel.mode={cpc.mode!r}"
+    heads = getattr(conf, "num_attention_heads", getattr(conf, "n_heads", None))
+    if isinstance(heads, int) and cpc.mode in ("ulysses", "hybrid"):
+        kv = getattr(conf, "num_key_value_heads", None) or heads
+        tp = cfg.tensor_parallel.size
+        group = cpc.size if cpc.mode == "ulysses" else cpc.ulysses_size
+        assert group is not None  # the config reader requires ulysses_size for hybrid
+        try:
+            check_ulysses_heads(heads // tp, max(1, kv // tp), group, mode=cpc.mode)
+        except ValueError as e:
+            raise ValueError(f"{where}: the model's {heads // tp} heads per tp rank: {e}") from None
+    for key in ("attn_pdrop", "attention_dropout", "dropout"):
+        p = getattr(conf, key, None)
+        if isinstance(p, (int, float)) and p > 0 and model.training:
+            raise ValueError(
+                f"sequence_parallel_size={cpc.size}: the model's config.{key}={p} drops attention weights, which "
+                f"attention over sequence shards does not do; set it to 0 (or build the model with {key}=0.0)"
+            )
 
 
 def _check_stages_train(model: nn.Module, blocks: Any, cfg: EngineConfig, groups: list[dict[str, Any]]) -> None:

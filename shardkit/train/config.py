@@ -380,7 +380,10 @@ class TrainConfig:
         if self.cp_mode == "hybrid":
             u = self.cp_ulysses
             if u < 1 or self.cp % u:
-                raise ValueError(f"--cp-mode hybrid needs --cp-ulysses U, a divisor of --cp {self.cp} (got {u})")
+                given = "" if u == 0 else f" (got --cp-ulysses {u})"
+                raise ValueError(
+                    f"--cp-mode hybrid needs --cp-ulysses U, the cp ranks per all-to-all group: a divisor of --cp {self.cp}{given}"
+                )
             if heads % u:
                 raise ValueError(
                     f"--cp-ulysses {u} splits each rank's {heads} heads (n_heads / tp) over its all-to-all groups: "

@@ -145,7 +145,7 @@ def _plan(model: nn.Module | int, ecfg: Any) -> dict[str, Any]:
     )
     plan = plan_memory(
         model,
-        dp=ecfg.dp_size,
+        dp=ecfg.dp_size * ecfg.context_parallel.size,  # the dp_cp group: parameters replicated, ZeRO shards over it
         stage=stage,
         precision=ecfg.precision.dtype,
         optimizer=name,
@@ -379,5 +379,5 @@ def _print_summary(cfg: TrainConfig, ecfg: Any, ranks: list[dict[str, Any]], n_p
         print(fmt_rank_summary(s) + scale)
         print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")  # engine.memory_report() vs plan_memory
     if len(ranks) > 1:
-        print(fmt_total_throughput(ranks, ecfg.tensor_parallel.size * ecfg.pipeline.stages))
+        print(fmt_total_throughput(ranks, ecfg.context_parallel.size * ecfg.tensor_parallel.size * ecfg.pipeline.stages))
     sys.stdout.flush()

@@ -6,6 +6,7 @@ written out, and bad flag combinations refused with exit 2 naming the flag."""
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import subprocess
@@ -94,8 +95,12 @@ def test_sequence_parallel_size_two_ranks_equal_one_process(tmp_path: Path, fp32
     cfg["sequence_parallel_size"], cfg["context_parallel"] = 2, {"mode": "ring"}
     path = tmp_path / "zero2_sp2.json"
     path.write_text(json.dumps(cfg))
-    log, _ = _run(["--nproc", "2", "--batch-size", "8", "--config", str(path)], tmp_path)
+    log, out = _run(["--nproc", "2", "--batch-size", "8", "--config", str(path)], tmp_path)
     _same_evals(log, fp32_single)
+    assert "over 1 data-parallel replica (2 ranks, 2 per replica)" in out  # each token counted once
+    # ZeRO-2 shards gradients and optimizer state over dp x cp = 2 ranks: the plan says so too
+    grads = re.findall(r"grads ([\d.]+ \w+) \(([\d.]+ \w+)\)", out)
+    assert len(grads) == 2 and all(measured == planned for measured, planned in grads), grads
 
 
 def test_gradient_accumulation_is_the_same_global_batch(tmp_path: Path, fp32_single: dict) -> None:

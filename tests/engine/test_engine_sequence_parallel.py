@@ -213,12 +213,18 @@ def _refusals_body() -> None:
         cases = [
             (tp_config(0, 1), {"cp_plan": {"blocks.*.attn": "attention"}}, "sequence_parallel_size is 1"),
             (_sp_config(0, 2, "ring"), {"cp_plan": {"nothing.here": "attention"}}, "names no module"),
+            # the model's heads and attention dropout, named with the config's keys
+            (_sp_config(0, 2, "ulysses"), {"n_heads": 3}, r"context_parallel.mode='ulysses': the model's 3 heads"),
+            (_sp_config(0, 2, "ring"), {"dropout": 0.1}, r"config.dropout=0.1 drops attention weights"),
         ]
         for config, kwargs, match in cases:
+            model_kw = {k: kwargs.pop(k) for k in ("n_heads", "dropout") if k in kwargs}
+            d = 48 if model_kw.get("n_heads") == 3 else 32
+            model = TinyGPT(59, d_model=d, n_layers=2, seq_len=16, **model_kw)
             patcher = forbid_collectives()
             try:
                 with pytest.raises(ValueError, match=match):
-                    shardkit.initialize(model=TinyGPT(59, d_model=32, n_layers=2, seq_len=16), config=config, ctx=ctx, **kwargs)
+                    shardkit.initialize(model=model, config=config, ctx=ctx, **kwargs)
             finally:
                 patcher.stop()
         model = torch.nn.Linear(4, 4)  # no built-in cp plan
