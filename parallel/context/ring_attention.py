@@ -50,6 +50,10 @@ class Ring:
         size, rank: ranks in the ring and this rank's place.
         positions: for each ring rank, the global positions of the tokens it holds (``[tokens]``
             int64, in the order of its q/k/v rows): what the causal mask compares.
+
+    Example:
+        >>> ring = Ring.over_cp(ctx, seq_len=1024, layout="zigzag", device=q.device)
+        >>> out = RingAttention.apply(q, k, v, ring, True, None, "auto", None)   # q/k/v: [B, H, 1024/cp, D]
     """
 
     group: dist.ProcessGroup
@@ -68,7 +72,12 @@ class Ring:
 class RingAttention(torch.autograd.Function):
     """``(q, k, v, ring, causal, scale, backend, stats) -> out``: [Note: ring attention] over
     ``ring`` (:class:`Ring`); q/k/v ``[B, H, tokens, D]`` with ``ring.positions[ring.rank]``'s
-    tokens."""
+    tokens, contiguous; returns ``[B, H, tokens, D]`` in q's dtype. Hybrid attention builds its own
+    :class:`Ring` (the groups' tokens); :func:`ring_attention` the cp axis's.
+
+    Example:
+        >>> out = RingAttention.apply(q, k, v, Ring.over_cp(ctx, S, "zigzag", q.device), True, None, "auto", None)
+    """
 
     @staticmethod
     def forward(

@@ -54,7 +54,11 @@ def check_ulysses_heads(heads: int, kv_heads: int, cp: int, *, mode: str = "ulys
 class SequenceToHeads(torch.autograd.Function):
     """``(x, group, stats)``: ``[B, H, S/N, D]`` (this rank's tokens, all heads) -> ``[B, H/N, S, D]``
     (the ``N`` ranks' tokens of ``group``, rank after rank; this rank's heads); backward is the
-    inverse all-to-all."""
+    inverse all-to-all.
+
+    Example:
+        >>> qh = SequenceToHeads.apply(q, ctx.group("cp"), None)    # [B, H, S/N, D] -> [B, H/N, S, D]
+    """
 
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
@@ -67,7 +71,11 @@ class SequenceToHeads(torch.autograd.Function):
 
 
 class HeadsToSequence(torch.autograd.Function):
-    """``(x, group, stats)``: the inverse of :class:`SequenceToHeads`."""
+    """``(x, group, stats)``: the inverse of :class:`SequenceToHeads`.
+
+    Example:
+        >>> out = HeadsToSequence.apply(oh, ctx.group("cp"), None)  # [B, H/N, S, D] -> [B, H, S/N, D]
+    """
 
     @staticmethod
     def forward(fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
