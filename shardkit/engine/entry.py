@@ -272,8 +272,8 @@ def initialize(
             engine: Engine = PipelineEngine(**common)
         else:
             tp_state = (plan, vocab_sizes(model)) if plan is not None else None
-            split = SequenceSplitForward(ctx, cfg.context_parallel.layout, parallel.stats) if cp > 1 else None
-            engine = Engine(tp_state=tp_state, sequence_split=split, **common)
+            sequence_split = SequenceSplitForward(ctx, cfg.context_parallel.layout, parallel.stats) if cp > 1 else None
+            engine = Engine(tp_state=tp_state, sequence_split=sequence_split, **common)
         loader = None
         if training_data is not None:  # DeepSpeed's pipeline engine reads its data in order
             loader = _dataloader(training_data, collate_fn, cfg, ctx, shuffle=pp == 1)
