@@ -7,18 +7,19 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["machine_info", "run_workers", "worker_env"]
+__all__ = ["machine_info", "reporting_errors", "run_workers", "worker_env"]
 
 
 def run_workers(target: Callable[..., None], nproc: int, *args: Any, timeout: float, what: str) -> Any:
@@ -61,6 +62,23 @@ def run_workers(target: Callable[..., None], nproc: int, *args: Any, timeout: fl
     if any(proc.exitcode != 0 for proc in procs):
         raise RuntimeError(f"{what}: a worker exited with an error; exit codes {[proc.exitcode for proc in procs]}")
     return result
+
+
+@contextlib.contextmanager
+def reporting_errors(rank: int, queue: Any) -> Iterator[None]:
+    """A worker's body: an exception is put on ``queue`` by rank 0 as ``{"error": "Type: message"}``
+    (so :func:`run_workers`' caller can print the cause, not only exit codes), then re-raised.
+
+    Example:
+        >>> with reporting_errors(rank, queue):    # doctest: +SKIP
+        ...     queue.put(run_benchmark()) if rank == 0 else run_benchmark()
+    """
+    try:
+        yield
+    except BaseException as exc:
+        if rank == 0:
+            queue.put({"error": f"{type(exc).__name__}: {exc}"})
+        raise
 
 
 def worker_env(rank: int, world: int, port: int, *, threads: int | None = None) -> None:

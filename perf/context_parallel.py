@@ -84,7 +84,7 @@ from shardkit.models import TinyGPT
 from shardkit.parallel import parallelize
 from shardkit.parallel.context import context_parallel_attention, gather_sequence, gpt_cp_plan, shard_sequence
 
-from bench_workers import machine_info, run_workers, worker_env
+from bench_workers import machine_info, reporting_errors, run_workers, worker_env
 from tp import peak_bytes, summarize
 
 BASELINE = "sdpa_full_cp1"
@@ -411,36 +411,33 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
     worker_env(rank, world, port)
     ctxs: dict[int, ParallelContext] = {}
     try:
-        first = ParallelContext.from_env(cp=args.cps[0], backend="gloo")  # initializes the world
-        ctxs = {args.cps[0]: first, **{cp: ParallelContext.from_world(cp=cp) for cp in args.cps[1:]}}
-        ds_cls, ds_version = (None, "not selected (--no-deepspeed)") if args.no_deepspeed else _deepspeed()
-        if ds_cls is None:
-            ds_cls = ds_version
-        from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
+        with reporting_errors(rank, queue):
+            first = ParallelContext.from_env(cp=args.cps[0], backend="gloo")  # initializes the world
+            ctxs = {args.cps[0]: first, **{cp: ParallelContext.from_world(cp=cp) for cp in args.cps[1:]}}
+            ds_cls, ds_version = (None, "not selected (--no-deepspeed)") if args.no_deepspeed else _deepspeed()
+            if ds_cls is None:
+                ds_cls = ds_version
+            from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp
 
-        results: dict[str, Any] = {
-            "deepspeed": ds_version,
-            "torch_rotate_method": torch_cp._cp_options.rotate_method.name,
-            "attention": {},
-            "model": {},
-        }
-        for cp, ctx in ctxs.items():
-            results["attention"][f"cp{cp}"] = {}
-            for S in args.seqs:
-                results["attention"][f"cp{cp}"][str(S)] = attention_bench(ctx, S, args, ds_cls)
+            results: dict[str, Any] = {
+                "deepspeed": ds_version,
+                "torch_rotate_method": torch_cp._cp_options.rotate_method.name,
+                "attention": {},
+                "model": {},
+            }
+            for cp, ctx in ctxs.items():
+                results["attention"][f"cp{cp}"] = {}
+                for S in args.seqs:
+                    results["attention"][f"cp{cp}"][str(S)] = attention_bench(ctx, S, args, ds_cls)
+                    if rank == 0:
+                        _print_attention(cp, results["attention"][f"cp{cp}"][str(S)])
+            for S in args.model_seqs:
+                results["model"][str(S)] = model_bench(ctxs, S, args)
                 if rank == 0:
-                    _print_attention(cp, results["attention"][f"cp{cp}"][str(S)])
-        for S in args.model_seqs:
-            results["model"][str(S)] = model_bench(ctxs, S, args)
+                    _print_model(results["model"][str(S)])
             if rank == 0:
-                _print_model(results["model"][str(S)])
-        if rank == 0:
-            queue.put(results)
-        dist.barrier()
-    except BaseException as exc:
-        if rank == 0:
-            queue.put({"error": f"{type(exc).__name__}: {exc}"})
-        raise
+                queue.put(results)
+            dist.barrier()
     finally:
         for ctx in reversed(list(ctxs.values())):
             ctx.destroy(wait_for_peers=False)

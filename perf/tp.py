@@ -57,7 +57,7 @@ from shardkit.parallel.profiled_peak import profiled_peak_bytes
 from shardkit.parallel.tensor import gpt_plan, tensor_parallelize, vocab_parallel_cross_entropy
 
 from tp_models import Block, dtensor_blocks, dtensor_tinygpt, ours_blocks
-from bench_workers import run_workers, worker_env
+from bench_workers import reporting_errors, run_workers, worker_env
 
 MEMORY_METHOD = (
     "torch.profiler(profile_memory=True) records every allocation and free of torch's CPU allocator "
@@ -287,18 +287,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue: An
     worker_env(rank, world, port)
     ctx = ParallelContext.from_env(tp=world, backend="gloo")
     try:
-        results = {
-            "step": step_bench(ctx, args),
-            "blocks": blocks_bench(ctx, args),
-            "ce": ce_bench(ctx, args) if args.vocabs else {},
-        }
-        if rank == 0:
-            queue.put(results)
-        dist.barrier()
-    except BaseException as exc:
-        if rank == 0:
-            queue.put({"error": f"{type(exc).__name__}: {exc}"})
-        raise
+        with reporting_errors(rank, queue):
+            results = {
+                "step": step_bench(ctx, args),
+                "blocks": blocks_bench(ctx, args),
+                "ce": ce_bench(ctx, args) if args.vocabs else {},
+            }
+            if rank == 0:
+                queue.put(results)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 

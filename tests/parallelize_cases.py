@@ -23,13 +23,16 @@ def lm_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randint(VOCAB, (B, T), generator=gen), torch.randint(VOCAB, (B, T), generator=gen)) for _ in range(STEPS)]
 
 
-def dense_run(tie: bool) -> tuple[TinyGPT, list[float], list[float]]:
+def dense_run(
+    tie: bool, batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> tuple[TinyGPT, list[float], list[float]]:
     """The reference: one process, the whole batch, torch's clip, SGD with momentum (Adam would turn
-    rounding noise in near-zero gradients into ±lr steps and hide real differences in a loose bound)."""
+    rounding noise in near-zero gradients into ±lr steps and hide real differences in a loose bound).
+    ``batches``: other ``(x, y)`` batches than :func:`lm_batches`' (e.g. padded targets)."""
     model = tiny_gpt(tie)
     opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
     losses, norms = [], []
-    for x, y in lm_batches():
+    for x, y in lm_batches() if batches is None else batches:
         opt.zero_grad()
         loss = lm_loss(model(x), y)
         loss.backward()

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.comm import ParallelContext
-from shardkit.models import gpt_blocks, lm_loss
+from shardkit.models import gpt_blocks
 from shardkit.parallel import parallelize
 from shardkit.parallel.context import gpt_cp_plan
 from shardkit.parallel.tensor import gpt_plan, shard_state_dict
@@ -35,21 +35,6 @@ def _right_padded(batches):
     return out
 
 
-def _dense_run_on(batches):
-    """``dense_run`` on other batches: one process, the whole batch, torch's clip, SGD momentum."""
-    model = tiny_gpt(True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
-    losses, norms = [], []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        losses.append(float(loss.detach()))
-    return model, losses, norms
-
-
 def _train_with_cp(
     cp: int,
     tp: int,
@@ -64,7 +49,7 @@ def _train_with_cp(
     world = dist.get_world_size()
     batches = _right_padded(lm_batches()) if padded else lm_batches()
     with ParallelContext.from_world(cp=cp, tp=tp, pp=pp) as ctx:
-        dense, ref_losses, ref_norms = _dense_run_on(batches) if padded else dense_run(True)
+        dense, ref_losses, ref_norms = dense_run(True, batches)
         kwargs = {"tp_plan": gpt_plan()} if tp > 1 else {}
         if checkpointing or pp > 1:
             kwargs.update(blocks=gpt_blocks, checkpointing=checkpointing)
