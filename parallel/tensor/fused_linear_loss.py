@@ -50,11 +50,13 @@ Either way the accumulator is read and written once per chunk: ``12 x V/tp x d``
 matmul, sets the time (measured on an H100, d = 4096, V = 256k: 512-token chunks take 1.5x the
 time of 4096-token ones), which is why the default chunk is never smaller than
 :data:`MIN_CHUNK_TOKENS`. A weight fed by one chunk gets its gradient from one GEMM in its own
-dtype, as ``F.linear``'s backward does; so when the whole batch's logits (``T x V/tp x 2`` bytes
-for bf16) are no larger than that accumulator (``T <= 2 d``), the default is one chunk. Otherwise
-the fp32 accumulator and the gradient it is
-rounded to exist together for a moment: ``6 x V/tp x d`` bytes for bf16, the largest term of the
-loss path's peak at large vocabularies.
+dtype, as ``F.linear``'s backward does. Since more than one chunk costs the accumulator's
+``4 x V/tp x d`` bytes anyway, the default lets a bf16/fp16 chunk's logits take as much
+(``2 d`` tokens, 8192 at d = 4096): when the whole batch fits that (``T <= 2 d``) it is one
+chunk, else the fewest chunks the accumulator's size allows. The loss path's peak is then about
+twice the accumulator (one chunk of logits beside it), whatever ``T`` is; at the end the fp32
+accumulator and the gradient it is rounded to exist together for a moment (``6 x V/tp x d`` bytes
+for bf16).
 
 Equal to ``F.cross_entropy(softcap(F.linear(hidden, W, b).float()), target, ...)`` on the gathered
 weight: the logits are computed in the inputs' dtype as ``F.linear`` does, then everything is
@@ -122,22 +124,25 @@ def default_chunk_tokens(shard_classes: int, element_size: int = 2, *, chunk_byt
 def planned_chunk_tokens(tokens: int, shard_classes: int, hidden_size: int, dtype: torch.dtype) -> int:
     """The chunk :func:`fused_linear_cross_entropy` takes when ``chunk_tokens`` is None.
 
-    :func:`default_chunk_tokens`, except for bf16/fp16 when all ``tokens``' logits take no more
-    memory than the fp32 weight-gradient accumulator several chunks would need (``tokens x
-    element size <= 4 x hidden_size``): then one chunk, which is also the fastest ([Note: the fp32
-    weight-gradient accumulator]).
+    :func:`default_chunk_tokens`, except for bf16/fp16: there a chunk's logits may take as much
+    memory as the fp32 weight-gradient accumulator that more than one chunk needs anyway (``4 x
+    shard_classes x hidden_size`` bytes, i.e. ``2 x hidden_size`` tokens for 2-byte logits), and
+    when all ``tokens`` fit that, the whole batch is one chunk ([Note: the fp32 weight-gradient
+    accumulator]). Fewer chunks mean fewer passes over that accumulator.
 
     Example:
         >>> planned_chunk_tokens(4096, 131072, 4096, torch.bfloat16)     # one chunk
         4096
-        >>> planned_chunk_tokens(16384, 131072, 4096, torch.bfloat16)    # 512 MiB of logits
+        >>> planned_chunk_tokens(16384, 131072, 4096, torch.bfloat16)    # 2 GiB, as the accumulator
+        8192
+        >>> planned_chunk_tokens(16384, 131072, 4096, torch.float32)     # the floor (512 MiB: 1024)
         2048
     """
     element_size = torch.empty(0, dtype=dtype).element_size()
     rows = default_chunk_tokens(shard_classes, element_size)
-    if dtype != torch.float32 and tokens * element_size <= 4 * hidden_size:
-        rows = max(rows, tokens)
-    return rows
+    if dtype != torch.float32:
+        rows = max(rows, 4 * hidden_size // element_size)
+    return max(1, min(rows, int(tokens)))
 
 
 @dataclass(frozen=True)

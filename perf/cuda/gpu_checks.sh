@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA checks in one call, for a machine that already has a CUDA torch and Triton (a lent GPU
 # with no package index): install shardkit without dependencies into that Python, run every
-# CUDA-only test (`-m cuda`: kernels, the one-GPU step path, 2-GPU DataParallel where there are 2),
+# CUDA-only test (`-m cuda`: kernels, the fused loss, the one-GPU step path, 2-GPU DataParallel where there are 2),
 # the optimizer benchmark on CUDA, then `shardkit train --device cuda` end to end for a few
 # layouts. `make test-gpu` does the first parts from a fresh venv where pip can download a CUDA torch.
 #
@@ -16,7 +16,7 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 $PY -m pip install --quiet --no-deps --no-build-isolation --no-index -e . || exit 1
 SECONDS=0
 $PY -m pytest -q -m cuda -p no:cacheprovider \
-    tests/kernels tests/compose tests/data_parallel 2>&1 | tee "$OUT/test_gpu.log" | tail -25
+    tests/kernels tests/compose tests/data_parallel tests/tensor 2>&1 | tee "$OUT/test_gpu.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 echo "cuda tests: ${SECONDS}s"
 $PY perf/optim.py --device cuda --repeats 100 --out "$OUT" 2>&1 | tail -25

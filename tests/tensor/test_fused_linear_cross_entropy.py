@@ -304,12 +304,19 @@ def test_cuda_compiled_kernels_equal_the_reference(dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype, tokens, d, one_chunk",
-    [(torch.bfloat16, 32, 16, True), (torch.bfloat16, 33, 16, False), (torch.float32, 8, 16, False)],
+    "dtype, tokens, d, chunk",
+    [
+        (torch.bfloat16, 32, 16, 32),  # all logits (2 T V bytes) fit the accumulator (4 V d): one chunk
+        (torch.bfloat16, 33, 16, 32),  # else chunks as large as the accumulator: 2 d tokens
+        (torch.float16, 70, 16, 32),
+        (torch.bfloat16, 33, 1, 4),  # never below the byte budget's chunk
+        (torch.float32, 8, 16, 4),  # fp32 sums in the weight's dtype: the byte budget alone
+    ],
 )
-def test_default_chunking_takes_one_chunk_when_the_accumulator_would_cost_more(dtype, tokens, d, one_chunk):
-    """bf16/fp16 with several chunks need an fp32 weight-gradient accumulator (4 V d bytes): when
-    all the logits (T V 2 bytes) take no more, the default is one chunk."""
+def test_default_chunks_are_as_large_as_the_weight_gradient_accumulator(dtype, tokens, d, chunk):
+    """bf16/fp16 with several chunks need an fp32 weight-gradient accumulator (4 V d bytes), so
+    the default lets a chunk's logits (2 bytes each) take that much: 2 d tokens per chunk, and one
+    chunk when all the tokens fit. Here the byte budget gives 4-token chunks."""
     h = torch.randn(tokens, d).to(dtype).requires_grad_()
     w = torch.randn(13, d).to(dtype).requires_grad_()
     t = torch.randint(13, (tokens,))
@@ -326,7 +333,7 @@ def test_default_chunking_takes_one_chunk_when_the_accumulator_would_cost_more(d
         mock.patch.object(fused_linear_loss.F, "linear", spy),
     ):
         fused_linear_cross_entropy(h, w, t).backward()
-    assert rows == ([tokens] if one_chunk else [4] * (tokens // 4) + ([tokens % 4] if tokens % 4 else []))
+    assert rows == [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
 
 
 def test_fp16_gradients_survive_a_loss_scale():
