@@ -23,6 +23,7 @@ Losses are checked against the reference before timing.
 
     python perf/fused_ce.py --device cuda --out perf/results          # -> fused_ce_cuda.json + .png
     python perf/fused_ce.py --quick --out /tmp/fce                     # CPU smoke run
+    python perf/fused_ce.py --device cuda --tokens 32768 --append      # add rows to the file
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _methods(ctx: ParallelContext, V: int, args: argparse.Namespace) -> dict[str
         REFERENCE: _reference,
     }
     if args.compile:
+        torch._dynamo.reset()  # a fresh compile per shape: past dynamo's recompile limit it would run eagerly
         out[COMPILED] = torch.compile(_reference, dynamic=False)
     return out
 
@@ -200,6 +202,15 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _kept_rows(path: Path, measured: set[tuple[int, int]]) -> list[dict[str, Any]]:
+    """``--append``: the rows of the results file at ``path`` (none if it does not exist) whose
+    ``(tokens, vocab)`` is not in ``measured``, each with the command that measured it."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    return [{"command": old["command"], **r} for r in old["rows"] if (r["tokens"], r["vocab"]) not in measured]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -219,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile", action="store_true", help="also time torch.compile(linear + cross_entropy)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, 2 repeats (smoke run)")
     p.add_argument("--out", type=Path, default=Path("perf/results"))
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows of an existing results file whose (tokens, vocab) this run does not measure "
+        "(each row records the command that measured it)",
+    )
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
@@ -234,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(0)
     rows: list[dict[str, Any]] = []
     stem = f"fused_ce_{args.device}" + ("_quick" if args.quick else "")
+    command = ["fused_ce.py", *(argv if argv is not None else sys.argv[1:])]
+    kept = _kept_rows(args.out / f"{stem}.json", {(T, V) for T in args.tokens for V in args.vocabs}) if args.append else []
     report = {
         "benchmark": "fused_ce",
-        "command": ["fused_ce.py", *(argv if argv is not None else sys.argv[1:])],
+        "command": command,
         "machine": machine_info(),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
@@ -246,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         with ParallelContext.from_world(tp=1) as ctx:
+            rows.extend(kept)
             for T in args.tokens:
                 for V in args.vocabs:
-                    rows.append(bench_shape(ctx, T, V, args))
+                    rows.append({**bench_shape(ctx, T, V, args), "command": command})
                     _print(rows[-1])
                     # after every shape: a run cut short keeps what it measured
                     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -138,9 +138,9 @@ def _fused_ce_rows(res: dict) -> list[str]:
     """The fused linear + cross-entropy (tp = 1) vs the unfused head + loss, time and peak memory."""
     rows, mib = [], 2**20
     fused, vp, compiled = "shardkit.fused_linear_ce", "shardkit.linear+vocab_parallel_ce", "torch.compile(linear+cross_entropy)"
-    cmd = " ".join(res["command"])
     s = res["settings"]
     for r in res["rows"]:
+        cmd = " ".join(r.get("command", res["command"]))  # --append: each row's own run
         # the chunk the op takes by default today; rows measured under another default rule
         # report the run at that chunk size (--chunk-tokens), when the run has it
         planned = min(planned_chunk_tokens(r["tokens"], r["vocab"], r["hidden"], getattr(torch, s["dtype"])), r["tokens"])
