@@ -333,6 +333,12 @@ def launch(cfg: TrainConfig) -> int:
             "a restarted run begins again at step 0",
             file=sys.stderr,
         )
+    if cfg.min_nnodes and not cfg.global_batch:
+        print(
+            f"shardkit train: warning: --min-nnodes {cfg.min_nnodes} without --global-batch: --batch-size is per rank, "
+            "so a run that goes on with fewer machines takes smaller steps",
+            file=sys.stderr,
+        )
     env = {**os.environ}
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // cfg.nproc)))
     log_dir = Path(tempfile.mkdtemp(prefix="shardkit-train-"))
@@ -340,11 +346,13 @@ def launch(cfg: TrainConfig) -> int:
         rendezvous = ["--standalone"]
     else:  # every machine runs the same command; the ranks meet at the first one's endpoint
         rendezvous = [
-            f"--nnodes={cfg.nnodes}",
+            f"--nnodes={cfg.min_nnodes}:{cfg.nnodes}" if cfg.min_nnodes else f"--nnodes={cfg.nnodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={cfg.rdzv_endpoint}",
             f"--rdzv-id=shardkit-{cfg.rdzv_endpoint}",
         ]
+        if cfg.min_nnodes:  # elastic: a lost machine is dropped from the next round ([Note: elastic restarts])
+            rendezvous.append(f"--rdzv-conf=last_call_timeout={max(1, round(cfg.rdzv_wait))}")
     cmd = [
         sys.executable,
         "-m",
@@ -363,7 +371,7 @@ def launch(cfg: TrainConfig) -> int:
         "-m",
         "shardkit.cli",
         "train",
-        *to_argv(cfg, skip={"nproc", "max_restarts", "nnodes", "rdzv_endpoint"}),
+        *to_argv(cfg, skip={"nproc", "max_restarts", "nnodes", "rdzv_endpoint", "min_nnodes", "rdzv_wait"}),
     ]
     # torchrun (and through it the workers) ends when this process does, however it ends
     run = subprocess.run(cmd, env=env, check=False, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent)

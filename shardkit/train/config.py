@@ -76,6 +76,19 @@ class TrainConfig:
     rdzv_endpoint: str | None = _opt(
         None, "with --nnodes > 1: HOST:PORT of the first machine, where the ranks meet (torchrun's c10d rendezvous)", _LAUNCH
     )
+    min_nnodes: int = _opt(
+        0,
+        "elastic: with --nnodes N and --max-restarts, the run goes on with as few as M machines when one is lost "
+        "(torchrun --nnodes M:N); pair it with --global-batch and --resume auto (docs/operations.md); 0: exactly N",
+        _LAUNCH,
+        metavar="M",
+    )
+    rdzv_wait: float = _opt(
+        30.0,
+        "with --min-nnodes: seconds a re-formed run waits for more machines once it has M (torchrun's last_call_timeout)",
+        _LAUNCH,
+        metavar="S",
+    )
     config: str | None = _opt(
         None,
         "train through shardkit.initialize with this DeepSpeed JSON config (ZeRO stage, offload, fp16/bf16, "
@@ -164,6 +177,13 @@ class TrainConfig:
     dropout: float = _opt(0.0, "dropout probability", _MODEL, metavar="P")
     steps: int = _opt(200, "optimizer steps", _OPTIM, metavar="N")
     batch_size: int = _opt(16, "sequences per rank per step", _OPTIM, metavar="B")
+    global_batch: int = _opt(
+        0,
+        "sequences per step over all data-parallel replicas, split evenly at whatever world size the run has "
+        "(a restart on fewer machines draws the same batches); replaces --batch-size; 0: --batch-size per rank",
+        _OPTIM,
+        metavar="G",
+    )
     seq_len: int = _opt(128, "tokens per sequence", _OPTIM, metavar="T")
     lr: float = _opt(3e-3, "peak learning rate", _OPTIM)
     warmup: int = _opt(20, "linear warmup steps, then cosine decay", _OPTIM, metavar="N")
@@ -235,6 +255,7 @@ class TrainConfig:
         for name in ("nproc", "nnodes", "steps", "batch_size", "seq_len", "eval_every", "eval_iters", "bucket_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        self._validate_elastic()
         for name in ("lr", "warmup", "weight_decay", "clip", "dropout", "sample"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -288,6 +309,10 @@ class TrainConfig:
             named = f"cp x tp x pp = {self.cp} x {self.tp} x {self.pp}" if self.cp > 1 else f"tp x pp = {self.tp} x {self.pp}"
             raise ValueError(f"nproc={world} must be a multiple of {named}")
         dp = world // model_ranks
+        if self.global_batch and self.global_batch % dp:
+            raise ValueError(
+                f"global_batch={self.global_batch} must be divisible by the {dp} data-parallel replicas of {world} ranks"
+            )
         if dp > 1 and self.strategy == "none" and self.config is None:
             raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp, zero1 or zero2 (zero3 without --pp)")
         if self.tp * self.pp > 1:
@@ -310,8 +335,8 @@ class TrainConfig:
         if self.pp > 1:
             if self.precision != "fp32":
                 raise ValueError("--pp runs in fp32 for now (autocast is not applied inside pipeline stages)")
-            if self.batch_size % self.microbatches:
-                raise ValueError(f"batch_size={self.batch_size} must be divisible by microbatches={self.microbatches}")
+            if self.rank_batch(world) % self.microbatches:
+                raise ValueError(f"batch_size={self.rank_batch(world)} must be divisible by microbatches={self.microbatches}")
             if self.n_layers + 2 < self.pp * self.virtual_stages:
                 raise ValueError(
                     f"pp x virtual_stages = {self.pp * self.virtual_stages} stages but TinyGPT has only "
@@ -346,6 +371,36 @@ class TrainConfig:
             raise ValueError("--schedule interleaved needs --virtual-stages V >= 2 (stages per rank; with V = 1 it is 1f1b)")
         if self.offload != "none" and not self.strategy.startswith("zero"):
             raise ValueError(f"offload={self.offload} needs --strategy zero1, zero2 or zero3")
+
+    def rank_batch(self, world_size: int) -> int:
+        """Sequences per rank per step at ``world_size`` ranks: ``global_batch / dp`` when
+        ``global_batch`` is set, else ``batch_size``.
+
+        Example:
+            >>> TrainConfig(global_batch=16, tp=2).rank_batch(8)     # dp = 4
+            4
+        """
+        if not self.global_batch:
+            return self.batch_size
+        return self.global_batch // max(1, world_size // self.model_ranks)
+
+    def _validate_elastic(self) -> None:
+        """``--global-batch``, ``--min-nnodes``, ``--rdzv-wait``."""
+        if self.global_batch < 0:
+            raise ValueError(f"global_batch must be >= 0 (0: --batch-size per rank), got {self.global_batch}")
+        if self.global_batch and self.config is not None:
+            raise ValueError("--global-batch with --config: the config's train_batch_size decides this; drop --global-batch")
+        if not self.rdzv_wait > 0:
+            raise ValueError(f"rdzv_wait must be positive (seconds), got {self.rdzv_wait}")
+        if self.min_nnodes:
+            if not 1 <= self.min_nnodes <= self.nnodes or self.nnodes == 1:
+                raise ValueError(
+                    f"min_nnodes={self.min_nnodes} must be between 1 and --nnodes, which must be > 1 (got --nnodes {self.nnodes})"
+                )
+            if self.max_restarts < 1:
+                raise ValueError(
+                    f"--min-nnodes {self.min_nnodes}: a run goes on with fewer machines only by restarting; pass --max-restarts K"
+                )
 
     @property
     def model_ranks(self) -> int:

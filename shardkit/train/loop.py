@@ -183,6 +183,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     world = int(os.environ.get("WORLD_SIZE", str(cfg.nproc)))
     cfg.validate(world_size=world)
+    if cfg.global_batch:  # this world's share: after an elastic restart on fewer ranks, a larger one
+        cfg = replace(cfg, batch_size=cfg.rank_batch(world))
     device = resolve_device(cfg.device, ranks_per_node=ranks_per_node, local_rank=local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -213,11 +213,27 @@ def test_more_ranks_than_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str
         (dict(nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
         (dict(nnodes=2, rdzv_endpoint="node0"), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
         (dict(nnodes=0), "nnodes must be positive"),
+        (dict(min_nnodes=1), "min_nnodes=1 must be between 1 and --nnodes, which must be > 1"),
+        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=3, max_restarts=1), "min_nnodes=3 must be between 1 and --nnodes"),
+        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=1), "--min-nnodes 1: a run goes on with fewer machines only by"),
+        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=1, max_restarts=1, rdzv_wait=0.0), "rdzv_wait must be positive"),
+        (dict(global_batch=-8), "global_batch must be >= 0"),
+        (dict(global_batch=6, nproc=4, strategy="ddp"), "global_batch=6 must be divisible by the 4 data-parallel"),
+        (dict(global_batch=8, config="zero2_config_accelerate.json"), "--global-batch with --config"),
+        (dict(global_batch=8, nproc=2, pp=2, microbatches=3, strategy="ddp"), "batch_size=8 must be divisible by microbatches=3"),
     ],
 )
 def test_checkpoint_and_fault_flags_are_checked_before_anything_starts(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         TrainConfig(**fields).validate()
+
+
+def test_global_batch_is_split_over_the_replicas_of_whatever_world_the_run_has() -> None:
+    cfg = TrainConfig(global_batch=16, batch_size=3, tp=2, strategy="ddp")
+    assert [cfg.rank_batch(world) for world in (2, 4, 8, 16)] == [16, 8, 4, 2]
+    assert TrainConfig(batch_size=3).rank_batch(8) == 3  # without it: --batch-size per rank
+    with pytest.raises(ValueError, match="global_batch=16 must be divisible by the 3 data-parallel"):
+        cfg.validate(world_size=6)  # an elastic restart onto 6 ranks (dp 3) is refused before training
 
 
 def test_cli_rejects_multiple_processes_without_a_strategy(capsys: pytest.CaptureFixture[str]) -> None:

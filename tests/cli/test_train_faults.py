@@ -2,7 +2,7 @@
 
 Each case runs the real command line (torchrun, gloo) with ``--inject-fault RANK:STEP:KIND``:
 
-* a rank killed by SIGKILL under ``--max-restarts 1 --resume auto``: torchrun restarts the
+* one of 4 ranks killed by SIGKILL under ``--max-restarts 1 --resume auto``: torchrun restarts the
   workers, they resume from the newest checkpoint, and the final checkpoint holds bitwise the
   parameters and optimizer state of a run that was never interrupted;
 * (a rank that raises: tests/cli/test_worker_logs.py, end to end and on written logs;)
@@ -33,11 +33,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 SMALL = ["--d-model", "32", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4", "--device", "cpu"]
 
 
-def _train(tmp: Path, *flags: str, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
+def _train(tmp: Path, *flags: str, nproc: int = 2, timeout: float = 240) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     run = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", "train", "--nproc", "2", "--strategy", "zero2", *SMALL, *flags],
+        [sys.executable, "-m", "shardkit.cli", "train", "--nproc", str(nproc), "--strategy", "zero2", *SMALL, *flags],
         cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     return run, time.perf_counter() - t0
@@ -51,16 +51,17 @@ def _consolidated(ckpt: Path, out: Path) -> tuple[dict, dict]:
 
 
 def test_killed_rank_restarts_and_the_run_ends_bitwise_like_an_uninterrupted_one(tmp_path: Path) -> None:
+    """4 ranks, the last one killed by SIGKILL at step 5."""
     steps = ["--steps", "10", "--save-every", "3", "--eval-every", "5"]
-    ref, _ = _train(tmp_path, *steps, "--ckpt-dir", "a")
+    ref, _ = _train(tmp_path, *steps, "--ckpt-dir", "a", nproc=4)
     assert ref.returncode == 0, ref.stderr[-3000:]
     run, seconds = _train(
-        tmp_path, *steps, "--ckpt-dir", "b", "--resume", "auto", "--max-restarts", "1", "--inject-fault", "1:5:kill"
+        tmp_path, *steps, "--ckpt-dir", "b", "--resume", "auto", "--max-restarts", "1", "--inject-fault", "3:5:kill", nproc=4
     )
     print(f"killed at step 5, restarted, finished: {seconds:.1f} s")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "attempt 0 failed and the workers were restarted: rank 1 failed first: it was killed by SIGKILL" in run.stderr
-    assert "resumed from " in run.stdout and "step-00000003 (step 3, saved by 2 rank(s))" in run.stdout
+    assert "attempt 0 failed and the workers were restarted: rank 3 failed first: it was killed by SIGKILL" in run.stderr
+    assert "resumed from " in run.stdout and "step-00000003 (step 3, saved by 4 rank(s))" in run.stdout
     want_model, want_optim = _consolidated(tmp_path / "a" / "step-00000010", tmp_path / "export-a")
     got_model, got_optim = _consolidated(tmp_path / "b" / "step-00000010", tmp_path / "export-b")
     assert got_model.keys() == want_model.keys()

@@ -5,25 +5,35 @@ own torchrun agent; the ranks meet through torchrun's c10d rendezvous. The same 
 machine (``--nproc`` = all ranks) is the reference: the same global ranks do the same work in
 the same order, so every step's loss is bitwise equal. tp stays inside a machine (tp divides the
 ranks per machine: [Note: mesh layout] in comm/context.py), dp crosses machines; with pp and
-dp, the pipeline's stages are on different machines.
+dp, the pipeline's stages are on different machines. With one rank per machine, DDP's all-reduce
+and ZeRO-3's gathers and reduce-scatters all cross them.
+
+The last test loses a machine (elastic, ``--min-nnodes``) and checks that the run goes on.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+from tolerances import FP32
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SMALL = ["--d-model", "32", "--n-layers", "2", "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--steps", "4"]
+MODEL = ["--d-model", "32", "--n-layers", "2", "--seq-len", "32", "--device", "cpu"]
+SMALL = [*MODEL, "--batch-size", "4", "--steps", "4"]
 #: name -> (ranks per machine, flags)
 LAYOUTS = {
+    "ddp-across": (1, ["--strategy", "ddp"]),  # one rank per machine: every all-reduce crosses them
+    "zero3-across": (1, ["--strategy", "zero3"]),  # every unit gather and reduce-scatter crosses them
     "tp-inside-dp-across": (2, ["--tp", "2", "--strategy", "zero3"]),  # ZeRO-3 on the dp axis, across machines
     # pp outermost: the two stages on two machines (P2P across them), DDP's all-reduce inside each
     "pp-across-dp-inside": (2, ["--pp", "2", "--strategy", "ddp", "--microbatches", "2"]),
@@ -60,3 +70,66 @@ def test_two_machines_train_bitwise_like_one(tmp_path: Path, layout: str) -> Non
     assert b["train_loss"] == a["train_loss"] and b["eval"] == a["eval"], (b["train_loss"], a["train_loss"])
     # every rank's own losses too (rank 0 reported them all)
     assert [r["final_train_loss"] for r in b["ranks"]] == [r["final_train_loss"] for r in a["ranks"]]
+
+
+def _consolidated_model(ckpt: Path, out: Path) -> dict:
+    from shardkit.consolidate import consolidate
+
+    model, _ = consolidate(ckpt, out)
+    return torch.load(model)
+
+
+def test_lost_machine_the_run_goes_on_with_one_and_ends_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    """Elastic: two machines x 2 ranks (``--nnodes 2 --min-nnodes 1``, ZeRO-2, ``--global-batch 8``)
+    lose the second machine (its shardkit train, torchrun and workers killed at once) after a
+    checkpoint. The first machine's torchrun restarts its workers in a world of 2; they resume the
+    4-rank checkpoint with 4 sequences each instead of 2, and the run ends with the parameters of
+    an uninterrupted 4-rank run (another order of additions: within fp32 rounding)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = [*MODEL, "--steps", "10", "--save-every", "2", "--eval-every", "5", "--strategy", "zero2", "--global-batch", "8"]
+    shardkit = [sys.executable, "-m", "shardkit.cli", "train", *flags]
+    ref = subprocess.run(
+        [*shardkit, "--nproc", "4", "--ckpt-dir", "a", "--log-json", "a.json"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    endpoint = f"127.0.0.1:{_free_port()}"
+    elastic = [*shardkit, "--nproc", "2", "--nnodes", "2", "--min-nnodes", "1", "--rdzv-endpoint", endpoint, "--rdzv-wait", "2"]
+    elastic += ["--max-restarts", "1", "--ckpt-dir", "b", "--resume", "auto", "--log-json", str(tmp_path / "b.json")]
+    t0 = time.perf_counter()
+    first = subprocess.Popen(elastic, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # the first machine hosts the rendezvous store
+    second = subprocess.Popen(
+        elastic, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        while not (tmp_path / "b" / "step-00000002").is_dir():  # a complete checkpoint of the 4-rank world
+            assert first.poll() is None and second.poll() is None, "a machine ended before the first checkpoint"
+            assert time.perf_counter() - t0 < 180, "no checkpoint after 180 s"
+            time.sleep(0.05)
+        os.killpg(second.pid, signal.SIGKILL)  # the whole machine: its launcher, torchrun and workers
+        out, err = first.communicate(timeout=240)
+    finally:
+        for p in (first, second):
+            if p.poll() is None:
+                p.kill()
+    print(f"lost a machine after step 2, went on with one, finished: {time.perf_counter() - t0:.1f} s")
+    assert first.returncode == 0, err[-3000:]
+    assert "attempt 0 failed and the workers were restarted" in err, err[-3000:]
+    assert "saved by 4 rank(s)" in out, out[-3000:]
+    log, ref_log = json.loads((tmp_path / "b.json").read_text()), json.loads((tmp_path / "a.json").read_text())
+    assert [r["world_size"] for r in log["ranks"]] == [2, 2] and log["config"]["batch_size"] == 4  # 8 over 2 replicas
+    assert ref_log["config"]["batch_size"] == 2  # 8 over 4 replicas
+    # train losses are rank 0's own rows (2 then 4 of them): eval losses are over the same fixed batches
+    assert [s for s, _ in log["eval"]] == [s for s, _ in ref_log["eval"]] == [5, 10]
+    torch.testing.assert_close(torch.tensor(log["eval"]), torch.tensor(ref_log["eval"]), **FP32)
+    assert log["train_loss"][:2] == ref_log["train_loss"][:2]  # saved by the 4-rank world
+    want = _consolidated_model(tmp_path / "a" / "step-00000010", tmp_path / "export-a")
+    got = _consolidated_model(tmp_path / "b" / "step-00000010", tmp_path / "export-b")
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, **FP32, msg=lambda m, key=key: f"{key}: {m}")
