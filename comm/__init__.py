@@ -4,7 +4,8 @@
 * :func:`all_reduce`, :func:`reduce_scatter`, :func:`all_gather`, :func:`broadcast`,
   :func:`send`, :func:`recv`, :func:`all_to_all`, :func:`ring_shift` — take ``group=``
   explicitly and return a :class:`CommHandle`.
-* :class:`CommStats` — explicit, thread-safe call/byte accounting (``stats=``).
+* :class:`CommStats` — explicit, thread-safe call/byte accounting (``stats=``), with a flight
+  recorder of the newest calls (:class:`CollectiveRecord`, :func:`merge_recent`).
 * :class:`Heartbeat` — each rank beats and watches the next: a frozen rank is named and ended in
   seconds instead of the collective timeout (see [Note: heartbeats]).
 * :class:`CommTimeoutError` — a collective outlived its group's timeout (gloo; on NCCL only with
@@ -34,7 +35,7 @@ from .collectives import (
 from .context import AXES, DEFAULT_TIMEOUT, DP_CP, CpSplit, ParallelContext
 from .handle import CommHandle, CommTimeoutError
 from .heartbeat import Heartbeat
-from .stats import CommStats, group_label
+from .stats import CollectiveRecord, CommStats, group_label, merge_recent
 
 __all__ = [
     "AXES",
@@ -43,6 +44,7 @@ __all__ = [
     "CpSplit",
     "ParallelContext",
     "CommHandle",
+    "CollectiveRecord",
     "CommStats",
     "CommTimeoutError",
     "Heartbeat",
@@ -56,4 +58,5 @@ __all__ = [
     "all_to_all",
     "ring_shift",
     "group_label",
+    "merge_recent",
 ]

@@ -31,6 +31,18 @@ that has issued fewer is the one the others wait for ("rank 3 is behind: 40 coll
 (last: all_gather on ...; optimizer step; step 5); ranks 0-2: 41 (last: ...; backward:
 reduce-scatter of gradient bucket 0; step 5)"). A frozen rank's verdict names its phase too.
 
+Each beat also publishes the rank's flight record: its newest collectives, numbered per group
+([Note: the flight recorder] in :mod:`shardkit.comm.stats`). :meth:`flight_record` reads every
+rank's and compares them group by group, among the ranks in the group's label: the k-th
+collective on a group must be the same op and size on every member, so the first ``#k`` where
+two members differ ("mismatch on shardkit_dp[0, 1] #42: rank 0 all_gather 4096 B (forward:
+...) vs rank 1 reduce_scatter 2048 B (backward: ...)") is where they stopped agreeing on which
+collective comes next: the classic hang, which a count of calls alone cannot tell from a rank
+that is merely late. Without a mismatch it says, per group, which members have issued fewer
+calls on it. Sends and receives are listed but never compared (they pair by peer and tag, not by
+order), nor is a ``#k`` that a rank's window no longer holds. :meth:`stall_report` appends the
+first mismatch, and :func:`watch_run` prints the flight record after it.
+
 A rank that ends (:meth:`stop`, or leaving the ``with`` block) marks itself done and is never
 declared frozen. The threads hold the GIL only for a store request, which torch's collectives and
 kernels release; a C extension that held the GIL for ``stale_after`` seconds would be taken for
@@ -40,7 +52,9 @@ frozen, so keep ``stale_after`` well above any such call.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -48,11 +62,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
+from typing import NamedTuple
 
 import torch.distributed as dist
 
 from .handle import CommTimeoutError
-from .stats import CommStats
+from .stats import CollectiveRecord, CommStats, merge_recent
 
 __all__ = ["Heartbeat", "watch_run"]
 
@@ -66,6 +81,10 @@ def _start_time(pid: int) -> str | None:
     except OSError:
         return None
     return stat.rsplit(")", 1)[1].split()[19]
+
+
+#: the global ranks at the end of a group label: ``"shardkit_dp[0, 2]"`` -> ``"0, 2"``
+_MEMBERS = re.compile(r"\[(\d+(?:, \d+)*)\]$")
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -88,7 +107,8 @@ class Heartbeat:
             from the watcher thread (e.g. to alert and let the collective timeout end the run).
         stats: the run's :class:`~shardkit.comm.CommStats` objects, in the same order on every
             rank: each beat also publishes how many collectives this rank has issued and the
-            last one, which :meth:`stall_report` compares across ranks.
+            last one, which :meth:`stall_report` compares across ranks, and the newest ones
+            (:func:`~shardkit.comm.stats.merge_recent`), which :meth:`flight_record` compares.
 
     Raises:
         ValueError: ``interval <= 0`` or ``stale_after <= 2 * interval``.
@@ -136,13 +156,18 @@ class Heartbeat:
 
     def track(self, *stats: CommStats) -> None:
         """Add CommStats objects to the published progress (as ``stats=``; e.g. once the model
-        that owns them is built). Add them in the same order on every rank."""
+        that owns them is built). Add them in the same order on every rank. Published at once
+        when started, then with every beat."""
         self._stats.extend(stats)
+        if self._stats and self._count:  # started: beats have published "none" so far
+            self._publish()
 
     def start(self) -> Heartbeat:
         """Register this rank (pid, host, start time) and start beating and watching."""
         pid = os.getpid()
         self._store.set(f"{_PREFIX}{self.rank}/who", f"{pid} {socket.gethostname()} {_start_time(pid)}")
+        if not self._stats:  # none yet (track() may add some): not an earlier Heartbeat's on this store
+            self._store.set(f"{_PREFIX}{self.rank}/recent", "")
         self._beat()
         if self.world > 1:
             self._thread = threading.Thread(target=self._run, name=f"shardkit-heartbeat-{self.rank}", daemon=True)
@@ -170,7 +195,16 @@ class Heartbeat:
         self._count += 1
         self._store.set(f"{_PREFIX}{self.rank}/beat", f"{self._count} {self._note}")
         if self._stats:
-            self._store.set(f"{_PREFIX}{self.rank}/progress", self._progress())
+            self._publish()
+
+    def _publish(self) -> None:
+        """This rank's progress and flight record, now (one store request)."""
+        records, calls = merge_recent(self._stats)
+        flight = {"calls": calls, "records": [[r.seq_in_group, r.op, r.group, r.nbytes, r.phase] for r in records]}
+        self._store.multi_set(
+            [f"{_PREFIX}{self.rank}/progress", f"{_PREFIX}{self.rank}/recent"],
+            [self._progress(), json.dumps(flight, separators=(",", ":"))],
+        )
 
     def _progress(self) -> str:
         """``"<calls>\t<last op on group>\t<phase>"`` over this run's stats objects (the phase:
@@ -201,7 +235,10 @@ class Heartbeat:
 
         Returns:
             One line, ``"shardkit stall: rank 3 is behind: 40 collectives issued (last:
-            all_gather on shardkit_dp[0, 1, 2, 3]; step 5); ranks 0-2: 41 (last: ...)"``.
+            all_gather on shardkit_dp[0, 1, 2, 3]; step 5); ranks 0-2: 41 (last: ...)"``; when
+            the ranks' flight records disagree (:meth:`flight_record`), it ends with ``"; first
+            mismatch: shardkit_dp[0, 1, 2, 3] #41: rank 0 all_gather 4096 B (...) vs rank 3
+            reduce_scatter 2048 B (...)"``.
 
         Example:
             >>> try:
@@ -211,7 +248,7 @@ class Heartbeat:
         """
         if not self._stats:
             return "shardkit stall: no progress recorded (Heartbeat(stats=...) was not given the run's CommStats)"
-        self._store.set(f"{_PREFIX}{self.rank}/progress", self._progress())  # this rank's, current
+        self._publish()  # this rank's, current
         rows: list[tuple[int, int, str, str]] = []
         for rank in range(self.world):
             keys = [f"{_PREFIX}{rank}/progress", f"{_PREFIX}{rank}/beat"]
@@ -230,15 +267,83 @@ class Heartbeat:
             notes = sorted({f"last: {r[2]}; {r[3]}" for r in group})
             return f"{group[0][1]} collectives issued ({' | '.join(notes)})"
 
+        mismatches = _mismatches(self._flights())
+        also = f"; first mismatch: {mismatches[0]}" if mismatches else ""
         if not ahead:
-            return f"shardkit stall: every rank has issued {where(rows)}: none is behind, a collective itself is stuck"
+            return f"shardkit stall: every rank has issued {where(rows)}: none is behind, a collective itself is stuck{also}"
         names = _ranks([r[0] for r in behind])
         others = "; ".join(
             f"{_ranks([r[0] for r in ahead if r[1] == n])}: {where([r for r in ahead if r[1] == n])}"
             for n in sorted({r[1] for r in ahead})
         )
         verb = "is" if len(behind) == 1 else "are"
-        return f"shardkit stall: {names} {verb} behind: {where(behind)}; {others}"
+        return f"shardkit stall: {names} {verb} behind: {where(behind)}; {others}{also}"
+
+    def _flights(self) -> dict[int, _Flight | None]:
+        """Every rank's published flight record (None: it published none)."""
+        keys = [f"{_PREFIX}{rank}/recent" for rank in range(self.world)]
+        if self._store.check(keys):
+            values = self._store.multi_get(keys)
+        else:  # a missing key would block multi_get
+            values = [self._store.get(key) if self._store.check([key]) else None for key in keys]
+        flights: dict[int, _Flight | None] = {}
+        for rank, value in enumerate(values):
+            if not value:  # never set, or set empty by start(): no stats
+                flights[rank] = None
+                continue
+            flight = json.loads(value)
+            flights[rank] = _Flight(
+                [CollectiveRecord(*row) for row in flight["records"]], {k: tuple(v) for k, v in flight["calls"].items()}
+            )
+        return flights
+
+    def flight_record(self, last: int = 8) -> str:
+        """Every rank's newest collectives, compared group by group (see [Note: heartbeats]):
+        call it when a collective timed out, on any rank, as :meth:`stall_report`.
+
+        Args:
+            last: how many of each rank's newest records to list (the verdict uses all it published).
+
+        Returns:
+            Lines: a verdict, then each rank's ``last`` records, oldest first; a rank that
+            published none is listed as such. The verdict is the first mismatch (the oldest,
+            counted back from the ranks' newest collectives) where there is one, else which
+            members of each group are behind on it::
+
+                shardkit flight record: mismatch on shardkit_dp[0, 1] #42: rank 0 all_gather 4096 B
+                (forward: all-gather of unit 'blocks.3') vs rank 1 reduce_scatter 2048 B (backward: ...)
+                shardkit flight record: no mismatch; behind: shardkit_dp[0, 1, 2, 3]: rank 3 at #41
+                (forward: ...); ranks 0-2 at #42 (backward: ...); in step: shardkit_tp[0, 1] #12
+
+        Example:
+            >>> try:
+            ...     train_step()
+            ... except CommTimeoutError:
+            ...     print(hb.stall_report(), hb.flight_record(), sep="\n", file=sys.stderr); raise
+            >>> print(hb.flight_record(last=2))
+            shardkit flight record: no mismatch; behind: shardkit_dp[0, 1]: rank 1 at #41 (optimizer step); rank 0 at #42 (backward: ...)
+            rank 0, newest 2 of 32 kept (oldest first):
+              #41 all_gather on shardkit_dp[0, 1] 4096 B (optimizer step)
+              #42 reduce_scatter on shardkit_dp[0, 1] 4096 B (backward: reduce-scatter of gradient bucket 0)
+            rank 1, newest 2 of 32 kept (oldest first):
+              #40 reduce_scatter on shardkit_dp[0, 1] 4096 B (backward: reduce-scatter of gradient bucket 0)
+              #41 all_gather on shardkit_dp[0, 1] 4096 B (optimizer step)
+        """
+        if not self._stats:
+            return "shardkit flight record: none (Heartbeat(stats=...) was not given the run's CommStats)"
+        self._publish()  # this rank's, current
+        flights = self._flights()
+        lines = [_verdict(flights)]
+        for rank, flight in flights.items():
+            if flight is None:
+                lines.append(f"rank {rank}: published no flight record")
+            elif not flight.records:
+                lines.append(f"rank {rank}: no collectives recorded")
+            else:
+                shown = flight.records[-last:] if last > 0 else []
+                lines.append(f"rank {rank}, newest {len(shown)} of {len(flight.records)} kept (oldest first):")
+                lines += [f"  {record}" for record in shown]
+        return "\n".join(lines)
 
     def _run(self) -> None:
         watched, watching = (self.rank + 1) % self.world, True
@@ -288,8 +393,8 @@ class Heartbeat:
 @contextlib.contextmanager
 def watch_run(stale_after: float, *, world_size: int) -> Iterator[Heartbeat | None]:
     """A :class:`Heartbeat` around a training run, which also prints :meth:`Heartbeat.stall_report`
-    to stderr when the run's collective times out; None (and nothing running) when
-    ``stale_after`` is 0 or the world has one rank.
+    and :meth:`Heartbeat.flight_record` to stderr when the run's collective times out; None (and
+    nothing running) when ``stale_after`` is 0 or the world has one rank.
 
     Example:
         >>> with watch_run(20.0, world_size=ctx.world_size) as hb:
@@ -303,6 +408,93 @@ def watch_run(stale_after: float, *, world_size: int) -> Iterator[Heartbeat | No
     with Heartbeat(stale_after=stale_after) as hb:
         try:
             yield hb
-        except CommTimeoutError:  # who the others were waiting for
-            print(hb.stall_report(), file=sys.stderr, flush=True)
+        except CommTimeoutError:  # who the others were waiting for, and where the ranks disagree
+            for report in (hb.stall_report, hb.flight_record):
+                try:
+                    text = report()
+                except Exception as exc:  # noqa: BLE001 - the store may be gone too: the timeout stays the error raised
+                    text = f"shardkit {report.__name__}: unavailable ({type(exc).__name__}: {exc})"
+                print(text, file=sys.stderr, flush=True)
             raise
+
+
+class _Flight(NamedTuple):
+    """A rank's published flight record (:func:`~shardkit.comm.stats.merge_recent`)."""
+
+    records: list[CollectiveRecord]  # oldest first
+    calls: dict[str, tuple[int, int]]  # group label -> (collectives, point-to-point calls) issued
+
+
+def _members(label: str, flights: dict[int, _Flight | None]) -> list[int]:
+    """The global ranks in ``label``; for a label without them, the ranks that recorded on it."""
+    m = _MEMBERS.search(label)
+    if m is None:
+        return sorted(rank for rank, f in flights.items() if f is not None and label in f.calls)
+    return sorted(rank for rank in map(int, m.group(1).split(", ")) if rank in flights)
+
+
+def _what(record: CollectiveRecord) -> str:
+    """``"all_gather 4096 B (forward)"``."""
+    return f"{record.op} {record.nbytes} B" + (f" ({record.phase})" if record.phase else "")
+
+
+def _mismatches(flights: dict[int, _Flight | None]) -> list[str]:
+    """Per group label, the first ``#k`` whose collective differs (op or size) between two
+    members that both still hold it: ``"shardkit_dp[0, 1] #42: rank 0 ... vs rank 1 ..."``;
+    oldest first (counted back from the first rank's newest record), then by label."""
+    labels = sorted({r.group for f in flights.values() if f is not None for r in f.records if not r.p2p})
+    found: list[tuple[int, str, str]] = []
+    for label in labels:
+        members = [rank for rank in _members(label, flights) if flights[rank] is not None]
+        held = {  # rank -> {k: (records back from its newest, record)}
+            rank: {
+                r.seq_in_group: (len(flights[rank].records) - i, r)
+                for i, r in enumerate(flights[rank].records)
+                if r.group == label and not r.p2p
+            }
+            for rank in members
+        }
+        for k in sorted(set().union(*held.values())):
+            have = [(rank, held[rank][k]) for rank in members if k in held[rank]]
+            (first, (back, want)), *others = have
+            odd = next(((rank, r) for rank, (_, r) in others if (r.op, r.nbytes) != (want.op, want.nbytes)), None)
+            if odd is not None:
+                found.append((-back, label, f"{label} #{k}: rank {first} {_what(want)} vs rank {odd[0]} {_what(odd[1])}"))
+                break
+    return [text for *_, text in sorted(found)]
+
+
+def _phase_at(flight: _Flight, label: str, k: int) -> str:
+    """The phase of collective ``#k`` on ``label`` in ``flight``, or ``""`` (not held)."""
+    return next((r.phase for r in flight.records if r.group == label and not r.p2p and r.seq_in_group == k), "")
+
+
+def _verdict(flights: dict[int, _Flight | None]) -> str:
+    """The first line of :meth:`Heartbeat.flight_record`."""
+    mismatches = _mismatches(flights)
+    if mismatches:
+        more = f" (also on {len(mismatches) - 1} more group(s))" if len(mismatches) > 1 else ""
+        return f"shardkit flight record: mismatch on {mismatches[0]}{more}"
+    labels = sorted({label for f in flights.values() if f is not None for label, (n, _) in f.calls.items() if n})
+    if not labels:
+        return "shardkit flight record: no collectives recorded"
+    behind, even = [], []
+    for label in labels:
+        members = _members(label, flights)
+        at = {rank: flights[rank].calls.get(label, (0, 0))[0] for rank in members if flights[rank] is not None}
+        silent = [rank for rank in members if flights[rank] is None]
+        if len(set(at.values())) == 1 and not silent:
+            even.append(f"{label} #{next(iter(at.values()))}")
+            continue
+        parts = []
+        for n in sorted(set(at.values())):
+            ranks = [rank for rank in at if at[rank] == n]
+            phases = sorted({p for rank in ranks if (p := _phase_at(flights[rank], label, n))}) if n else ["none issued"]
+            parts.append(f"{_ranks(ranks)} at #{n}" + (f" ({' | '.join(phases)})" if phases else ""))
+        if silent:
+            parts.append(f"{_ranks(silent)}: nothing published")
+        behind.append(f"{label}: {'; '.join(parts)}")
+    if not behind:
+        return f"shardkit flight record: no mismatch, every member of each group at the same call: {', '.join(even)}"
+    same = f"; in step: {', '.join(even)}" if even else ""
+    return f"shardkit flight record: no mismatch; behind: {' | '.join(behind)}{same}"
