@@ -14,7 +14,8 @@ Symbols, per rank: ``T = batch * seq_len / cp`` tokens, ``a`` = ``dtype_bytes``,
 it). A block saves, per token, ``2a·d`` of LayerNorm inputs, ``16`` of LayerNorm statistics,
 ``2a·d`` of linear inputs (the LayerNorms' outputs), ``a·(d + 2·d_kv)`` of q/k/v, the attention
 output and its fp32 log-sum-exp ``4H``, the output projection's input (a view of the attention
-output at cp = 1, a copy under cp), and ``2a·f`` for GELU's and the second linear's inputs. At
+output at cp = 1 and in fp32 ring attention, a tensor of its own otherwise), and ``2a·f`` for
+GELU's and the second linear's inputs. At
 cp = 1 with ``d_kv = d`` and ``f = 4d`` that is ``16·a·d + 16 + 4H``: Korthikanti et al.'s
 ``34·s·b·h`` bytes per layer at ``a = 2`` with flash attention, less its two 1-byte dropout
 masks, plus the fp32 statistics.
@@ -236,7 +237,9 @@ def activation_bytes(
         "qkv": qkv,
         "attention_out": (4 if ring else a) * dh,  # ring attention merges its blocks in fp32
         "attention_lse": 4 * heads,
-        "proj_input": a * dh if cp > 1 else 0,  # cp = 1: a view of attention_out (flash's [B, S, H, D] layout)
+        # a view of attention_out at cp = 1 (flash's [B, S, H, D] layout) and in fp32 ring attention
+        # (the same layout); Ulysses' copy, and ring's rounded bf16/fp16 output
+        "proj_input": a * dh if cp > 1 and not (ring and a == 4) else 0,
         "norm2_input": a * d,
         "norm2_stats": 8,
         "fc_input": a * d,

@@ -20,6 +20,15 @@ With the zigzag layout and a causal mask every rank does the same work at every 
 holds one early and one late chunk; [Note: sequence layouts]); blocks or rows a query cannot
 see are skipped by the kernels, not computed and masked.
 
+[Note: the output in the model's layout]
+The merged output is ``[B, H, S/N, D]`` as the kernels return it, but stored as ``[B, S/N, H,
+D]`` (a transposed view of that memory), as flash attention stores its output. The model's
+``y.transpose(1, 2).reshape(B, S/N, H * D)`` back to the residual stream is then a view, not a
+copy, and the output projection saves that view of the tensor ring attention saves anyway for
+its backward: one ``[tokens, d]`` activation less per layer (fp32: the projection's input and
+the merged output are one tensor; bf16/fp16: the projection keeps the rounded output, as it
+would its copy).
+
 Bytes per rank and layer: forward ``(N - 1)`` key/value blocks (``2 B Hkv S/N D`` elements
 each); backward ``N - 1`` key/value blocks plus ``N`` fp32 ``dk``/``dv`` blocks.
 """
@@ -101,8 +110,9 @@ class RingAttention(torch.autograd.Function):
             o, s = attention_block_forward(
                 q, kv[0], kv[1], positions[me], positions[src], scale=scale, causal=causal, backend=backend
             )
-            if out is None:
-                out, lse = o, s
+            if out is None:  # [Note: the output in the model's layout]
+                out = o.new_empty(o.shape[0], o.shape[2], o.shape[1], o.shape[3]).transpose(1, 2).copy_(o)
+                lse = s
             else:
                 merge_attention_blocks(out, lse, o, s)
             if handle is not None:  # the block just sent is the next send's buffer, if there is one

@@ -32,7 +32,7 @@ def test_ring_per_term_bytes_by_hand() -> None:
         "qkv": 3 * a * d,  # ring: contiguous q, k, v copies
         "attention_out": 4 * d,  # ring merges in fp32
         "attention_lse": 4 * h,
-        "proj_input": a * d,  # the output reshaped from [B, H, S, D]: a copy under cp
+        "proj_input": 0,  # fp32 ring attention stores its output as [B, S, H, D]: the reshape is a view
         "norm2_input": a * d,
         "norm2_stats": 8,
         "fc_input": a * d,
@@ -41,8 +41,8 @@ def test_ring_per_term_bytes_by_hand() -> None:
     }
     assert plan.tokens == t
     assert dict(plan.per_layer) == {k: b * t for k, b in per_token.items()}
-    layer = (2 * 64 + 8 + 192 + 64 + 16 + 64 + 64 + 8 + 64 + 2 * 256) * t  # = 1120 bytes per token
-    assert sum(plan.per_layer.values()) == layer == 13_440
+    layer = (2 * 64 + 8 + 192 + 64 + 16 + 64 + 8 + 64 + 2 * 256) * t  # = 1056 bytes per token
+    assert sum(plan.per_layer.values()) == layer == 12_672
     parts = {
         "inputs": 16 * t,  # int64 ids and targets
         "positions": 8 * 4,  # int64 positions of the rank's S/cp = 4 tokens
@@ -51,9 +51,9 @@ def test_ring_per_term_bytes_by_hand() -> None:
         "loss": 4 * v * t,  # fp32 log-probabilities
     }
     assert dict(plan.parts) == parts
-    assert plan.saved == 192 + 32 + 26_880 + 1_632 + 528 == 29_264
+    assert plan.saved == 192 + 32 + 25_344 + 1_632 + 528 == 27_728
     base = parts["inputs"] + parts["positions"]
-    mlp_side = (64 + 64 + 8 + 64 + 256 + 256) * t  # proj input, LayerNorm 2 input/stats, fc, GELU, fc2 inputs
+    mlp_side = (0 + 64 + 8 + 64 + 256 + 256) * t  # proj input (a view), LayerNorm 2 input/stats, fc, GELU, fc2 inputs
     ring_work = (
         2 * a * d  # the output's gradient and its contiguous copy
         + 4 * h  # delta
@@ -69,10 +69,10 @@ def test_ring_per_term_bytes_by_hand() -> None:
         "attention_backward": base + 2 * layer - mlp_side + ring_work * t,
     }
     assert dict(plan.moments) == moments
-    # 224 + 26_880 + 1_632 + 528 + 1_056; 224 + 26_880 + 3_840; 224 + 26_880 - 8_544 + 11_712
-    assert moments == {"loss": 30_320, "mlp_backward": 30_944, "attention_backward": 30_272}
-    assert plan.per_rank == 30_944 and plan.peak_at == "mlp_backward" and plan.working == 30_944 - 29_264
-    assert plan.total == 2 * 30_944
+    # 224 + 25_344 + 1_632 + 528 + 1_056; 224 + 25_344 + 3_840; 224 + 25_344 - 7_776 + 11_712
+    assert moments == {"loss": 28_784, "mlp_backward": 29_408, "attention_backward": 29_504}
+    assert plan.per_rank == 29_504 and plan.peak_at == "attention_backward" and plan.working == 29_504 - 27_728
+    assert plan.total == 2 * 29_504
 
 
 def test_cpu_ring_adds_the_cpu_kernels_buffers() -> None:
