@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import shardkit
 from shardkit.bench import BENCHMARKS
 from shardkit.bench import run as run_benchmark
-from shardkit.train.config import TrainConfig, add_arguments, from_args, to_argv
+from shardkit.train.config import LAUNCH_WORLD_ENV, TrainConfig, add_arguments, from_args, to_argv
 from shardkit.train.process_lifetime import die_with_parent
 from shardkit.train.worker_logs import earlier_failures, failure_report, first_failures, rank_stderr
 
@@ -339,7 +339,7 @@ def launch(cfg: TrainConfig) -> int:
             "so a run that goes on with fewer machines takes smaller steps",
             file=sys.stderr,
         )
-    env = {**os.environ}
+    env = {**os.environ, LAUNCH_WORLD_ENV: str(cfg.nproc * cfg.nnodes)}  # the workers warn if they start short
     env.setdefault("OMP_NUM_THREADS", str(max(1, _cpu_count() // cfg.nproc)))
     log_dir = Path(tempfile.mkdtemp(prefix="shardkit-train-"))
     if cfg.nnodes == 1:
@@ -381,6 +381,12 @@ def launch(cfg: TrainConfig) -> int:
         sys.stderr.write(rank_stderr(log_dir, 0))  # warnings once (rank 0's), not once per rank
         shutil.rmtree(log_dir, ignore_errors=True)
     else:
+        if cfg.nnodes > 1 and "RendezvousConnectionError" in run.stderr:  # [Note: elastic restarts]
+            print(
+                f"shardkit train: lost the rendezvous store at --rdzv-endpoint {cfg.rdzv_endpoint}: the machine that "
+                "hosts it (the one started first there) ended, and no run outlives it, elastic or not",
+                file=sys.stderr,
+            )
         failures = first_failures(run.stderr)
         report = failure_report(
             log_dir,

@@ -5,6 +5,19 @@ its type annotation gives the flag's type and, for a ``Literal``, its choices. S
 one field here: :func:`add_arguments` and :func:`to_argv` pick it up, and ``validate`` checks it.
 
 This module imports neither torch nor the rest of shardkit.
+
+[Note: elastic restarts]
+``--nnodes N --min-nnodes M`` starts torchrun as ``--nnodes M:N`` with c10d's rendezvous. When a
+machine is lost, the others' collectives fail, their agents restart the workers and meet again;
+the lost agent stops answering the rendezvous keep-alive and is dropped, and once M machines are
+there the agents wait ``--rdzv-wait`` seconds (c10d's ``last_call_timeout``) for more before the
+smaller world starts. ``--global-batch`` keeps the batch per step in that world, ``--resume
+auto`` continues from the newest checkpoint. What torchrun (torch 2.13) does not do: outlive the
+machine named by ``--rdzv-endpoint`` (its agent hosts the rendezvous store; ``launch`` says so
+when torchrun reports ``RendezvousConnectionError``), or add a machine to a world that has started:
+one that joins later ends the run. So every machine must start within ``--rdzv-wait`` of the
+first; a worker that starts with fewer ranks than ``--nproc × --nnodes`` (the launcher passes that
+count in :data:`LAUNCH_WORLD_ENV`) warns, on the first attempt, that the world started short.
 """
 
 from __future__ import annotations
@@ -19,7 +32,11 @@ from typing import Any, Literal
 from shardkit.examples import EXAMPLE_CONFIGS
 from shardkit.parallel.strategy_names import DP_STRATEGIES, DpStrategy
 
-__all__ = ["STRATEGIES", "TrainConfig", "add_arguments", "from_args", "to_argv"]
+__all__ = ["LAUNCH_WORLD_ENV", "STRATEGIES", "TrainConfig", "add_arguments", "from_args", "to_argv"]
+
+#: the environment variable in which ``shardkit train``'s launcher tells its workers the world it
+#: asked for (``--nproc × --nnodes``): [Note: elastic restarts]
+LAUNCH_WORLD_ENV = "SHARDKIT_LAUNCH_WORLD"
 
 #: strategy names ``--strategy`` accepts (the torch-free list in :mod:`shardkit.parallel.strategy_names`)
 STRATEGIES = DP_STRATEGIES
@@ -45,6 +62,12 @@ CONFIG_EXCLUSIVE = {
     "grad_buckets": "copy",
     "fused_ce": False,  # the config's fused_cross_entropy section decides it
 }
+
+
+#: ``--batch-size``'s default (a run that sets ``--global-batch`` leaves it)
+_DEFAULT_BATCH = 16
+#: ``--rdzv-wait``'s default: torchrun's own ``last_call_timeout``
+_DEFAULT_RDZV_WAIT = 30
 
 
 def _opt(default: Any, help: str, group: str, *, metavar: str | None = None, **extra: Any) -> Any:
@@ -83,8 +106,8 @@ class TrainConfig:
         _LAUNCH,
         metavar="M",
     )
-    rdzv_wait: float = _opt(
-        30.0,
+    rdzv_wait: int = _opt(
+        _DEFAULT_RDZV_WAIT,
         "with --min-nnodes: seconds a re-formed run waits for more machines once it has M (torchrun's last_call_timeout)",
         _LAUNCH,
         metavar="S",
@@ -139,7 +162,9 @@ class TrainConfig:
     )
     pp: int = _opt(1, "pipeline stages (embedding, blocks, head split by layer count)", _PARALLEL, metavar="N")
     schedule: Literal["gpipe", "1f1b", "interleaved", "zb-h1"] = _opt("1f1b", "pipeline schedule (--pp > 1)", _PARALLEL)
-    microbatches: int = _opt(4, "micro-batches per step (--pp > 1); must divide --batch-size", _PARALLEL, metavar="M")
+    microbatches: int = _opt(
+        4, "micro-batches per step (--pp > 1); must divide the sequences per rank (--batch-size)", _PARALLEL, metavar="M"
+    )
     virtual_stages: int = _opt(1, "stages per rank (--schedule interleaved)", _PARALLEL, metavar="V")
     cp: int = _opt(
         1,
@@ -176,7 +201,7 @@ class TrainConfig:
     n_heads: int = _opt(4, "attention heads", _MODEL, metavar="H")
     dropout: float = _opt(0.0, "dropout probability", _MODEL, metavar="P")
     steps: int = _opt(200, "optimizer steps", _OPTIM, metavar="N")
-    batch_size: int = _opt(16, "sequences per rank per step", _OPTIM, metavar="B")
+    batch_size: int = _opt(_DEFAULT_BATCH, "sequences per rank per step", _OPTIM, metavar="B")
     global_batch: int = _opt(
         0,
         "sequences per step over all data-parallel replicas, split evenly at whatever world size the run has "
@@ -250,8 +275,22 @@ class TrainConfig:
         Args:
             world_size: the ranks of the run when they are not ``nproc × nnodes`` (a torchrun
                 worker runs with ``nproc=1`` in a world of ``WORLD_SIZE``); default
-                ``nproc × nnodes``.
+                ``nproc × nnodes``, and then also every smaller world ``--min-nnodes`` lets the
+                run go on with (:meth:`elastic_worlds`), so a layout a lost machine would break
+                is refused before the run starts.
         """
+        self._validate_world(world_size)
+        if world_size is None:
+            for world in self.elastic_worlds()[1:]:
+                try:
+                    self._validate_world(world)
+                except ValueError as e:
+                    raise ValueError(
+                        f"--min-nnodes {self.min_nnodes}: after losing machines the run would go on with "
+                        f"{world // self.nproc} machine(s), {world} ranks, and then: {e}"
+                    ) from None
+
+    def _validate_world(self, world_size: int | None) -> None:
         for name in ("nproc", "nnodes", "steps", "batch_size", "seq_len", "eval_every", "eval_iters", "bucket_mb"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -336,7 +375,12 @@ class TrainConfig:
             if self.precision != "fp32":
                 raise ValueError("--pp runs in fp32 for now (autocast is not applied inside pipeline stages)")
             if self.rank_batch(world) % self.microbatches:
-                raise ValueError(f"batch_size={self.rank_batch(world)} must be divisible by microbatches={self.microbatches}")
+                what = (
+                    f"--global-batch {self.global_batch} over dp={dp} is {self.rank_batch(world)} per rank, which"
+                    if self.global_batch
+                    else f"batch_size={self.batch_size}"
+                )
+                raise ValueError(f"{what} must be divisible by microbatches={self.microbatches}")
             if self.n_layers + 2 < self.pp * self.virtual_stages:
                 raise ValueError(
                     f"pp x virtual_stages = {self.pp * self.virtual_stages} stages but TinyGPT has only "
@@ -385,22 +429,46 @@ class TrainConfig:
         return self.global_batch // max(1, world_size // self.model_ranks)
 
     def _validate_elastic(self) -> None:
-        """``--global-batch``, ``--min-nnodes``, ``--rdzv-wait``."""
+        """``--global-batch``, ``--min-nnodes``, ``--rdzv-wait`` (the worlds a lost machine leaves:
+        :meth:`elastic_worlds`, checked by :meth:`validate` at launch)."""
         if self.global_batch < 0:
             raise ValueError(f"global_batch must be >= 0 (0: --batch-size per rank), got {self.global_batch}")
+        if self.global_batch and self.batch_size != _DEFAULT_BATCH:
+            raise ValueError(
+                f"--batch-size {self.batch_size} and --global-batch {self.global_batch}: give one (--global-batch sets "
+                "the sequences per rank to its share of each step)"
+            )
         if self.global_batch and self.config is not None:
-            raise ValueError("--global-batch with --config: the config's train_batch_size decides this; drop --global-batch")
-        if not self.rdzv_wait > 0:
-            raise ValueError(f"rdzv_wait must be positive (seconds), got {self.rdzv_wait}")
+            raise ValueError(
+                "--global-batch with --config: the batch comes from the config (train_batch_size, or --batch-size "
+                'filling its "auto" values); drop --global-batch'
+            )
         if self.min_nnodes:
-            if not 1 <= self.min_nnodes <= self.nnodes or self.nnodes == 1:
+            if self.nnodes == 1:
+                raise ValueError(f"--min-nnodes {self.min_nnodes} needs --nnodes N > 1 machines, got --nnodes 1")
+            if not 1 <= self.min_nnodes < self.nnodes:
                 raise ValueError(
-                    f"min_nnodes={self.min_nnodes} must be between 1 and --nnodes, which must be > 1 (got --nnodes {self.nnodes})"
+                    f"--min-nnodes {self.min_nnodes} must be at least 1 and below --nnodes {self.nnodes} (the machines "
+                    "the run may go on with after losing some)"
                 )
             if self.max_restarts < 1:
                 raise ValueError(
                     f"--min-nnodes {self.min_nnodes}: a run goes on with fewer machines only by restarting; pass --max-restarts K"
                 )
+        if self.rdzv_wait < 1:
+            raise ValueError(f"rdzv_wait must be at least 1 (whole seconds), got {self.rdzv_wait}")
+        if self.rdzv_wait != _DEFAULT_RDZV_WAIT and not self.min_nnodes:
+            raise ValueError(f"--rdzv-wait {self.rdzv_wait} applies with --min-nnodes only")
+
+    def elastic_worlds(self) -> list[int]:
+        """The world sizes an elastic run may restart with (``--min-nnodes`` to ``--nnodes``
+        machines of ``--nproc`` ranks), largest first; ``[nproc × nnodes]`` otherwise.
+
+        Example:
+            >>> TrainConfig(nproc=2, nnodes=3, min_nnodes=1, max_restarts=1, rdzv_endpoint="h:1").elastic_worlds()
+            [6, 4, 2]
+        """
+        return [m * self.nproc for m in range(self.nnodes, (self.min_nnodes or self.nnodes) - 1, -1)]
 
     @property
     def model_ranks(self) -> int:
@@ -415,8 +483,6 @@ class TrainConfig:
             return
         if self.strategy == "none":
             raise ValueError("--cp needs --strategy ddp, zero1, zero2 or zero3: the cp ranks' gradients are summed")
-        if self.fused_ce:
-            raise ValueError("--cp with --fused-ce is not supported yet")
         if self.dropout:
             raise ValueError(
                 f"--cp with --dropout {self.dropout}: attention over sequence shards has no dropout; use --dropout 0"

@@ -39,7 +39,7 @@ from shardkit.parallel.strategy import get_strategy_class
 from shardkit.parallel.tensor import gpt_plan
 from shardkit.parallel.zero import plan_memory
 
-from .config import Precision, TrainConfig
+from .config import LAUNCH_WORLD_ENV, Precision, TrainConfig
 from .device import resolve_device
 from .engine_loop import build_model
 from .fault_injection import parse_fault
@@ -183,6 +183,16 @@ def train(cfg: TrainConfig) -> TrainResult:
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     world = int(os.environ.get("WORLD_SIZE", str(cfg.nproc)))
     cfg.validate(world_size=world)
+    asked = int(os.environ.get(LAUNCH_WORLD_ENV, str(world)))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if world < asked and first_attempt and os.environ.get("RANK", "0") == "0":  # [Note: elastic restarts]
+        print(
+            f"shardkit train: warning: the run started with {world} of the {asked} ranks asked for: --min-nnodes let it "
+            "start before every machine joined, and a machine that joins later ends the run; start every machine "
+            "within --rdzv-wait seconds of the first",
+            file=sys.stderr,
+            flush=True,
+        )
     if cfg.global_batch:  # this world's share: after an elastic restart on fewer ranks, a larger one
         cfg = replace(cfg, batch_size=cfg.rank_batch(world))
     device = resolve_device(cfg.device, ranks_per_node=ranks_per_node, local_rank=local_rank)
@@ -272,7 +282,13 @@ def _train(
     if cfg.resume == "auto":  # [Note: resuming a training run] in shardkit/train/run_checkpoints.py
         assert cfg.ckpt_dir is not None  # TrainConfig.validate
         resumed = resume_run(
-            cfg.ckpt_dir, par, optimizer, data_generator=data_gen, device=device, reseed=dropout_seed * 1_000_003
+            cfg.ckpt_dir,
+            par,
+            optimizer,
+            data_generator=data_gen,
+            device=device,
+            reseed=dropout_seed * 1_000_003,
+            global_batch=cfg.batch_size * dp_size,
         )
         history = resumed or history
         if resumed is None and rank == 0:
@@ -338,7 +354,15 @@ def _train(
             note(f"step {step}: saving a checkpoint")
             t_save = time.perf_counter()
             path = save_run(
-                cfg.ckpt_dir, par, optimizer, history, data_generator=data_gen, device=device, keep=cfg.keep, saver=saver
+                cfg.ckpt_dir,
+                par,
+                optimizer,
+                history,
+                data_generator=data_gen,
+                device=device,
+                keep=cfg.keep,
+                saver=saver,
+                global_batch=cfg.batch_size * dp_size,
             )
             save_time += time.perf_counter() - t_save
             how = "saving in the background:" if saver is not None else "saved"

@@ -117,6 +117,7 @@ def save_run(
     device: torch.device,
     keep: int = 2,
     saver: AsyncCheckpointer | None = None,
+    global_batch: int | None = None,
 ) -> Path:
     """Save the run after ``history.step`` to ``checkpoint_dir(root, step)``; keep the newest ``keep``.
 
@@ -132,6 +133,8 @@ def save_run(
         device: this rank's device (for the CUDA random state).
         keep: complete checkpoints to keep, this one included (older ones are deleted after this
             one is published).
+        global_batch: sequences per step over all replicas, recorded so that a resume with
+            another batch is told (:func:`resume_run`).
         saver: write in the background through this :class:`~shardkit.parallel.AsyncCheckpointer`
             (returns once the content is copied to host memory; older checkpoints are deleted
             when it is published); None: write before returning.
@@ -154,6 +157,7 @@ def save_run(
     extra = {
         "step": history.step,
         "world_size": world,
+        "global_batch": global_batch,
         "data_generator": data_generator.get_state(),
         "random": [r["random"] for r in every],
         "history": [r["history"] for r in every],
@@ -181,6 +185,7 @@ def resume_run(
     data_generator: torch.Generator,
     device: torch.device,
     reseed: int,
+    global_batch: int | None = None,
 ) -> RunHistory | None:
     """Load the newest complete checkpoint under ``root`` into this run; None when there is none.
 
@@ -195,6 +200,8 @@ def resume_run(
         data_generator: the batch generator, set to the saved data position.
         device: this rank's device.
         reseed: this rank's dropout seed base, for a resume at another world size.
+        global_batch: this run's sequences per step over all replicas: a checkpoint saved with
+            another batch is loaded with a warning (the run goes on with other batches).
 
     Returns:
         This rank's :class:`RunHistory` as saved (rank 0's at another world size), with
@@ -233,6 +240,14 @@ def resume_run(
             torch.manual_seed(reseed + step)
         history.resumed_from = (step, str(path))
         par.skipped_steps = history.skipped_steps
+        saved_batch = extra.get("global_batch")
+        if rank == 0 and None not in (saved_batch, global_batch) and saved_batch != global_batch:
+            warnings.warn(
+                f"checkpoint {path} was saved by a run of {saved_batch} sequences per step and this run takes "
+                f"{global_batch}: it goes on with other batches than the saved run would have (to continue that "
+                f"run, pass --global-batch {saved_batch}, or a --batch-size that makes {saved_batch})",
+                stacklevel=2,
+            )
         if rank == 0:
             print(
                 f"resumed from {path} (step {step}, saved by {extra['world_size']} rank(s)) in {time.perf_counter() - t0:.1f} s",

@@ -213,14 +213,30 @@ def test_more_ranks_than_gpus_is_a_clear_error(capsys: pytest.CaptureFixture[str
         (dict(nnodes=2), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
         (dict(nnodes=2, rdzv_endpoint="node0"), "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
         (dict(nnodes=0), "nnodes must be positive"),
-        (dict(min_nnodes=1), "min_nnodes=1 must be between 1 and --nnodes, which must be > 1"),
-        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=3, max_restarts=1), "min_nnodes=3 must be between 1 and --nnodes"),
+        (dict(min_nnodes=1), "--min-nnodes 1 needs --nnodes N > 1 machines, got --nnodes 1"),
+        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=3, max_restarts=1), "--min-nnodes 3 must be at least 1 and below"),
+        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=2, max_restarts=1), "--min-nnodes 2 must be at least 1 and below"),
         (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=1), "--min-nnodes 1: a run goes on with fewer machines only by"),
-        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=1, max_restarts=1, rdzv_wait=0.0), "rdzv_wait must be positive"),
+        (dict(nnodes=2, rdzv_endpoint="h:1", min_nnodes=1, max_restarts=1, rdzv_wait=0), "rdzv_wait must be at least 1"),
+        (dict(rdzv_wait=5), "--rdzv-wait 5 applies with --min-nnodes only"),
         (dict(global_batch=-8), "global_batch must be >= 0"),
+        (dict(global_batch=8, batch_size=3), "--batch-size 3 and --global-batch 8: give one"),
         (dict(global_batch=6, nproc=4, strategy="ddp"), "global_batch=6 must be divisible by the 4 data-parallel"),
         (dict(global_batch=8, config="zero2_config_accelerate.json"), "--global-batch with --config"),
-        (dict(global_batch=8, nproc=2, pp=2, microbatches=3, strategy="ddp"), "batch_size=8 must be divisible by microbatches=3"),
+        (
+            dict(global_batch=8, nproc=4, pp=2, microbatches=3, strategy="ddp"),
+            "--global-batch 8 over dp=2 is 4 per rank, which must be divisible by microbatches=3",
+        ),
+        # the smaller worlds a lost machine leaves are checked at launch
+        (
+            dict(nnodes=3, min_nnodes=2, nproc=2, global_batch=6, strategy="ddp", rdzv_endpoint="h:1", max_restarts=3),
+            "--min-nnodes 2: after losing machines the run would go on with 2 machine(s), 4 ranks, and then: "
+            "global_batch=6 must be divisible by the 4 data-parallel",
+        ),
+        (
+            dict(nnodes=2, min_nnodes=1, nproc=1, pp=2, strategy="ddp", rdzv_endpoint="h:1", max_restarts=1),
+            "--min-nnodes 1: after losing machines the run would go on with 1 machine(s), 1 ranks, and then: nproc=1",
+        ),
     ],
 )
 def test_checkpoint_and_fault_flags_are_checked_before_anything_starts(fields: dict, message: str) -> None:
@@ -229,11 +245,13 @@ def test_checkpoint_and_fault_flags_are_checked_before_anything_starts(fields: d
 
 
 def test_global_batch_is_split_over_the_replicas_of_whatever_world_the_run_has() -> None:
-    cfg = TrainConfig(global_batch=16, batch_size=3, tp=2, strategy="ddp")
+    cfg = TrainConfig(global_batch=16, tp=2, strategy="ddp")
     assert [cfg.rank_batch(world) for world in (2, 4, 8, 16)] == [16, 8, 4, 2]
     assert TrainConfig(batch_size=3).rank_batch(8) == 3  # without it: --batch-size per rank
     with pytest.raises(ValueError, match="global_batch=16 must be divisible by the 3 data-parallel"):
-        cfg.validate(world_size=6)  # an elastic restart onto 6 ranks (dp 3) is refused before training
+        cfg.validate(world_size=6)  # a torchrun world of 6 ranks (dp 3) is refused before training
+    elastic = TrainConfig(nproc=2, nnodes=3, min_nnodes=1, max_restarts=1, rdzv_endpoint="h:1", global_batch=12)
+    assert elastic.elastic_worlds() == [6, 4, 2] and TrainConfig(nproc=4).elastic_worlds() == [4]
 
 
 def test_cli_rejects_multiple_processes_without_a_strategy(capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -128,7 +129,9 @@ def test_resume_at_another_world_size_continues_the_same_run(dist_pool, tmp_path
     c.mkdir()
     shutil.copytree(tmp_path / "b" / "step-00000004", c / "step-00000004")
     fields = {**SIZE, "batch_size": 2 * SIZE["batch_size"], "ckpt_dir": str(c), "resume": "auto", "strategy": "ddp"}
-    result = train(TrainConfig(**fields))  # this process: a world of one
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same global batch: no warning about another one
+        result = train(TrainConfig(**fields))  # this process: a world of one
     a_model, a_optim = _consolidated(tmp_path / "a" / "step-00000006", tmp_path / "export-a")
     c_model, c_optim = _consolidated(c / "step-00000006", tmp_path / "export-c")
     for key, want in a_model.items():  # another order of additions (one rank sums what two did)
@@ -164,3 +167,14 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_one_before(dist_pool, tmp_p
     want, _ = _consolidated(tmp_path / "a" / "step-00000006", tmp_path / "export-a")
     got, _ = _consolidated(tmp_path / "c" / "step-00000006", tmp_path / "export-c")
     _assert_bitwise(got, want, "model")
+
+
+def test_resume_with_another_global_batch_warns_naming_the_saved_one(tmp_path: Path) -> None:
+    """One process saves with 4 sequences per step; a resume with 6 goes on (other batches) and says so."""
+    from shardkit.train import train
+    from shardkit.train.config import TrainConfig
+
+    fields = {**SIZE, "steps": 2, "eval_every": 2, "ckpt_dir": str(tmp_path / "ckpt"), "strategy": "none"}
+    train(TrainConfig(**fields))
+    with pytest.warns(UserWarning, match=r"saved by a run of 4 sequences per step and this run takes 6.*--global-batch 4"):
+        train(TrainConfig(**{**fields, "steps": 3, "batch_size": 6, "resume": "auto"}))
