@@ -121,28 +121,38 @@ def default_chunk_tokens(shard_classes: int, element_size: int = 2, *, chunk_byt
     return max(MIN_CHUNK_TOKENS, fit)
 
 
-def planned_chunk_tokens(tokens: int, shard_classes: int, hidden_size: int, dtype: torch.dtype) -> int:
+def planned_chunk_tokens(tokens: int, shard_classes: int, hidden_size: int, dtype: torch.dtype, *, softcap: bool = False) -> int:
     """The chunk :func:`fused_linear_cross_entropy` takes when ``chunk_tokens`` is None.
 
-    :func:`default_chunk_tokens`, except for bf16/fp16: there a chunk's logits may take as much
-    memory as the fp32 weight-gradient accumulator that more than one chunk needs anyway (``4 x
-    shard_classes x hidden_size`` bytes, i.e. ``2 x hidden_size`` tokens for 2-byte logits), and
-    when all ``tokens`` fit that, the whole batch is one chunk ([Note: the fp32 weight-gradient
-    accumulator]). Fewer chunks mean fewer passes over that accumulator.
+    :func:`default_chunk_tokens`, except for bf16/fp16: there a chunk may take as much memory as
+    the fp32 weight-gradient accumulator that more than one chunk needs anyway (``4 x
+    shard_classes x hidden_size`` bytes: ``2 x hidden_size`` tokens of 2-byte logits). With
+    ``softcap`` a chunk also holds the capped logits and their gradient in fp32, 12 bytes per
+    logit more, and the chunk shrinks to match. When all ``tokens`` fit one chunk they are one;
+    otherwise the chunks are made equal (``ceil(tokens / chunks)`` each), so that a last sliver
+    does not cost a pass over the accumulator of its own ([Note: the fp32 weight-gradient
+    accumulator]).
 
     Example:
         >>> planned_chunk_tokens(4096, 131072, 4096, torch.bfloat16)     # one chunk
         4096
         >>> planned_chunk_tokens(16384, 131072, 4096, torch.bfloat16)    # 2 GiB, as the accumulator
         8192
+        >>> planned_chunk_tokens(9000, 131072, 4096, torch.bfloat16)     # 2 equal chunks, not 8192 + 808
+        4500
+        >>> planned_chunk_tokens(16384, 131072, 4096, torch.bfloat16, softcap=True)   # the 2048 floor
+        2048
         >>> planned_chunk_tokens(16384, 131072, 4096, torch.float32)     # the floor (512 MiB: 1024)
         2048
     """
     element_size = torch.empty(0, dtype=dtype).element_size()
-    rows = default_chunk_tokens(shard_classes, element_size)
+    per_logit = element_size + (12 if softcap else 0)  # softcap: fp32 capped logits and their fp32 gradient
+    rows = default_chunk_tokens(shard_classes, per_logit)
     if dtype != torch.float32:
-        rows = max(rows, 4 * hidden_size // element_size)
-    return max(1, min(rows, int(tokens)))
+        rows = max(rows, 4 * hidden_size // per_logit)
+    tokens = max(int(tokens), 1)
+    chunks = -(-tokens // max(rows, 1))
+    return -(-tokens // chunks)
 
 
 @dataclass(frozen=True)
@@ -467,9 +477,9 @@ def fused_linear_cross_entropy(
         reduction: ``"mean"`` over non-ignored tokens, ``"sum"``, or ``"none"`` (the target's
             shape; its backward recomputes the logits: [Note: the gradient in the forward pass]).
         chunk_tokens: tokens per chunk (summed over the tp ranks under sequence parallelism);
-            default: :func:`default_chunk_tokens` (512 MiB of logits, at least 2048 tokens), or
-            all tokens at once when their logits take no more memory than the fp32 weight-gradient
-            accumulator several chunks would need (bf16/fp16, ``T <= 4 d / element size``).
+            default: :func:`planned_chunk_tokens`: 512 MiB of logits and at least 2048 tokens,
+            and for bf16/fp16 as much as the fp32 weight-gradient accumulator several chunks
+            would need (``2 d`` tokens; all at once when ``T <= 2 d``), in equal chunks.
             Smaller chunks hold less memory and take more time.
         softcap: Gemma-2's logit soft-capping ``c`` (``c * tanh(x / c)`` before the loss), > 0.
         vocab_size: the real ``V`` when it is not ``tp * V/tp`` (pad rows are masked).
@@ -556,7 +566,7 @@ def fused_linear_cross_entropy(
             raise IndexError(_target_error(t, vocab_size, ignore_index, int(bad.sum()), "fused_linear_cross_entropy"))
     rows = chunk_tokens
     if rows is None:
-        rows = planned_chunk_tokens(target.numel(), weight.shape[0], weight.shape[1], weight.dtype)
+        rows = planned_chunk_tokens(target.numel(), weight.shape[0], weight.shape[1], weight.dtype, softcap=softcap is not None)
     start, n_valid = vocab_shard_range(vocab_size, weight.shape[0], 0 if group is None else group.rank())
     options = _Options(
         group=group if tp > 1 else None,

@@ -304,19 +304,23 @@ def test_cuda_compiled_kernels_equal_the_reference(dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype, tokens, d, chunk",
+    "dtype, tokens, d, softcap, chunks",
     [
-        (torch.bfloat16, 32, 16, 32),  # all logits (2 T V bytes) fit the accumulator (4 V d): one chunk
-        (torch.bfloat16, 33, 16, 32),  # else chunks as large as the accumulator: 2 d tokens
-        (torch.float16, 70, 16, 32),
-        (torch.bfloat16, 33, 1, 4),  # never below the byte budget's chunk
-        (torch.float32, 8, 16, 4),  # fp32 sums in the weight's dtype: the byte budget alone
+        (torch.bfloat16, 32, 16, None, [32]),  # all logits (2 T V bytes) fit the accumulator (4 V d): one chunk
+        (torch.bfloat16, 33, 16, None, [17, 16]),  # else chunks up to the accumulator's size (2 d), made equal
+        (torch.float16, 70, 16, None, [24, 24, 22]),
+        (torch.bfloat16, 9, 1, None, [3, 3, 3]),  # never below the byte budget's chunk (4 here), equal
+        (torch.float32, 8, 16, None, [4, 4]),  # fp32 sums in the weight's dtype: the byte budget alone
+        (torch.bfloat16, 32, 56, None, [32]),
+        (torch.bfloat16, 32, 56, 30.0, [16, 16]),  # softcap: 14 bytes per logit, so 4 d / 14 = 16 tokens...
+        (torch.bfloat16, 33, 56, 30.0, [11, 11, 11]),  # ... and equal chunks of at most that
     ],
 )
-def test_default_chunks_are_as_large_as_the_weight_gradient_accumulator(dtype, tokens, d, chunk):
+def test_default_chunks_are_as_large_as_the_weight_gradient_accumulator(dtype, tokens, d, softcap, chunks):
     """bf16/fp16 with several chunks need an fp32 weight-gradient accumulator (4 V d bytes), so
-    the default lets a chunk's logits (2 bytes each) take that much: 2 d tokens per chunk, and one
-    chunk when all the tokens fit. Here the byte budget gives 4-token chunks."""
+    the default lets a chunk's logits (2 bytes each, 14 with softcap's fp32 copies) take that
+    much: 2 d tokens per chunk (softcap: 4 d / 14), one chunk when all the tokens fit, else equal
+    chunks. Here the byte budget gives 4-token chunks."""
     h = torch.randn(tokens, d).to(dtype).requires_grad_()
     w = torch.randn(13, d).to(dtype).requires_grad_()
     t = torch.randint(13, (tokens,))
@@ -332,8 +336,8 @@ def test_default_chunks_are_as_large_as_the_weight_gradient_accumulator(dtype, t
         mock.patch.object(fused_linear_loss, "DEFAULT_CHUNK_BYTES", 1),
         mock.patch.object(fused_linear_loss.F, "linear", spy),
     ):
-        fused_linear_cross_entropy(h, w, t).backward()
-    assert rows == [chunk] * (tokens // chunk) + ([tokens % chunk] if tokens % chunk else [])
+        fused_linear_cross_entropy(h, w, t, softcap=softcap).backward()
+    assert rows == chunks
 
 
 def test_fp16_gradients_survive_a_loss_scale():
