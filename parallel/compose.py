@@ -292,6 +292,14 @@ class ParallelModel:
             return deferred_heads(self.fused_heads)
         return heads_compute_loss(self.fused_heads, targets)
 
+    def _head_sum(self, targets: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Under cp without a pipeline: a fused head forms the *sum* of this rank's token losses
+        inside its forward (ZeRO-3 holds its weight only then), which the cp loss divides by the
+        replica's count ([Note: the loss over cp shards]); nothing without a fused head."""
+        if not self.fused_heads:
+            return contextlib.nullcontext()
+        return heads_compute_loss(self.fused_heads, targets, reduction="sum")
+
     def comm_stats(self) -> list[CommStats]:
         """Every :class:`~shardkit.comm.CommStats` this model's collectives record into: the dp
         wrapper's, then the one of the TP layers, the pipeline and the norm (:attr:`stats`). The
@@ -363,7 +371,7 @@ class ParallelModel:
         self.set_phase("forward")
         if self.sequence is not None:  # this cp rank's tokens; the loss over the whole replica
             inputs, targets = self.sequence.shard(inputs, targets)
-            with self._autocast() if self._autocast is not None else contextlib.nullcontext():
+            with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self._head_sum(targets):
                 for_backward, loss = self.sequence(self.module(inputs), targets)
             self.backward(for_backward)
             return loss
@@ -444,7 +452,7 @@ class ParallelModel:
         try:
             if self.sequence is not None:
                 inputs, targets = self.sequence.shard(inputs, targets)
-                with self._autocast() if self._autocast is not None else contextlib.nullcontext():
+                with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self._head_sum(targets):
                     return float(self.sequence(self.module(inputs), targets)[1])
             with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self.loss_path(targets):
                 return float(self.loss_fn(self.module(inputs), targets))
@@ -614,7 +622,8 @@ def parallelize(
             attention). :meth:`ParallelModel.forward_backward`
             then takes full sequences and runs this rank's tokens ([Note: the loss over cp
             shards]); the gradients are reduced over dp × cp. With pp, each stage runs this
-            rank's tokens. Not with a user ``loss_fn`` or ``fused_cross_entropy``.
+            rank's tokens. Not with a user ``loss_fn``; with ``fused_cross_entropy`` the head forms
+            the sum of this rank's token losses.
 
     Returns:
         A :class:`ParallelModel`.
@@ -628,7 +637,7 @@ def parallelize(
         ...                   blocks=gpt_blocks)
     """
     opts = _check_arguments(model, ctx, loss_fn, tp_plan, pp, dp, blocks, checkpointing, loss_scaler, autocast)
-    cp_opts = _check_context_parallel(model, ctx, cp, dp, loss_fn, fused_cross_entropy)
+    cp_opts = _check_context_parallel(model, ctx, cp, dp, loss_fn)
     if not isinstance(fused_cross_entropy, (bool, str)):
         raise TypeError(f"fused_cross_entropy must be a bool or the head's module name, got {type(fused_cross_entropy).__name__}")
     if fused_cross_entropy and loss_fn is not None:
@@ -742,8 +751,9 @@ def parallelize(
         )
     par.stats = stats
     par.fused_heads = fused
-    if cp_opts is not None:
-        par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, pipe_loss, stats=stats)
+    if cp_opts is not None:  # a fused head hands over its sum (ParallelModel._head_sum)
+        cp_loss = _sum_from_the_head(fused[0]) if fused else pipe_loss
+        par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, cp_loss, stats=stats)
     return par
 
 
@@ -753,7 +763,6 @@ def _check_context_parallel(
     cp: ContextParallelOptions | Mapping[str, Any] | None,
     dp: str,
     loss_fn: LossFn | None,
-    fused_cross_entropy: bool | str,
 ) -> ContextParallelOptions | None:
     """The cp options of :func:`parallelize`, checked before any collective."""
     size = axis_size(ctx, "cp")
@@ -770,8 +779,6 @@ def _check_context_parallel(
             "cp: the loss over sequence shards weighs every token of the replica alike ([Note: the loss over cp "
             "shards]); a custom loss_fn cannot be split that way: leave loss_fn=None (token cross-entropy)"
         )
-    if fused_cross_entropy:
-        raise ValueError("cp with fused_cross_entropy is not supported yet")
     try:
         check_ulysses_size(opts.mode, opts.ulysses_size, size)
     except (TypeError, ValueError) as e:
@@ -813,6 +820,17 @@ def _loss_from_the_head(head: FusedCrossEntropyHead) -> Callable[..., Any]:
         return out
 
     return loss
+
+
+def _sum_from_the_head(head: FusedCrossEntropyHead) -> Callable[..., Any]:
+    """``(sum, count)`` for the cp loss when the fused head formed the sum of this rank's token
+    losses inside the model's forward: the model must return it as is."""
+
+    def sum_and_count(out: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        head.check_returned(out)
+        return out, (targets != _IGNORE_INDEX).sum()
+
+    return sum_and_count
 
 
 def _fused_head_loss(head: FusedCrossEntropyHead) -> Callable[..., Any]:
