@@ -36,7 +36,7 @@ transients are smaller for these block shapes):
 Example:
     >>> plan = activation_bytes(seq_len=512, batch=2, d_model=64, n_layers=2, n_heads=4, vocab_size=59, cp=2)
     >>> plan.per_rank, plan.peak_at
-    (5154816, 'mlp_backward')
+    (4896768, 'attention_backward')
 """
 
 from __future__ import annotations
@@ -315,9 +315,9 @@ def activation_table(plans: Sequence[ActivationPlan], *, unit: int = 10**6) -> s
     Example:
         >>> kw = dict(seq_len=512, batch=2, d_model=64, n_layers=2, n_heads=4, vocab_size=59)
         >>> print(activation_table([activation_bytes(**kw), activation_bytes(**kw, cp=2)]))
-        cp  tokens/rank  saved  working   peak  vs cp=1  peak at
+        cp  tokens/rank  saved  working  peak  vs cp=1  peak at
         1          1024   9.25    0.537  9.79    1.00x  mlp backward
-        2           512   4.89    0.268  5.15    0.53x  mlp backward
+        2           512   4.62    0.272  4.90    0.50x  attention backward
     """
     if not plans:
         raise ValueError("plans must hold at least one ActivationPlan")

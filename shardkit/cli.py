@@ -352,7 +352,7 @@ def launch(cfg: TrainConfig) -> int:
             f"--rdzv-id=shardkit-{cfg.rdzv_endpoint}",
         ]
         if cfg.min_nnodes:  # elastic: a lost machine is dropped from the next round ([Note: elastic restarts])
-            rendezvous.append(f"--rdzv-conf=last_call_timeout={max(1, round(cfg.rdzv_wait))}")
+            rendezvous.append(f"--rdzv-conf=last_call_timeout={cfg.rdzv_wait}")
     cmd = [
         sys.executable,
         "-m",
