@@ -43,6 +43,16 @@ calls on it. Sends and receives are listed but never compared (they pair by peer
 order), nor is a ``#k`` that a rank's window no longer holds. :meth:`stall_report` appends the
 first mismatch, and :func:`watch_run` prints the flight record after it.
 
+[Note: an early stall warning]
+The collective timeout is long (300 s by default) because a slow step must not end a run. But a
+stuck rank can be *named* sooner: when this rank has issued no collective for ``stale_after``
+seconds while another has issued fewer, the one it waits for is either stuck or very late. The
+first such rank (the lowest-numbered one ahead) tells it once per stall, with the stall report
+and the flight record, on stdout (a torchrun worker's stderr goes to its log file until the run
+ends) or to ``on_stall``; the run goes on and still ends at the timeout if nothing moves. When no
+rank has issued fewer (every rank computing, or a collective itself stuck) nothing is told: a
+count cannot tell those apart.
+
 A rank that ends (:meth:`stop`, or leaving the ``with`` block) marks itself done and is never
 declared frozen. The threads hold the GIL only for a store request, which torch's collectives and
 kernels release; a C extension that held the GIL for ``stale_after`` seconds would be taken for
@@ -109,6 +119,9 @@ class Heartbeat:
             rank: each beat also publishes how many collectives this rank has issued and the
             last one, which :meth:`stall_report` compares across ranks, and the newest ones
             (:func:`~shardkit.comm.stats.merge_recent`), which :meth:`flight_record` compares.
+        on_stall: ``on_stall(report)`` instead of printing it to stdout: called once per stall
+            when this rank has issued no collective for ``stale_after`` seconds while another
+            has issued fewer ([Note: an early stall warning]); needs ``stats``.
 
     Raises:
         ValueError: ``interval <= 0`` or ``stale_after <= 2 * interval``.
@@ -129,6 +142,7 @@ class Heartbeat:
         store: dist.Store | None = None,
         on_frozen: Callable[[int, str], None] | None = None,
         stats: Sequence[CommStats] = (),
+        on_stall: Callable[[str], None] | None = None,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval}")
@@ -140,7 +154,10 @@ class Heartbeat:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._store = store if store is not None else dist.distributed_c10d._get_default_store()
         self._on_frozen = on_frozen
+        self._on_stall = on_stall
         self._stats = list(stats)
+        # this rank's collective count, when it last changed, and whether its stall was told
+        self._own: tuple[int, float, bool] = (-1, 0.0, False)
         self._note = "started"
         self._count = 0
         self._seen, self._seen_at = "", 0.0  # the watched rank's last beat, and when it changed
@@ -248,17 +265,7 @@ class Heartbeat:
         """
         if not self._stats:
             return "shardkit stall: no progress recorded (Heartbeat(stats=...) was not given the run's CommStats)"
-        self._publish()  # this rank's, current
-        rows: list[tuple[int, int, str, str]] = []
-        for rank in range(self.world):
-            keys = [f"{_PREFIX}{rank}/progress", f"{_PREFIX}{rank}/beat"]
-            if not self._store.check(keys):
-                rows.append((rank, -1, "-", "not started"))
-                continue
-            progress, beat = (v.decode() for v in self._store.multi_get(keys))
-            issued, last, phase = progress.split("\t")
-            note = beat.partition(" ")[2]
-            rows.append((rank, int(issued), last, f"{phase}; {note}" if phase else note))
+        rows = self._rows()
         fewest = min(r[1] for r in rows)
         behind = [r for r in rows if r[1] == fewest]
         ahead = [r for r in rows if r[1] != fewest]
@@ -278,6 +285,22 @@ class Heartbeat:
         )
         verb = "is" if len(behind) == 1 else "are"
         return f"shardkit stall: {names} {verb} behind: {where(behind)}; {others}{also}"
+
+    def _rows(self) -> list[tuple[int, int, str, str]]:
+        """``(rank, collectives issued, last one, phase and note)`` of every rank, from what it
+        published (-1 issued: not started); this rank's published first, current."""
+        self._publish()
+        rows: list[tuple[int, int, str, str]] = []
+        for rank in range(self.world):
+            keys = [f"{_PREFIX}{rank}/progress", f"{_PREFIX}{rank}/beat"]
+            if not self._store.check(keys):
+                rows.append((rank, -1, "-", "not started"))
+                continue
+            progress, beat = (v.decode() for v in self._store.multi_get(keys))
+            issued, last, phase = progress.split("\t")
+            note = beat.partition(" ")[2]
+            rows.append((rank, int(issued), last, f"{phase}; {note}" if phase else note))
+        return rows
 
     def _flights(self) -> dict[int, _Flight | None]:
         """Every rank's published flight record (None: it published none)."""
@@ -352,8 +375,36 @@ class Heartbeat:
                 self._beat()  # beats on after a verdict: this rank is alive
                 if watching and self._check(watched):
                     watching = False
+                if self._stats:
+                    self._check_stall()
             except Exception:  # noqa: BLE001 - the store went away (the run is ending): stop quietly
                 return
+
+    def _check_stall(self) -> None:
+        """[Note: an early stall warning]: tell, once per stall, that this rank has issued no
+        collective for ``stale_after`` seconds while another rank has issued fewer."""
+        count, now = sum(stats.progress()[0] for stats in self._stats), time.monotonic()
+        last, since, told = self._own
+        if count != last:
+            self._own = (count, now, False)
+            return
+        if told or now - since < self.stale_after:
+            return
+        self._own = (count, since, True)
+        rows = self._rows()
+        fewest = min(r[1] for r in rows)
+        ahead = [r[0] for r in rows if r[1] != fewest]
+        if self.rank not in ahead or self.rank != min(ahead):  # one rank tells: the first one waiting
+            return
+        report = self.stall_report().removeprefix("shardkit stall: ")
+        text = (
+            f"shardkit stall warning: rank {self.rank} has issued no collective for {now - since:.0f} s: {report} "
+            "(the run ends at the collective timeout unless the ranks behind move on)\n" + self.flight_record()
+        )
+        if self._on_stall is not None:
+            self._on_stall(text)
+        else:
+            print(text, flush=True)  # stdout: a torchrun worker's stderr goes to its log file until the run ends
 
     def _check(self, watched: int) -> bool:
         """Whether ``watched`` was declared frozen (and dealt with). Staleness is measured on this

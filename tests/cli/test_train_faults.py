@@ -6,8 +6,9 @@ Each case runs the real command line (torchrun, gloo) with ``--inject-fault RANK
   workers, they resume from the newest checkpoint, and the final checkpoint holds bitwise the
   parameters and optimizer state of a run that was never interrupted;
 * (a rank that raises: tests/cli/test_worker_logs.py, end to end and on written logs;)
-* a rank that hangs inside a step: the others' collective times out after ``--timeout`` and the
-  verdict says which rank they were waiting for (it has issued fewer collectives);
+* a rank that hangs inside a step: after ``--heartbeat`` seconds without a collective the rank
+  ahead warns which rank it waits for; the collective times out after ``--timeout`` and the
+  verdict says the same (it has issued fewer collectives);
 * a frozen rank (SIGSTOP): the rank that watches its heartbeat names it and kills it;
 * ``shardkit train`` itself killed: its torchrun and workers end too (no orphans).
 
@@ -74,9 +75,13 @@ def test_killed_rank_restarts_and_the_run_ends_bitwise_like_an_uninterrupted_one
 
 
 def test_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path: Path) -> None:
-    run, seconds = _train(tmp_path, "--steps", "20", "--timeout", "5", "--inject-fault", "1:3:hang")
-    print(f"hang with --timeout 5: every process ended after {seconds:.1f} s (start-up included)")
+    run, seconds = _train(tmp_path, "--steps", "20", "--timeout", "12", "--heartbeat", "4", "--inject-fault", "1:3:hang")
+    print(f"hang with --timeout 12: every process ended after {seconds:.1f} s (start-up included)")
     assert run.returncode != 0
+    # named after --heartbeat seconds without a collective, while the run waits for the timeout
+    warning = next((line for line in run.stdout.splitlines() if line.startswith("shardkit stall warning")), None)
+    assert warning is not None and warning.startswith("shardkit stall warning: rank 0 has issued no collective for "), run.stdout
+    assert "rank 1 is behind" in warning
     # rank 0 timed out waiting; the heartbeats' progress says whom for, and where each rank was
     first = run.stderr.splitlines()[0]
     assert re.match(r"shardkit train: stall: rank 1 is behind: (\d+) collectives issued \(last: .*; step 3\); rank 0: ", first), (

@@ -353,3 +353,30 @@ def test_watch_run_prints_the_stall_report_then_the_flight_record(dist_pool) -> 
             lines[2] == "rank 0, newest 2 of 2 kept (oldest first):"
             and lines[-1] == "  #2 reduce_scatter on shardkit_dp[0, 1] 64 B"
         )
+
+
+def _one_rank_falls_behind(calls: list[int]) -> list[str]:
+    stats = CommStats()
+    for _ in range(calls[dist.get_rank()]):
+        stats.record("all_gather", "shardkit_dp[0, 1, 2]", 64)
+    told: list[str] = []
+    with Heartbeat(interval=0.1, stale_after=0.6, stats=[stats], on_stall=told.append, on_frozen=lambda r, v: None) as hb:
+        hb.note("step 4")
+        time.sleep(1.6)  # no collective on any rank: the ranks ahead wait for the one behind
+        dist.barrier()
+    return told
+
+
+def test_a_rank_behind_is_named_after_stale_after_not_the_timeout(dist_pool) -> None:
+    """Ranks 0 and 2 have issued 5 collectives, rank 1 only 4: after stale_after without a new
+    collective, rank 0 (the first one ahead) tells it once, with the flight record; when every rank
+    has issued as many (all computing, say) nobody is told."""
+    out = dist_pool.run(_one_rank_falls_behind, [5, 4, 5], world_size=3, timeout=60)
+    assert out[1] == [] and out[2] == []
+    assert len(out[0]) == 1
+    text = out[0][0]
+    assert text.startswith("shardkit stall warning: rank 0 has issued no collective for ")
+    assert "rank 1 is behind: 4 collectives issued" in text and "the run ends at the collective timeout" in text
+    assert "\nshardkit flight record: no mismatch; behind: shardkit_dp[0, 1, 2]: rank 1 at #4" in text
+    even = dist_pool.run(_one_rank_falls_behind, [5, 5, 5], world_size=3, timeout=60)
+    assert even == [[], [], []]
