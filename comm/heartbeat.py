@@ -46,12 +46,13 @@ first mismatch, and :func:`watch_run` prints the flight record after it.
 [Note: an early stall warning]
 The collective timeout is long (300 s by default) because a slow step must not end a run. But a
 stuck rank can be *named* sooner: when this rank has issued no collective for ``stale_after``
-seconds while another has issued fewer, the one it waits for is either stuck or very late. The
-first such rank (the lowest-numbered one ahead) tells it once per stall, with the stall report
-and the flight record, on stdout (a torchrun worker's stderr goes to its log file until the run
-ends) or to ``on_stall``; the run goes on and still ends at the timeout if nothing moves. When no
-rank has issued fewer (every rank computing, or a collective itself stuck) nothing is told: a
-count cannot tell those apart.
+seconds while a member of one of its groups has issued fewer collectives on that group (compared
+per group, from the flight records: pipeline stages issue different collectives), the one it
+waits for is either stuck or very late. The lowest-numbered rank ahead on such a group tells it
+once per stall, with the flight record, on stdout (a torchrun worker's stderr goes to its log
+file until the run ends) or to ``on_stall``; the run goes on and still ends at the timeout if
+nothing moves. When every member of each group has issued as many (every rank computing, or a
+collective itself stuck) nothing is told: counts cannot tell those apart.
 
 A rank that ends (:meth:`stop`, or leaving the ``with`` block) marks itself done and is never
 declared frozen. The threads hold the GIL only for a store request, which torch's collectives and
@@ -120,8 +121,10 @@ class Heartbeat:
             last one, which :meth:`stall_report` compares across ranks, and the newest ones
             (:func:`~shardkit.comm.stats.merge_recent`), which :meth:`flight_record` compares.
         on_stall: ``on_stall(report)`` instead of printing it to stdout: called once per stall
-            when this rank has issued no collective for ``stale_after`` seconds while another
-            has issued fewer ([Note: an early stall warning]); needs ``stats``.
+            when this rank has issued no collective for ``stale_after`` seconds while a member of
+            one of its groups has issued fewer on that group ([Note: an early stall warning]);
+            needs ``stats``. It runs on the heartbeat thread: return quickly (an error turns the
+            warnings off, the beats go on).
 
     Raises:
         ValueError: ``interval <= 0`` or ``stale_after <= 2 * interval``.
@@ -158,6 +161,7 @@ class Heartbeat:
         self._stats = list(stats)
         # this rank's collective count, when it last changed, and whether its stall was told
         self._own: tuple[int, float, bool] = (-1, 0.0, False)
+        self._stall_warnings = True
         self._note = "started"
         self._count = 0
         self._seen, self._seen_at = "", 0.0  # the watched rank's last beat, and when it changed
@@ -375,14 +379,19 @@ class Heartbeat:
                 self._beat()  # beats on after a verdict: this rank is alive
                 if watching and self._check(watched):
                     watching = False
-                if self._stats:
-                    self._check_stall()
+                if self._stats and self._stall_warnings:
+                    try:
+                        self._check_stall()
+                    except Exception as exc:  # noqa: BLE001 - never let the warning stop the beats
+                        self._stall_warnings = False
+                        print(f"shardkit heartbeat: early stall warnings are off after an error: {exc!r}", file=sys.stderr)
             except Exception:  # noqa: BLE001 - the store went away (the run is ending): stop quietly
                 return
 
     def _check_stall(self) -> None:
         """[Note: an early stall warning]: tell, once per stall, that this rank has issued no
-        collective for ``stale_after`` seconds while another rank has issued fewer."""
+        collective for ``stale_after`` seconds while a member of one of its groups has issued
+        fewer on that group."""
         count, now = sum(stats.progress()[0] for stats in self._stats), time.monotonic()
         last, since, told = self._own
         if count != last:
@@ -391,15 +400,15 @@ class Heartbeat:
         if told or now - since < self.stale_after:
             return
         self._own = (count, since, True)
-        rows = self._rows()
-        fewest = min(r[1] for r in rows)
-        ahead = [r[0] for r in rows if r[1] != fewest]
-        if self.rank not in ahead or self.rank != min(ahead):  # one rank tells: the first one waiting
+        self._publish()
+        flights = self._flights()
+        mine = flights.get(self.rank)
+        if mine is None or not _first_ahead(self.rank, mine, flights):
             return
-        report = self.stall_report().removeprefix("shardkit stall: ")
         text = (
-            f"shardkit stall warning: rank {self.rank} has issued no collective for {now - since:.0f} s: {report} "
-            "(the run ends at the collective timeout unless the ranks behind move on)\n" + self.flight_record()
+            f"shardkit stall warning: rank {self.rank} has issued no collective for {now - since:.0f} s; "
+            f"{self.flight_record().removeprefix('shardkit flight record: ')}\n"
+            "(the run ends at the collective timeout unless the ranks behind move on)"
         )
         if self._on_stall is not None:
             self._on_stall(text)
@@ -513,6 +522,17 @@ def _mismatches(flights: dict[int, _Flight | None]) -> list[str]:
                 found.append((-back, label, f"{label} #{k}: rank {first} {_what(want)} vs rank {odd[0]} {_what(odd[1])}"))
                 break
     return [text for *_, text in sorted(found)]
+
+
+def _first_ahead(rank: int, mine: _Flight, flights: dict[int, _Flight | None]) -> bool:
+    """Whether ``rank`` is the lowest-numbered rank ahead of a member that has issued fewer
+    collectives on one of ``rank``'s groups (per group: pipeline stages issue different ones)."""
+    for label, (n, _) in mine.calls.items():
+        at = {r: flights[r].calls.get(label, (0, 0))[0] for r in _members(label, flights) if flights[r] is not None}
+        fewest = min(at.values(), default=n)
+        if n > fewest and rank == min(r for r, c in at.items() if c > fewest):
+            return True
+    return False
 
 
 def _phase_at(flight: _Flight, label: str, k: int) -> str:

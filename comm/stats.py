@@ -295,7 +295,7 @@ def merge_recent(stats: Sequence[CommStats]) -> tuple[list[CollectiveRecord], di
     if not unique:
         return [], {}
     with contextlib.ExitStack() as held:  # all at once: no object records between the snapshots
-        for s in unique:  # always this order, and record() takes one lock: no deadlock
+        for s in sorted(unique, key=id):  # one order for every caller (record() takes one lock): no deadlock
             held.enter_context(s._lock)
         rings = [list(s._ring) for s in unique]
         dropped = [s._issued > len(s._ring) for s in unique]

@@ -119,7 +119,8 @@ class ActivationPlan:
     @property
     def total(self) -> int:
         """``per_rank`` over the ``cp * tp`` ranks that hold one replica's sequences: above the
-        cp = 1 plan's by the copies cp adds (ring's fp32 output, the projection's input)."""
+        cp = 1 plan's by what cp adds (ring's fp32 output and working buffers for bf16/fp16,
+        Ulysses' projection input, each rank's copy of the position ids)."""
         return self.per_rank * self.cp * self.tp
 
 

@@ -273,13 +273,14 @@ class ParallelModel:
         #: cp shards]); None otherwise
         self.sequence: SequenceShardedLoss | None = None
 
-    def loss_path(self, targets: torch.Tensor | None) -> contextlib.AbstractContextManager:
+    def loss_path(self, targets: torch.Tensor | None, *, reduction: str = "mean") -> contextlib.AbstractContextManager:
         """The context a forward + :attr:`loss_fn` (+ backward) runs in. With a fused head loss
         (``parallelize(fused_cross_entropy=...)``) the head forms the loss: from ``targets``
         inside its forward without a pipeline (the model then returns the loss, which
         :attr:`loss_fn` passes on), or, with a pipeline, from the hidden states it hands to the
         last stage's loss function (see :mod:`shardkit.parallel.tensor.fused_head`). Otherwise
-        nothing.
+        nothing. ``reduction``: the head's (``"mean"``, or ``"sum"`` for a loss that normalizes
+        itself, as the cp loss does).
 
         Example:
             >>> with par.loss_path(y):
@@ -290,15 +291,13 @@ class ParallelModel:
             return contextlib.nullcontext()
         if self.pipeline is not None:
             return deferred_heads(self.fused_heads)
-        return heads_compute_loss(self.fused_heads, targets)
+        return heads_compute_loss(self.fused_heads, targets, reduction=reduction)
 
-    def _head_sum(self, targets: torch.Tensor) -> contextlib.AbstractContextManager:
-        """Under cp without a pipeline: a fused head forms the *sum* of this rank's token losses
-        inside its forward (ZeRO-3 holds its weight only then), which the cp loss divides by the
-        replica's count ([Note: the loss over cp shards]); nothing without a fused head."""
-        if not self.fused_heads:
-            return contextlib.nullcontext()
-        return heads_compute_loss(self.fused_heads, targets, reduction="sum")
+    def _cp_loss_path(self, targets: torch.Tensor) -> contextlib.AbstractContextManager:
+        """:meth:`loss_path` under cp without a pipeline: a fused head forms the *sum* of this
+        rank's token losses, which the cp loss divides by the replica's count ([Note: the loss
+        over cp shards])."""
+        return self.loss_path(targets, reduction="sum")
 
     def comm_stats(self) -> list[CommStats]:
         """Every :class:`~shardkit.comm.CommStats` this model's collectives record into: the dp
@@ -371,7 +370,7 @@ class ParallelModel:
         self.set_phase("forward")
         if self.sequence is not None:  # this cp rank's tokens; the loss over the whole replica
             inputs, targets = self.sequence.shard(inputs, targets)
-            with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self._head_sum(targets):
+            with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self._cp_loss_path(targets):
                 for_backward, loss = self.sequence(self.module(inputs), targets)
             self.backward(for_backward)
             return loss
@@ -452,7 +451,7 @@ class ParallelModel:
         try:
             if self.sequence is not None:
                 inputs, targets = self.sequence.shard(inputs, targets)
-                with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self._head_sum(targets):
+                with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self._cp_loss_path(targets):
                     return float(self.sequence(self.module(inputs), targets)[1])
             with self._autocast() if self._autocast is not None else contextlib.nullcontext(), self.loss_path(targets):
                 return float(self.loss_fn(self.module(inputs), targets))
@@ -751,7 +750,7 @@ def parallelize(
         )
     par.stats = stats
     par.fused_heads = fused
-    if cp_opts is not None:  # a fused head hands over its sum (ParallelModel._head_sum)
+    if cp_opts is not None:  # a fused head hands over its sum (ParallelModel._cp_loss_path)
         cp_loss = _sum_from_the_head(fused[0]) if fused else pipe_loss
         par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, cp_loss, stats=stats)
     return par

@@ -518,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # a torchrun worker runs with nproc=1 (see launch) in a world of WORLD_SIZE ranks
         launching = cfg.nproc > 1 or cfg.nnodes > 1
         world = cfg.nproc * cfg.nnodes if launching else int(os.environ.get("WORLD_SIZE", "1"))
-        cfg.validate(world_size=world)
+        cfg.validate(world_size=None if launching else world)  # launching: every elastic world too
         device = check_device(cfg.device, ranks_per_node=cfg.nproc)  # more ranks than GPUs: a usage error
         _check_cores(cfg, device)  # far more ranks than CPU cores: likewise
         if cfg.config:  # the config's own errors (unknown key, unfilled "auto") before any worker starts

@@ -70,4 +70,4 @@ def hybrid_attention(
     ring = Ring(split.ring, split.ring_size, split.ring_rank, positions)
     qh, kh, vh = (SequenceToHeads.apply(t, split.a2a, stats) for t in (q, k, v))
     out = RingAttention.apply(qh, kh, vh, ring, causal, scale, backend, stats)
-    return HeadsToSequence.apply(out.contiguous(), split.a2a, stats)
+    return HeadsToSequence.apply(out, split.a2a, stats)  # it packs its send buffer itself: no copy first

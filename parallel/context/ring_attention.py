@@ -27,7 +27,9 @@ D]`` (a transposed view of that memory), as flash attention stores its output. T
 copy, and the output projection saves that view of the tensor ring attention saves anyway for
 its backward: one ``[tokens, d]`` activation less per layer (fp32: the projection's input and
 the merged output are one tensor; bf16/fp16: the projection keeps the rounded output, as it
-would its copy).
+would its copy). So in fp32 the returned output *is* a saved tensor: a model that changes it in
+place (after a ``.contiguous()``, which is now a no-op) makes autograd refuse the backward, as it
+would for any saved tensor.
 
 Bytes per rank and layer: forward ``(N - 1)`` key/value blocks (``2 B Hkv S/N D`` elements
 each); backward ``N - 1`` key/value blocks plus ``N`` fp32 ``dk``/``dv`` blocks.

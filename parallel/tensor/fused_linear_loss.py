@@ -127,8 +127,8 @@ def planned_chunk_tokens(tokens: int, shard_classes: int, hidden_size: int, dtyp
     :func:`default_chunk_tokens`, except for bf16/fp16: there a chunk may take as much memory as
     the fp32 weight-gradient accumulator that more than one chunk needs anyway (``4 x
     shard_classes x hidden_size`` bytes: ``2 x hidden_size`` tokens of 2-byte logits). With
-    ``softcap`` a chunk also holds the capped logits and their gradient in fp32, 12 bytes per
-    logit more, and the chunk shrinks to match. When all ``tokens`` fit one chunk they are one;
+    ``softcap`` a chunk also holds the capped logits and their gradient in fp32 (10 bytes per
+    bf16/fp16 logit more, 4 per fp32 one), and the chunk shrinks to match. When all ``tokens`` fit one chunk they are one;
     otherwise the chunks are made equal (``ceil(tokens / chunks)`` each), so that a last sliver
     does not cost a pass over the accumulator of its own ([Note: the fp32 weight-gradient
     accumulator]).
@@ -146,13 +146,22 @@ def planned_chunk_tokens(tokens: int, shard_classes: int, hidden_size: int, dtyp
         2048
     """
     element_size = torch.empty(0, dtype=dtype).element_size()
-    per_logit = element_size + (12 if softcap else 0)  # softcap: fp32 capped logits and their fp32 gradient
+    # softcap: the capped logits in fp32 (in place when they are fp32) and their fp32 gradient, rounded
+    # to the logits' dtype: 4 bytes more per fp32 logit, 10 per bf16/fp16 one
+    per_logit = element_size + ((4 if element_size == 4 else 10) if softcap else 0)
     rows = default_chunk_tokens(shard_classes, per_logit)
     if dtype != torch.float32:
         rows = max(rows, 4 * hidden_size // per_logit)
     tokens = max(int(tokens), 1)
     chunks = -(-tokens // max(rows, 1))
     return -(-tokens // chunks)
+
+
+def _equal_local_chunks(n_local: int, rows: int) -> int:
+    """Local rows per chunk under sequence parallelism: ``rows`` at most, in equal chunks of the
+    ``n_local`` rows (``rows // tp`` alone could leave a sliver, a pass over the accumulator)."""
+    n_local, rows = max(n_local, 1), max(rows, 1)
+    return -(-n_local // -(-n_local // rows))
 
 
 @dataclass(frozen=True)
@@ -479,8 +488,8 @@ def fused_linear_cross_entropy(
         chunk_tokens: tokens per chunk (summed over the tp ranks under sequence parallelism);
             default: :func:`planned_chunk_tokens`: 512 MiB of logits and at least 2048 tokens,
             and for bf16/fp16 as much as the fp32 weight-gradient accumulator several chunks
-            would need (``2 d`` tokens; all at once when ``T <= 2 d``), in equal chunks.
-            Smaller chunks hold less memory and take more time.
+            would need (``2 d`` tokens; all at once when ``T <= 2 d``; fewer with ``softcap``),
+            in equal chunks. Smaller chunks hold less memory and take more time.
         softcap: Gemma-2's logit soft-capping ``c`` (``c * tanh(x / c)`` before the loss), > 0.
         vocab_size: the real ``V`` when it is not ``tp * V/tp`` (pad rows are masked).
         sequence_parallel: ``hidden`` holds this rank's sequence slice ([Note: sequence-parallel
@@ -579,7 +588,7 @@ def fused_linear_cross_entropy(
         z_loss=float(z_loss),
         softcap=None if softcap is None else float(softcap),
         reduction=reduction,
-        chunk_rows=max(1, rows // tp) if sp else rows,
+        chunk_rows=_equal_local_chunks(target.numel() // tp, rows // tp) if sp else rows,
         backend=backend,
         stats=stats,
     )

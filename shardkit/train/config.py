@@ -17,7 +17,8 @@ machine named by ``--rdzv-endpoint`` (its agent hosts the rendezvous store; ``la
 when torchrun reports ``RendezvousConnectionError``), or add a machine to a world that has started:
 one that joins later ends the run. So every machine must start within ``--rdzv-wait`` of the
 first; a worker that starts with fewer ranks than ``--nproc × --nnodes`` (the launcher passes that
-count in :data:`LAUNCH_WORLD_ENV`) warns, on the first attempt, that the world started short.
+count in :data:`LAUNCH_WORLD_ENV`) warns on stdout, on the first attempt, that the world started
+short.
 """
 
 from __future__ import annotations

@@ -190,8 +190,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             f"shardkit train: warning: the run started with {world} of the {asked} ranks asked for: --min-nnodes let it "
             "start before every machine joined, and a machine that joins later ends the run; start every machine "
             "within --rdzv-wait seconds of the first",
-            file=sys.stderr,
-            flush=True,
+            flush=True,  # stdout: torchrun keeps a worker's stderr in its log file
         )
     if cfg.global_batch:  # this world's share: after an elastic restart on fewer ranks, a larger one
         cfg = replace(cfg, batch_size=cfg.rank_batch(world))

@@ -133,11 +133,11 @@ def save_run(
         device: this rank's device (for the CUDA random state).
         keep: complete checkpoints to keep, this one included (older ones are deleted after this
             one is published).
-        global_batch: sequences per step over all replicas, recorded so that a resume with
-            another batch is told (:func:`resume_run`).
         saver: write in the background through this :class:`~shardkit.parallel.AsyncCheckpointer`
             (returns once the content is copied to host memory; older checkpoints are deleted
             when it is published); None: write before returning.
+        global_batch: sequences per step over all replicas, recorded so that a resume with
+            another batch is told (:func:`resume_run`).
 
     Returns:
         The checkpoint directory.

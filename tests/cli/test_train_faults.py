@@ -81,7 +81,7 @@ def test_hung_rank_ends_the_run_after_the_collective_timeout(tmp_path: Path) -> 
     # named after --heartbeat seconds without a collective, while the run waits for the timeout
     warning = next((line for line in run.stdout.splitlines() if line.startswith("shardkit stall warning")), None)
     assert warning is not None and warning.startswith("shardkit stall warning: rank 0 has issued no collective for "), run.stdout
-    assert "rank 1 is behind" in warning
+    assert "no mismatch; behind: shardkit_dp[0, 1]: rank 1 at #" in warning, warning
     # rank 0 timed out waiting; the heartbeats' progress says whom for, and where each rank was
     first = run.stderr.splitlines()[0]
     assert re.match(r"shardkit train: stall: rank 1 is behind: (\d+) collectives issued \(last: .*; step 3\); rank 0: ", first), (

@@ -376,7 +376,44 @@ def test_a_rank_behind_is_named_after_stale_after_not_the_timeout(dist_pool) -> 
     assert len(out[0]) == 1
     text = out[0][0]
     assert text.startswith("shardkit stall warning: rank 0 has issued no collective for ")
-    assert "rank 1 is behind: 4 collectives issued" in text and "the run ends at the collective timeout" in text
-    assert "\nshardkit flight record: no mismatch; behind: shardkit_dp[0, 1, 2]: rank 1 at #4" in text
+    assert "no mismatch; behind: shardkit_dp[0, 1, 2]: rank 1 at #4; ranks 0, 2 at #5" in text, text
+    assert "\nrank 1, newest 4 of 4 kept" in text and text.endswith("unless the ranks behind move on)")
     even = dist_pool.run(_one_rank_falls_behind, [5, 5, 5], world_size=3, timeout=60)
     assert even == [[], [], []]
+
+
+def _stages_issue_different_collectives(failing_callback: bool) -> tuple[list[str], bool]:
+    """Two pipeline stages: stage 0 (rank 0) issued 3 collectives on its own tp-like group and 2
+    on the pp group, stage 1 (rank 1) 2 on the pp group only."""
+    rank = dist.get_rank()
+    stats = CommStats()
+    for _ in range(2):
+        stats.record("all_reduce", "shardkit_pp[0, 1]", 8)
+    if rank == 0:
+        for _ in range(3):
+            stats.record("all_reduce", "shardkit_tp[0]", 64)
+    told: list[str] = []
+
+    def on_stall(text: str) -> None:
+        told.append(text)
+        if failing_callback:
+            raise RuntimeError("alert service down")
+
+    frozen: list[str] = []
+    with Heartbeat(
+        interval=0.1, stale_after=0.6, stats=[stats], on_stall=on_stall, on_frozen=lambda r, v: frozen.append(v)
+    ) as hb:
+        if failing_callback and rank == 1:
+            stats.record("all_reduce", "shardkit_pp[0, 1]", 8)  # now rank 0 is behind on the pp group
+        time.sleep(1.6)
+        dist.barrier()
+        beating = hb._thread is not None and hb._thread.is_alive()
+    return told, beating and not frozen
+
+
+def test_stall_warnings_compare_each_group_among_its_members(dist_pool) -> None:
+    """Pipeline stages issue different collectives: totals of 5 and 2 are no stall when each group's
+    members agree. A callback that raises turns the warnings off, not the heartbeat."""
+    assert dist_pool.run(_stages_issue_different_collectives, False, world_size=2, timeout=60) == [([], True), ([], True)]
+    out = dist_pool.run(_stages_issue_different_collectives, True, world_size=2, timeout=60)
+    assert out[0] == ([], True) and len(out[1][0]) == 1 and out[1][1]  # told once; still beating, nobody frozen

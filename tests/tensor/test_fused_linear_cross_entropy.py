@@ -312,14 +312,15 @@ def test_cuda_compiled_kernels_equal_the_reference(dtype):
         (torch.bfloat16, 9, 1, None, [3, 3, 3]),  # never below the byte budget's chunk (4 here), equal
         (torch.float32, 8, 16, None, [4, 4]),  # fp32 sums in the weight's dtype: the byte budget alone
         (torch.bfloat16, 32, 56, None, [32]),
-        (torch.bfloat16, 32, 56, 30.0, [16, 16]),  # softcap: 14 bytes per logit, so 4 d / 14 = 16 tokens...
-        (torch.bfloat16, 33, 56, 30.0, [11, 11, 11]),  # ... and equal chunks of at most that
+        (torch.bfloat16, 32, 56, 30.0, [16, 16]),  # softcap: 12 bytes per bf16 logit, so 4 d / 12 = 18 tokens...
+        (torch.bfloat16, 37, 56, 30.0, [13, 13, 11]),  # ... and equal chunks of at most that
+        (torch.float32, 8, 56, 30.0, [4, 4]),  # fp32: the byte budget (8 bytes per logit with softcap)
     ],
 )
 def test_default_chunks_are_as_large_as_the_weight_gradient_accumulator(dtype, tokens, d, softcap, chunks):
     """bf16/fp16 with several chunks need an fp32 weight-gradient accumulator (4 V d bytes), so
-    the default lets a chunk's logits (2 bytes each, 14 with softcap's fp32 copies) take that
-    much: 2 d tokens per chunk (softcap: 4 d / 14), one chunk when all the tokens fit, else equal
+    the default lets a chunk's logits (2 bytes each, 12 with softcap's fp32 copies) take that
+    much: 2 d tokens per chunk (softcap: 4 d / 12), one chunk when all the tokens fit, else equal
     chunks. Here the byte budget gives 4-token chunks."""
     h = torch.randn(tokens, d).to(dtype).requires_grad_()
     w = torch.randn(13, d).to(dtype).requires_grad_()
