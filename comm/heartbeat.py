@@ -359,18 +359,7 @@ class Heartbeat:
         if not self._stats:
             return "shardkit flight record: none (Heartbeat(stats=...) was not given the run's CommStats)"
         self._publish()  # this rank's, current
-        flights = self._flights()
-        lines = [_verdict(flights)]
-        for rank, flight in flights.items():
-            if flight is None:
-                lines.append(f"rank {rank}: published no flight record")
-            elif not flight.records:
-                lines.append(f"rank {rank}: no collectives recorded")
-            else:
-                shown = flight.records[-last:] if last > 0 else []
-                lines.append(f"rank {rank}, newest {len(shown)} of {len(flight.records)} kept (oldest first):")
-                lines += [f"  {record}" for record in shown]
-        return "\n".join(lines)
+        return _flight_text(self._flights(), last)
 
     def _run(self) -> None:
         watched, watching = (self.rank + 1) % self.world, True
@@ -407,7 +396,7 @@ class Heartbeat:
             return
         text = (
             f"shardkit stall warning: rank {self.rank} has issued no collective for {now - since:.0f} s; "
-            f"{self.flight_record().removeprefix('shardkit flight record: ')}\n"
+            f"{_flight_text(flights, 8).removeprefix('shardkit flight record: ')}\n"
             "(the run ends at the collective timeout unless the ranks behind move on)"
         )
         if self._on_stall is not None:
@@ -522,6 +511,21 @@ def _mismatches(flights: dict[int, _Flight | None]) -> list[str]:
                 found.append((-back, label, f"{label} #{k}: rank {first} {_what(want)} vs rank {odd[0]} {_what(odd[1])}"))
                 break
     return [text for *_, text in sorted(found)]
+
+
+def _flight_text(flights: dict[int, _Flight | None], last: int) -> str:
+    """:meth:`Heartbeat.flight_record`'s text from the ranks' published records."""
+    lines = [_verdict(flights)]
+    for rank, flight in flights.items():
+        if flight is None:
+            lines.append(f"rank {rank}: published no flight record")
+        elif not flight.records:
+            lines.append(f"rank {rank}: no collectives recorded")
+        else:
+            shown = flight.records[-last:] if last > 0 else []
+            lines.append(f"rank {rank}, newest {len(shown)} of {len(flight.records)} kept (oldest first):")
+            lines += [f"  {record}" for record in shown]
+    return "\n".join(lines)
 
 
 def _first_ahead(rank: int, mine: _Flight, flights: dict[int, _Flight | None]) -> bool:
