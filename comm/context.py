@@ -250,6 +250,8 @@ class ParallelContext:
     _dp_cp: dist.ProcessGroup | None = field(default=None, repr=False, compare=False)
     # the cp axis split for hybrid attention, by all-to-all group size (cp_split)
     _cp_splits: dict[int, CpSplit] = field(default_factory=dict, repr=False, compare=False)
+    # groups of consecutive dp_cp ranks, by size (dp_cp_blocks): ZeRO-3's secondary shards
+    _dp_cp_blocks: dict[int, tuple[dist.ProcessGroup, int]] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, DeviceMesh):
@@ -603,6 +605,53 @@ class ParallelContext:
         split = CpSplit(*mine["a2a"], *mine["ring"])
         self._cp_splits[a2a_size] = split
         return split
+
+    def dp_cp_blocks(self, block_size: int, *, timeout: timedelta = DEFAULT_TIMEOUT) -> tuple[dist.ProcessGroup, int]:
+        """The dp_cp group cut into blocks of ``block_size`` consecutive ranks: this rank's block
+        (a process group) and this rank's place in it (``rank("dp_cp") % block_size``).
+
+        The blocks are where ZeRO-3 keeps its secondary parameter shards
+        (``ShardedDataParallel(stage=3, reshard_after_forward=block_size)``: [Note: hierarchical
+        gathers] in :mod:`shardkit.parallel.zero.stage3_shards`). Ranks are placed machine by
+        machine with dp_cp outside tp ([Note: mesh layout]), so when ``block_size`` is the number
+        of dp_cp ranks per machine (``LOCAL_WORLD_SIZE / tp`` with pp and cp 1) each block is one
+        machine's ranks.
+
+        The first call for a size creates the blocks of every dp_cp group of the world: a
+        collective over the default group, so every rank must make it at the same point. Later
+        calls return the same group; :meth:`destroy` releases it.
+
+        Args:
+            block_size: ranks per block; must divide ``size("dp_cp")``.
+            timeout: the new groups' timeout ([Note: process-group timeouts]).
+
+        Raises:
+            ValueError: ``block_size`` is not a positive divisor of the dp_cp size.
+
+        Example:
+            >>> ctx = ParallelContext.from_env()          # 2 machines x 4 ranks: dp = 8
+            >>> group, place = ctx.dp_cp_blocks(4)        # ranks 0-3 or 4-7: this rank's machine
+        """
+        n = self.size(DP_CP)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 or n % block_size:
+            raise ValueError(f"block_size must be a positive divisor of the dp_cp size {n}, got {block_size!r}")
+        if block_size in self._dp_cp_blocks:
+            return self._dp_cp_blocks[block_size]
+        _check_timeout(timeout)
+        me = dist.get_rank()
+        layout = self.mesh.mesh.movedim((AXES.index("dp"), AXES.index("cp")), (-2, -1))
+        rows = layout.reshape(-1, n).tolist()  # every dp_cp group's ranks, in dp_cp rank order
+        mine = None
+        for row in rows:
+            for b in range(n // block_size):  # the same groups in the same order on every rank
+                ranks = row[b * block_size : (b + 1) * block_size]
+                group = dist.new_group(ranks, timeout=timeout, group_desc="shardkit_dp_cp_block")
+                if me in ranks:
+                    mine = (group, ranks.index(me))
+                    self._owned.append(group)
+        assert mine is not None, "this rank is not in the mesh"
+        self._dp_cp_blocks[block_size] = mine
+        return mine
 
     def submesh(self, axes: str | Sequence[str]) -> DeviceMesh:
         """The sub-``DeviceMesh`` over ``axes`` (one name or several, in pp, dp, cp, tp order).

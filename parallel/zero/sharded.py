@@ -105,7 +105,12 @@ class ShardedDataParallel(nn.Module):
         wrap: stage-3 units: None (each child of a ``ModuleList``/``Sequential``, plus the root
             unit for the rest), a set of module classes, or ``callable(name, module) -> bool``.
         reshard_after_forward: stage 3: free each unit after its forward (True, 3Ψ comm) or
-            keep it gathered until its backward (False, 2Ψ, more memory). Stages 1-2: True.
+            keep it gathered until its backward (False, 2Ψ, more memory); or an int ``B``, a
+            divisor of the dp_cp size, to keep a ``1/B`` piece of it after forward and gather the
+            backward's copy inside blocks of ``B`` consecutive ranks (FSDP2's int; ZeRO++'s hpZ:
+            with ``B`` = the dp_cp ranks per machine, 2Ψ of the 3Ψ cross machines, at ``bΨ/B``
+            more memory per rank between a unit's forward and its backward; [Note: hierarchical
+            gathers] in ``stage3_shards.py``). ``B`` = the dp_cp size is True. Stages 1-2: True.
         offload: None, ``"cpu"`` (fp32 master shards, optimizer state and the step on the
             CPU) or ``"nvme"`` (the same in per-rank files under ``nvme_dir``, streamed one
             bucket at a time); results are bitwise those without offload (docs/offload.md).
@@ -154,7 +159,7 @@ class ShardedDataParallel(nn.Module):
         *,
         bucket_mb: float = 25.0,
         wrap: Any = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | int = True,
         offload: str | None = None,
         nvme_dir: str | None = None,
         grad_dtype: torch.dtype | None = None,
@@ -227,10 +232,14 @@ class ShardedDataParallel(nn.Module):
         if stage != 3:
             shard_kwargs["check_sync"] = check_sync
         if stage == 3:
+            secondary = None  # [Note: hierarchical gathers] in stage3_shards.py
+            if not isinstance(reshard_after_forward, bool) and reshard_after_forward < self._dp:
+                secondary = (*ctx.dp_cp_blocks(reshard_after_forward), reshard_after_forward)
             self._units = ShardUnits(
                 module,
                 wrap=wrap,
-                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward=bool(reshard_after_forward),
+                secondary=secondary,
                 bucket_mb=bucket_mb,
                 check_sync=check_sync,
                 forward_prefetch=forward_prefetch,
@@ -520,6 +529,13 @@ def _validate(
         raise ValueError(f"module: parameters on several devices {sorted({str(p.device) for p in params})}")
     if stage == 3:
         check_wrap(wrap)
-        if not isinstance(reshard_after_forward, bool):
-            raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+        if not isinstance(reshard_after_forward, (bool, int)):
+            raise TypeError(f"reshard_after_forward must be a bool or an int, got {reshard_after_forward!r}")
+        n = ctx.size("dp_cp")
+        if not isinstance(reshard_after_forward, bool) and (reshard_after_forward < 2 or n % reshard_after_forward):
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward}: an int is the block of ranks the backward gathers "
+                f"within and must be a divisor of the dp_cp size {n} greater than 1 (e.g. the dp ranks per machine); "
+                "True frees the unit entirely, False keeps it gathered"
+            )
     return params

@@ -60,6 +60,10 @@ class ShardedBucket:
     #: stage 3: ``[shard]`` persistent parameter shard (param dtype); ``flat_param`` is then
     #: allocated only while its unit is gathered
     param_shard: torch.Tensor | None = None
+    #: stage 3 with a secondary block ([Note: hierarchical gathers] in ``stage3_shards.py``): this
+    #: rank's ``[total / block]`` piece of the gathered params, kept from the unit's forward
+    #: until its backward gathers from it; None otherwise
+    secondary_shard: torch.Tensor | None = None
     #: stage 3: each param's view of ``flat_param`` (its ``.data`` while the bucket is gathered)
     param_views: list[torch.Tensor] = field(default_factory=list)
     #: per param (``grad_bucket.params`` order): it had a ``.grad`` on THIS rank when one of the

@@ -273,12 +273,12 @@ class ShardUnits:
             work.wait()
         unit.works = []
 
-    def _reshard(self, unit: _Unit) -> None:
+    def _reshard(self, unit: _Unit, *, keep_secondary: bool = False) -> None:
         if not unit.gathered:
             return
         self._wait(unit)  # a collective may still write the buffer: never free it in flight
         for sb in unit.buckets:
-            self.shards.free(sb)
+            self.shards.free(sb, keep_secondary=keep_secondary)  # [Note: hierarchical gathers]
         unit.gathered = False
 
     def reshard_all(self) -> None:
@@ -299,6 +299,7 @@ class ShardUnits:
             if self._on_abandon is not None:
                 self._on_abandon()
         self.reshard_all()  # a forward without backward (reshard_after_forward=False) left some
+        self.shards.drop_secondary()  # nor may its secondary shards serve this forward's backward
         self._last_order, self._order = self._order or self._last_order, []
         self._pre_forward(self.root)
 
@@ -334,7 +335,7 @@ class ShardUnits:
         with record_function("shardkit::post_forward"):
             grad = torch.is_grad_enabled()
             if not grad or (self.reshard_after_forward and not unit.root):
-                self._reshard(unit)
+                self._reshard(unit, keep_secondary=grad)  # a backward will gather it again
             if not grad:
                 if unit.root:
                     self.reshard_all()
@@ -409,6 +410,7 @@ class ShardUnits:
 
     def _finalize_backward(self) -> None:
         self.reshard_all()
+        self.shards.drop_secondary()  # a unit whose backward did not gather it (no grad reached it)
         self._end_backward()
 
     def _end_backward(self) -> None:

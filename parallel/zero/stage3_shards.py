@@ -60,6 +60,30 @@ master to the device and casting there (twice the bus bytes for bf16). On a CPU-
 for both, tested here, and the memory report and the planner count the same buffers. A write of
 the host shards (loading params or a checkpoint) first waits for the staging copies still in
 flight (:meth:`Stage3Shards.host_writable`).
+
+[Note: hierarchical gathers]
+``ShardedDataParallel(stage=3, reshard_after_forward=B)`` with an int ``B`` (FSDP2's
+``reshard_after_forward=int``; DeepSpeed ZeRO++'s hpZ, ``zero_hpz_partition_size``) cuts the
+dp_cp group into blocks of ``B`` consecutive ranks (:meth:`ParallelContext.dp_cp_blocks`); with
+``B`` = the dp_cp ranks per machine, a block is a machine. The forward gathers a unit from the
+primary shards over all N ranks, as always. When the unit is freed after its forward, each rank
+keeps its piece of the gathered buffer for its place ``j`` in its block: elements
+``[j·total/B, (j+1)·total/B)`` (``secondary_shard``; ``total`` is padded to a multiple of
+``N · ALIGN``, so the pieces are equal and aligned). The backward's gather (and a recompute's
+under activation checkpointing) then all-gathers those pieces inside the block, and the piece is
+dropped. The gradients' reduce-scatter and everything after it (optimizer, checkpoints) still
+use the primary shards over all N ranks.
+
+Per step, of the 3Ψ payload ZeRO-3 moves (all-gather forward + backward, reduce-scatter), the
+backward's all-gather Ψ no longer leaves the block: 2Ψ cross machines instead of 3Ψ. The cost is
+memory: ``bΨ/B`` per rank from a unit's forward to its backward (counted in the transient
+bytes), against ``bΨ/N`` for the primary shard. A piece lives only between a forward and the
+backward that follows it: the next forward (the root's pre-forward), the end of backward, an
+abandoned backward, and every write of the parameter shards (step, loading params, a
+``GatheredParameters`` write) drop them all, so a gather never reads values older than the
+primary shards. In a forward under ``no_grad`` (evaluation, ``generate``) no backward follows
+and nothing is kept. Which group a gather uses is decided by the same hooks on every rank, so
+every member of a block issues its gathers in the same order ([Note: stage-3 gather order]).
 """
 
 from __future__ import annotations
@@ -85,6 +109,8 @@ class Stage3Shards(FlatShards):
         frozen: frozen parameters per bucket (gathered with their unit, never reduced).
         offload_params: keep every ``param_shard`` in host memory and stage it to the device
             before each gather ([Note: offloaded parameter shards]); needs ``offload``.
+        secondary: ``(block group, this rank's place in it, block size)`` to keep secondary
+            shards after forward ([Note: hierarchical gathers]), or None (free entirely).
         **kwargs: as :class:`FlatShards` (``stage`` is 3).
 
     Example:
@@ -100,9 +126,11 @@ class Stage3Shards(FlatShards):
         frozen: list[list[nn.Parameter]],
         *,
         offload_params: bool = False,
+        secondary: tuple[Any, int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         self.offload_params = offload_params
+        self.secondary = secondary
         self._staged: torch.cuda.Event | None = None  # the last host-to-device staging copy (CUDA)
         super().__init__(buckets, **kwargs)
         self.frozen = [self._build(-1, params, trainable=False) for params in frozen]
@@ -133,13 +161,19 @@ class Stage3Shards(FlatShards):
         return sb.flat_param.untyped_storage().nbytes() > 0
 
     def gather(self, sb: ShardedBucket) -> CommHandle:
-        """Allocate ``sb.flat_param`` and start all-gathering every rank's ``param_shard`` into it
-        (async; see [Note: gathering into autograd's saved tensors])."""
+        """Allocate ``sb.flat_param`` and start all-gathering every rank's ``param_shard`` into it,
+        or, when the bucket has a secondary shard, the block's secondary shards
+        (async; see [Note: gathering into autograd's saved tensors] and [Note: hierarchical gathers])."""
         nbytes = sb.total * sb.flat_param.element_size()
         sb.flat_param.untyped_storage().resize_(nbytes)
         self._hold(nbytes)
         for p, v in zip(sb.grad_bucket.params, sb.param_views):
             p.data = v
+        if sb.secondary_shard is not None:
+            piece, sb.secondary_shard = sb.secondary_shard, None
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(sb.flat_param):
+                work = all_gather(sb.flat_param, piece, group=self.secondary[0], async_op=True, stats=self.stats)
+            return _StagedGather(work, piece.numel() * piece.element_size(), self._release)  # the piece goes when waited
         src = sb.param_shard
         if self.offload_params:  # the host shard into a device staging buffer: the all-gather's input
             src = torch.empty(sb.shard, dtype=src.dtype, device=sb.flat_param.device)
@@ -156,17 +190,35 @@ class Stage3Shards(FlatShards):
 
     def host_writable(self) -> None:
         """Wait for the staging copies that may still read the host ``param_shard`` (CUDA,
-        ``offload_params``): call before writing the host shards outside the step."""
+        ``offload_params``): call before writing the host shards outside the step. Drops the
+        secondary shards too: they would hold the values before the write."""
+        self.drop_secondary()
         if self._staged is not None:
             self._staged.synchronize()
             self._staged = None
 
-    def free(self, sb: ShardedBucket) -> None:
-        """Release the full buffer (its gather must have been waited)."""
+    def free(self, sb: ShardedBucket, *, keep_secondary: bool = False) -> None:
+        """Release the full buffer (its gather must have been waited). With ``keep_secondary``
+        (a forward's free, when built with ``secondary``) first keep this rank's piece of it for
+        the backward's gather inside the block ([Note: hierarchical gathers])."""
         if self.is_gathered(sb):
+            if keep_secondary and self.secondary is not None and sb.secondary_shard is None:
+                _, place, block = self.secondary
+                piece = sb.total // block
+                sb.secondary_shard = sb.flat_param.narrow(0, place * piece, piece).clone()
+                self._hold(piece * sb.flat_param.element_size())
             sb.flat_param.untyped_storage().resize_(0)
             _point_at_placeholders(sb.grad_bucket.params)
             self._release(sb.total * sb.flat_param.element_size())
+
+    def drop_secondary(self) -> None:
+        """Drop every secondary shard ([Note: hierarchical gathers]): the next gathers read the
+        primary shards. Called where a forward starts or a backward ends or is abandoned, and
+        before every write of the parameter shards."""
+        for sb in self.buckets + self.frozen:
+            if sb.secondary_shard is not None:
+                self._release(sb.secondary_shard.numel() * sb.secondary_shard.element_size())
+                sb.secondary_shard = None
 
     # ---- step --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -174,6 +226,7 @@ class Stage3Shards(FlatShards):
         """After the step: write each updated fp32 master into ``param_shard`` (no communication:
         the next forward gathers the shards). fp32 params are updated in place already; with
         offload the optimizer wrote ``local_param_shard()`` itself."""
+        self.drop_secondary()
         for sb in self.buckets:
             if sb.master is not None:
                 sb.param_shard.copy_(sb.master)
@@ -181,6 +234,7 @@ class Stage3Shards(FlatShards):
     @torch.no_grad()
     def refresh_master(self) -> None:
         """Re-read the fp32 master shards from ``param_shard`` (after loading params)."""
+        self.drop_secondary()
         for sb in self.buckets:
             if sb.master is not None:
                 sb.master.copy_(sb.param_shard)

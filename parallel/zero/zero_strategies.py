@@ -48,6 +48,8 @@ class _ZeroStrategy(Strategy):
         nvme_dir: the directory for ``offload="nvme"``.
         offload_params: stage 3 with ``offload``: the parameter shards live in host memory too.
         forward_prefetch: stage 3: gather the next unit's parameters while this one computes.
+        reshard_after_forward: stage 3: True, False or an int block size (hierarchical gathers:
+            :class:`~shardkit.parallel.zero.ShardedDataParallel`).
     """
 
     needs_context = True
@@ -63,6 +65,7 @@ class _ZeroStrategy(Strategy):
         nvme_dir: str | None = None,
         offload_params: bool = False,
         forward_prefetch: bool = False,
+        reshard_after_forward: bool | int = True,
     ) -> None:
         super().__init__(ctx=ctx, loss_scaler=loss_scaler)
         if not bucket_mb > 0:
@@ -72,10 +75,14 @@ class _ZeroStrategy(Strategy):
         self.bucket_mb = float(bucket_mb)
         self.offload = None if offload == "none" else offload
         self.nvme_dir = nvme_dir
-        if (offload_params or forward_prefetch) and self.stage != 3:
-            raise ValueError(f"offload_params and forward_prefetch are stage-3 options; {self.name!r} is stage {self.stage}")
+        if (offload_params or forward_prefetch or reshard_after_forward is not True) and self.stage != 3:
+            raise ValueError(
+                "offload_params, forward_prefetch and reshard_after_forward are stage-3 options; "
+                f"{self.name!r} is stage {self.stage}"
+            )
         self.offload_params = bool(offload_params)
         self.forward_prefetch = bool(forward_prefetch)
+        self.reshard_after_forward = reshard_after_forward
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.model = ShardedDataParallel(
@@ -88,6 +95,7 @@ class _ZeroStrategy(Strategy):
             nvme_dir=self.nvme_dir,
             offload_params=self.offload_params,
             forward_prefetch=self.forward_prefetch,
+            reshard_after_forward=self.reshard_after_forward,
         )
         return self.model
 

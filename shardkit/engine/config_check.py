@@ -134,6 +134,7 @@ def describe(cfg: EngineConfig) -> str:
         lines.append(
             f"stage 3: prefetch {z.prefetch_bucket_size:,}, persistence threshold {z.param_persistence_threshold:,}, "
             f"max live {z.max_live_parameters:,}, max reuse distance {z.max_reuse_distance:,}"
+            + (f"; hpZ: backward gathers inside blocks of {z.hpz_partition_size} dp ranks" if z.hpz_partition_size > 1 else "")
         )
     if cfg.optimizer is None:
         lines.append("optimizer: none in the config (the training script brings one)")

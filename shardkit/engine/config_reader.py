@@ -411,7 +411,7 @@ def _aliased(z: Reader, names: tuple[str, ...]) -> str:
     return used[0] if used else names[0]
 
 
-def _zero(r: Reader) -> ZeroConfig:
+def _zero(r: Reader, dp_cp: int) -> ZeroConfig:
     z = r.section("zero_optimization")
     stage = z.get("stage", to_int, 0, check=lambda v: 0 <= v <= 3, must="be 0, 1, 2 or 3")
     hidden = z.auto_values.get("hidden_size")
@@ -458,6 +458,17 @@ def _zero(r: Reader) -> ZeroConfig:
     )
     if cfg.reduce_bucket_size == 0:
         raise ValueError("zero_optimization.reduce_bucket_size must be > 0")
+    # ZeRO++'s hpZ: the backward's gathers inside blocks of this many dp ranks (ShardedDataParallel's
+    # reshard_after_forward=int); 1 (DeepSpeed's default) is off
+    hpz = z.get("zero_hpz_partition_size", to_int, 1, check=_positive, must="be >= 1")
+    if hpz > 1 and stage != 3:
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size={hpz} needs zero_optimization.stage 3, got {stage}")
+    if dp_cp % hpz:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size={hpz} must divide the data-parallel size {dp_cp} "
+            "(e.g. the data-parallel ranks per machine)"
+        )
+    cfg = dataclasses.replace(cfg, hpz_partition_size=hpz)
     z.ignore(*IGNORED_KEYS["zero_optimization"])
     _unsupported(z, "zero_optimization")
     return cfg
@@ -630,7 +641,7 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
         precision=precision,
         optimizer=_optimizer(r),
         scheduler=_scheduler(r),
-        zero=_zero(r),
+        zero=_zero(r, dp * cp.size),
         tensor_parallel=tp_cfg,
         pipeline=PipelineConfig(stages, schedule, microbatches, virtual, partition),
         fused_cross_entropy=fused,

@@ -96,7 +96,6 @@ IGNORED_KEYS: dict[str, tuple[str, ...]] = {
 UNSUPPORTED_KEYS: dict[str, dict[str, Any]] = {
     "": {"sparse_gradients": False},
     "zero_optimization": {
-        "zero_hpz_partition_size": 1,
         "zero_quantized_weights": False,
         "zero_quantized_nontrainable_weights": False,
         "zero_quantized_gradients": False,

@@ -175,6 +175,9 @@ class ZeroConfig:
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
     gather_16bit_weights_on_model_save: bool = False
+    #: ``zero_hpz_partition_size``: stage 3's backward gathers inside blocks of this many dp ranks
+    #: (ZeRO++'s hpZ; ``ShardedDataParallel(reshard_after_forward=...)``); 1: off
+    hpz_partition_size: int = 1
 
     def bucket_mb(self, grad_bytes: int) -> float:
         """``reduce_bucket_size`` as shardkit's ``bucket_mb`` (MiB of gradients of ``grad_bytes``)."""

@@ -158,6 +158,14 @@ class TrainConfig:
     nvme_dir: str | None = _opt(
         None, "zero*: directory for --offload nvme", _LAUNCH, metavar="DIR", strategies=("zero1", "zero2", "zero3")
     )
+    hpz: int = _opt(
+        1,
+        "zero3: keep a 1/N piece of each block's parameters after its forward and gather the backward's copy inside "
+        "blocks of N data-parallel ranks (ZeRO++'s hpZ; N = the dp ranks per machine keeps that gather on each "
+        "machine: 2 of ZeRO-3's 3 parameter-sized transfers per step cross machines instead of 3); 1: off",
+        _LAUNCH,
+        metavar="N",
+    )
     tp: int = _opt(
         1, "tensor-parallel ranks (TinyGPT's gpt_plan, vocab-parallel loss); nproc = dp x tp x pp", _PARALLEL, metavar="N"
     )
@@ -355,6 +363,15 @@ class TrainConfig:
             )
         if dp > 1 and self.strategy == "none" and self.config is None:
             raise ValueError(f"nproc={world} leaves dp={dp} replicas: pass --strategy ddp, zero1 or zero2 (zero3 without --pp)")
+        if self.hpz < 1:
+            raise ValueError(f"hpz must be positive, got {self.hpz}")
+        if self.hpz > 1 and (self.strategy != "zero3" or self.config is not None):
+            raise ValueError(f"--hpz {self.hpz} applies to --strategy zero3 (a --config sets zero_hpz_partition_size)")
+        if self.hpz > 1 and (dp * self.cp) % self.hpz:
+            raise ValueError(
+                f"--hpz {self.hpz} must divide the data-parallel ranks dp x cp = {dp * self.cp} of {world} ranks "
+                "(e.g. the dp ranks per machine)"
+            )
         if self.tp * self.pp > 1:
             if self.strategy == "zero3" and self.pp > 1:
                 raise ValueError(

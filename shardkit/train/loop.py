@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import Heartbeat, ParallelContext
+from shardkit.comm import CommStats, Heartbeat, ParallelContext
 from shardkit.comm.heartbeat import watch_run
 from shardkit.data import get_batch, load_corpus
 from shardkit.hf_models import LogitsOnly, hf_tp_plan
@@ -250,7 +250,8 @@ def _train(
         checkpointing={"none": False, "blocks": True, "cpu": "cpu"}[cfg.checkpointing],
         loss_scaler=make_loss_scaler(cfg.precision),
         autocast=None if cfg.pp > 1 else (lambda: _autocast(cfg.precision, device)),
-        dp_options=cfg.strategy_options(),
+        # --hpz: ZeRO-3's backward gathers inside blocks of dp ranks ([Note: hierarchical gathers])
+        dp_options=cfg.strategy_options() | ({"reshard_after_forward": cfg.hpz} if cfg.hpz > 1 else {}),
         fused_cross_entropy=cfg.fused_ce,
         cp={"plan": _cp_plan(cfg, model), "mode": cfg.cp_mode, "ulysses_size": cfg.cp_ulysses or None} if cfg.cp > 1 else None,
     )
@@ -402,6 +403,8 @@ def _train(
         "skipped_steps": report.skipped_steps,
         "loss_scale": report.loss_scale,
         "comm": report.comm,
+        # payload bytes by link when the world spans machines (CommStats.bytes_per_link)
+        "comm_links": _bytes_per_link(par.comm_stats(), world),
     }
     result = TrainResult(summary, train_losses, evals, lrs, ranks=[summary])
     if rank == 0 and cfg.sample > 0 and cfg.model_ranks == 1:  # TP/PP hold parts of the model
@@ -445,6 +448,19 @@ def _layout(cfg: TrainConfig, dp: int) -> str:
     return f" dp={dp}{cp} x tp={cfg.tp} x pp={cfg.pp}{pipe}"
 
 
+def _bytes_per_link(stats: list[CommStats], world: int) -> dict[str, int] | None:
+    """This rank's payload bytes within and across machines (``LOCAL_WORLD_SIZE`` ranks each),
+    summed over its stats objects; None when the world is one machine."""
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_machine >= world:
+        return None
+    total = {"within_machine": 0, "across_machines": 0, "unplaced": 0}
+    for s in stats:
+        for k, v in s.bytes_per_link(per_machine).items():
+            total[k] += v
+    return total
+
+
 def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int) -> None:
     print(
         f"== summary: {cfg.model} {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, len(ranks) // cfg.model_ranks)}, world={len(ranks)}, "
@@ -456,6 +472,12 @@ def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int)
             + (f" (+ {fmt_bytes(s['offloaded_bytes'])} offloaded)" if s.get("offloaded_bytes") else "")
             + (f" | loss scale {s['loss_scale']:g}, {s['skipped_steps']} skipped" if s["loss_scale"] is not None else "")
             + f" | comm {fmt_comm(s['comm'])}"
+            + (
+                f" ({fmt_bytes(s['comm_links']['across_machines'])} across machines, "
+                f"{fmt_bytes(s['comm_links']['within_machine'])} within)"
+                if s.get("comm_links")
+                else ""
+            )
         )
         if s.get("plan"):
             print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")

@@ -244,6 +244,25 @@ def test_checkpoint_and_fault_flags_are_checked_before_anything_starts(fields: d
         TrainConfig(**fields).validate()
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(hpz=2, nproc=4, strategy="zero2"), "--hpz 2 applies to --strategy zero3"),
+        (dict(hpz=3, nproc=4, strategy="zero3"), "--hpz 3 must divide the data-parallel ranks dp x cp = 4 of 4 ranks"),
+        (dict(hpz=4, nproc=4, tp=2, strategy="zero3"), "--hpz 4 must divide the data-parallel ranks dp x cp = 2 of 4"),
+        (dict(hpz=0, nproc=4, strategy="zero3"), "hpz must be positive, got 0"),
+        # a lost machine leaves 2 dp ranks, which blocks of 4 do not divide
+        (
+            dict(hpz=4, nnodes=2, min_nnodes=1, nproc=2, strategy="zero3", rdzv_endpoint="h:1", max_restarts=1),
+            "--min-nnodes 1: after losing machines the run would go on with 1 machine(s), 2 ranks, and then: --hpz 4",
+        ),
+    ],
+)
+def test_hpz_is_checked_against_the_dp_ranks_of_every_world(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TrainConfig(**fields).validate()
+
+
 def test_global_batch_is_split_over_the_replicas_of_whatever_world_the_run_has() -> None:
     cfg = TrainConfig(global_batch=16, tp=2, strategy="ddp")
     assert [cfg.rank_batch(world) for world in (2, 4, 8, 16)] == [16, 8, 4, 2]

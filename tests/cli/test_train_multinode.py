@@ -37,6 +37,9 @@ LAYOUTS = {
     "tp-inside-dp-across": (2, ["--tp", "2", "--strategy", "zero3"]),  # ZeRO-3 on the dp axis, across machines
     # pp outermost: the two stages on two machines (P2P across them), DDP's all-reduce inside each
     "pp-across-dp-inside": (2, ["--pp", "2", "--strategy", "ddp", "--microbatches", "2"]),
+    # ZeRO++'s hpZ: the backward's gathers inside each machine; the reference is flat ZeRO-3 on one
+    # machine (the same values are gathered, so the same bits)
+    "zero3-hpz-gathers-inside": (2, ["--strategy", "zero3", "--hpz", "2"]),
 }
 
 
@@ -51,8 +54,9 @@ def test_two_machines_train_bitwise_like_one(tmp_path: Path, layout: str) -> Non
     per_node, flags = LAYOUTS[layout]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     shardkit = [sys.executable, "-m", "shardkit.cli", "train", *SMALL, *flags]
+    flat = [sys.executable, "-m", "shardkit.cli", "train", *SMALL, *(flags[:-2] if "--hpz" in flags else flags)]
     one = subprocess.run(
-        [*shardkit, "--nproc", str(2 * per_node), "--log-json", str(tmp_path / "one.json")],
+        [*flat, "--nproc", str(2 * per_node), "--log-json", str(tmp_path / "one.json")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
@@ -70,6 +74,14 @@ def test_two_machines_train_bitwise_like_one(tmp_path: Path, layout: str) -> Non
     assert b["train_loss"] == a["train_loss"] and b["eval"] == a["eval"], (b["train_loss"], a["train_loss"])
     # every rank's own losses too (rank 0 reported them all)
     assert [r["final_train_loss"] for r in b["ranks"]] == [r["final_train_loss"] for r in a["ranks"]]
+    # the summary splits each rank's payload by link; one machine has no split
+    assert all(r["comm_links"] is None for r in a["ranks"])
+    links = [r["comm_links"] for r in b["ranks"]]
+    if per_node == 1:  # every group of more than one rank spans both machines
+        assert all(x["within_machine"] == 0 < x["across_machines"] for x in links), links
+    if "--hpz" in flags:  # the backward's all-gather moved inside: it carries what the forward's does
+        assert all(0 < x["within_machine"] < x["across_machines"] for x in links), links
+        assert "across machines" in outs[0][0] or "across machines" in outs[1][0]
 
 
 def _consolidated_model(ckpt: Path, out: Path) -> dict:

@@ -295,6 +295,23 @@ def test_comm_stats_is_thread_safe():
         stats.record("all_reduce", "g", -1)
 
 
+def test_comm_stats_bytes_per_link_places_each_group_by_its_ranks():
+    """Machine m holds ranks [m·k, (m+1)·k): a group inside one machine is within, else across."""
+    stats = CommStats()
+    stats.record("all_gather", "shardkit_dp[0, 1, 2, 3]", 400)  # spans 2 machines of 2
+    stats.record("all_gather", "shardkit_dp_cp_block[2, 3]", 100)  # machine 1
+    stats.record("reduce_scatter", "shardkit_dp[0, 1, 2, 3]", 50)
+    stats.record("send", "a label without ranks", 7)
+    assert stats.bytes_per_link(2) == {"within_machine": 100, "across_machines": 450, "unplaced": 7}
+    assert stats.bytes_per_link(2, "all_gather") == {"within_machine": 100, "across_machines": 400, "unplaced": 0}
+    assert stats.bytes_per_link(4)["across_machines"] == 0  # one machine
+    assert stats.bytes_per_link(1) == {"within_machine": 0, "across_machines": 550, "unplaced": 7}
+    stats.reset()
+    assert stats.bytes_per_link(2) == {"within_machine": 0, "across_machines": 0, "unplaced": 0}
+    with pytest.raises(ValueError, match="ranks_per_machine"):
+        stats.bytes_per_link(0)
+
+
 def test_comm_stats_group_filter_is_keyword_only():
     """``calls("all_reduce", "g")`` would read as two filters of one kind; the group is named."""
     stats = CommStats()
@@ -869,3 +886,17 @@ def test_all_to_all_and_ring_shift(dist_pool, world_size):
         assert out == [float(100 * src + 2 * r + i) for src in range(n) for i in range(2)]
         assert shifted == [float((r - 1) % n)] * 3
         assert a2a_bytes == 2 * n * 4 and ring_bytes == 3 * 4
+
+
+def _dp_cp_blocks() -> tuple[list[int], int, int, bool]:
+    with ParallelContext.from_world(cp=2) as ctx:  # 4 ranks: dp 2 x cp 2, the dp_cp group is all four
+        group, place = ctx.dp_cp_blocks(2)
+        again = ctx.dp_cp_blocks(2)[0] is group
+        with pytest.raises(ValueError, match="block_size must be a positive divisor of the dp_cp size 4, got 3"):
+            ctx.dp_cp_blocks(3)
+        return dist.get_process_group_ranks(group), place, ctx.rank("dp_cp"), again
+
+
+def test_dp_cp_blocks_are_consecutive_dp_cp_ranks(dist_pool) -> None:
+    for rank, (ranks, place, dp_cp_rank, again) in enumerate(dist_pool.run(_dp_cp_blocks, world_size=4, timeout=60)):
+        assert ranks == ([0, 1] if rank < 2 else [2, 3]) and place == dp_cp_rank % 2 == rank % 2 and again

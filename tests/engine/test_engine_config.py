@@ -249,6 +249,19 @@ def test_errors_name_the_key(config: dict, key: str) -> None:
     assert key in str(err.value), str(err.value)
 
 
+def test_hpz_partition_size_is_read_and_checked_against_the_dp_size() -> None:
+    """ZeRO++'s key: a divisor of dp (world / (tp x pp x cp)), stage 3 only, 1 is off."""
+    z = {"stage": 3, "zero_hpz_partition_size": 2}
+    assert load_config(_cfg(zero_optimization=z), world_size=8).zero.hpz_partition_size == 2
+    assert load_config(_cfg(zero_optimization={"stage": 3}), world_size=8).zero.hpz_partition_size == 1
+    with pytest.raises(ValueError, match="zero_hpz_partition_size=3 must divide the data-parallel size 4"):
+        load_config(_cfg(zero_optimization={**z, "zero_hpz_partition_size": 3}, tensor_parallel={"size": 2}), world_size=8)
+    with pytest.raises(ValueError, match="zero_hpz_partition_size=2 needs zero_optimization.stage 3, got 2"):
+        load_config(_cfg(zero_optimization={**z, "stage": 2}), world_size=8)
+    with pytest.raises(ValueError, match="zero_hpz_partition_size"):
+        load_config(_cfg(zero_optimization={**z, "zero_hpz_partition_size": 0}), world_size=8)
+
+
 def test_nvme_offload_with_a_path() -> None:
     z = {"stage": 3, "offload_optimizer": {"device": "NVMe", "nvme_path": "/local_nvme"}, "offload_param": {"device": "cpu"}}
     cfg = load_config(_cfg(zero_optimization=z), world_size=1)
@@ -302,7 +315,7 @@ def test_ignored_keys_are_reported_once_each_never_dropped(caplog) -> None:
         steps_per_print=10,
         wall_clock_breakdown=False,
         tensorboard={"enabled": True, "output_path": "x"},
-        zero_optimization={"stage": 2, "round_robin_gradients": True, "zero_hpz_partition_size": 1},
+        zero_optimization={"stage": 2, "round_robin_gradients": True, "mics_shard_size": -1},
     )
     with caplog.at_level(logging.WARNING, logger="shardkit.engine"):
         cfg = load_config(config, world_size=1)
@@ -311,7 +324,7 @@ def test_ignored_keys_are_reported_once_each_never_dropped(caplog) -> None:
         "wall_clock_breakdown",
         "tensorboard",
         "zero_optimization.round_robin_gradients",
-        "zero_optimization.zero_hpz_partition_size",  # unsupported, but at DeepSpeed's default
+        "zero_optimization.mics_shard_size",  # unsupported, but at DeepSpeed's default
     }
     assert len(cfg.ignored) == len(set(cfg.ignored))
     assert len([r for r in caplog.records if r.name == "shardkit.engine"]) == 1
