@@ -179,6 +179,7 @@ def stage3_transient(
     in_flight: int,
     staging: bool = False,
     host_epilogue: bool = False,
+    secondary_block: int = 0,
 ) -> int:
     """Peak transient bytes of a stage-3 step, replaying the runtime's order of events.
 
@@ -196,6 +197,11 @@ def stage3_transient(
     root's and the first unit's at the start); in backward (with ``reshard_after_forward``) the
     prefetched unit k-1 holds its own while unit k's gradient buckets launch.
 
+    ``secondary_block`` B > 1 (``reshard_after_forward=B``, [Note: hierarchical gathers]): a unit
+    freed after its forward keeps a ``1/B`` piece until its backward gather is waited, so at unit
+    k the pieces of units 0..k-1 are alive in forward, and in backward those of 0..k (k's until
+    its gather is waited, k-1's while it is prefetched).
+
     Example:
         >>> lay = stage3_layout(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), dp=2, bucket_mb=25)
         >>> stage3_transient(lay, pb=4, gb=4, reshard_after_forward=True, in_flight=2)
@@ -206,10 +212,12 @@ def stage3_transient(
     r = pb * root.gathered
     size = [pb * u.gathered for u in units]
     stage = [s // n if staging else 0 for s in size]
+    piece = [s // secondary_block if secondary_block > 1 and reshard_after_forward else 0 for s in size]
     peak = r + (r // n if staging else 0) + (size[0] + stage[0] if size else 0)  # the root + the first prefetch
     for k in range(len(size)):
         held = sum(size[: k + 2]) if not reshard_after_forward else sum(size[k : k + 2])
-        peak = max(peak, r + held + sum(stage[k : k + 2]))
+        # pieces of the units freed before k, and k's own as it is freed (the copy precedes the free)
+        peak = max(peak, r + held + sum(stage[k : k + 2]) + sum(piece[: k + 1]))
     alive = set(range(len(units))) if not reshard_after_forward else set()
     flight: list[int] = []
 
@@ -224,7 +232,9 @@ def stage3_transient(
     for k in reversed(range(len(units))):
         alive |= {k} | ({k - 1} if k else set())  # this unit, and the prefetch of the one before
         staged = stage[k - 1] if (k and reshard_after_forward) else 0  # the prefetch of k-1, not yet waited
-        peak = max(peak, launch(units[k].totals, staged))
+        # gathered and prefetched, before k's gather is waited: the pieces of 0..k still alive
+        peak = max(peak, r + sum(size[j] for j in alive) + staged + sum(piece[: k + 1]))
+        peak = max(peak, launch(units[k].totals, staged) + sum(piece[:k]))
         if units[k].totals and not units[k].frozen_totals:
             alive.discard(k)
     peak = max(peak, launch(root.totals, 0))

@@ -329,7 +329,7 @@ def plan_memory(
     gradient_as_bucket_view: bool = False,
     largest_unit_params: int | None = None,
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     grad_dtype_bytes: int | None = None,
     nvme_subgroup_params: int = 10**9,
     device_bytes: int | None = None,
@@ -357,7 +357,9 @@ def plan_memory(
             one unit; see :func:`unit_sizes`).
         prefetch: units gathered ahead of the current one in stage 3.
         reshard_after_forward: stage 3 frees gathered units after forward (False keeps all of
-            them until backward: one all-gather less, full parameters at the peak).
+            them until backward: one all-gather less, full parameters at the peak); an int B
+            keeps a 1/B piece of each from its forward to its backward ([Note: hierarchical
+            gathers]: the same payload, the backward's gathers inside blocks of B ranks).
         grad_dtype_bytes: G override, e.g. 4 for fp32 gradient reduction with bf16 params.
         nvme_subgroup_params: elements per NVMe sub-group (two are staged on the host).
         device_bytes: device memory to check :attr:`MemoryPlan.fits` against.
@@ -403,6 +405,15 @@ def plan_memory(
             raise ValueError(f"{name} must be positive, got {value}")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+    block = 0  # hierarchical gathers' block size ([Note: hierarchical gathers]); 0: none
+    if not isinstance(reshard_after_forward, bool):
+        if not isinstance(reshard_after_forward, int) or reshard_after_forward < 2 or dp % reshard_after_forward:
+            raise ValueError(
+                f"reshard_after_forward must be a bool or a divisor of dp={dp} greater than 1, got {reshard_after_forward!r}"
+            )
+        if stage != 3:
+            raise ValueError(f"reshard_after_forward={reshard_after_forward} applies to stage 3, got stage={stage}")
+        block = reshard_after_forward if reshard_after_forward < dp else 0
     if largest_unit_params is not None and not 0 <= largest_unit_params <= psi:
         raise ValueError(f"largest_unit_params must be in [0, num_params={psi}], got {largest_unit_params}")
     k = optimizer_state_bytes(optimizer, precision)
@@ -482,15 +493,18 @@ def plan_memory(
                 lay3,
                 pb=pb,
                 gb=gb,
-                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward=bool(reshard_after_forward),
                 in_flight=buckets_in_flight,
                 staging=offload_params,
                 host_epilogue=offload is not None,
+                secondary_block=block,
             )
         else:
             unit = psi if largest_unit_params is None else largest_unit_params
             gathered = psi if not reshard_after_forward else min(psi, (1 + prefetch) * unit)
             transient = pb * gathered + gb * min(unit, psi_t)  # + one unit's unsharded grads
+            if block:  # every unit's piece, from the end of forward into backward
+                transient += pb * psi // block
             if offload_params:  # each gather in flight also holds its 1/N device staging buffer
                 transient += pb * ceil_shard(min(psi, (1 + prefetch) * unit), dp)
 

@@ -115,6 +115,18 @@ def test_plan_agrees_with_stage3_kept_gathered(dist_pool, kind: str) -> None:
         assert not bad, f"rank {rank}: (measured, planned) outside {REL:.0%}: {bad}"
 
 
+def test_plan_agrees_with_stage3_hierarchical_gathers(dist_pool) -> None:
+    """``reshard_after_forward=2`` on 4 ranks: each unit's half-piece alive from its forward to
+    its backward gather ([Note: hierarchical gathers]); the same payload as flat ZeRO-3."""
+    reports = dist_pool.run(_zero_report, "tinygpt", 3, torch.float32, 0.02, 2, world_size=4, timeout=90)
+    plan = plan_memory(_meta_model("tinygpt", torch.float32), dp=4, stage=3, bucket_mb=0.02, reshard_after_forward=2)
+    flat = plan_memory(_meta_model("tinygpt", torch.float32), dp=4, stage=3, bucket_mb=0.02)
+    assert plan.transient > flat.transient and plan.comm_payload_bytes == flat.comm_payload_bytes
+    for rank, measured in enumerate(reports):
+        bad = {k: (measured[k], v) for k, v in plan.memory_report().items() if k in CATEGORIES and not _close(measured[k], v)}
+        assert not bad, f"rank {rank}: (measured, planned) outside {REL:.0%}: {bad}"
+
+
 def _ddp_report(kind: str, grad_buckets: str) -> dict:
     ctx = ParallelContext.from_world()
     strategy = make_strategy("ddp", ctx=ctx, bucket_mb=0.02, grad_buckets=grad_buckets)
