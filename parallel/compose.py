@@ -751,7 +751,7 @@ def parallelize(
     par.stats = stats
     par.fused_heads = fused
     if cp_opts is not None:  # a fused head hands over its sum (ParallelModel._cp_loss_path)
-        cp_loss = _sum_from_the_head(fused[0]) if fused else pipe_loss
+        cp_loss = fused[0].sum_and_count if fused else pipe_loss
         par.sequence = SequenceShardedLoss(ctx, cp_opts.layout, cp_loss, stats=stats)
     return par
 
@@ -819,17 +819,6 @@ def _loss_from_the_head(head: FusedCrossEntropyHead) -> Callable[..., Any]:
         return out
 
     return loss
-
-
-def _sum_from_the_head(head: FusedCrossEntropyHead) -> Callable[..., Any]:
-    """``(sum, count)`` for the cp loss when the fused head formed the sum of this rank's token
-    losses inside the model's forward: the model must return it as is."""
-
-    def sum_and_count(out: Any, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        head.check_returned(out)
-        return out, (targets != _IGNORE_INDEX).sum()
-
-    return sum_and_count
 
 
 def _fused_head_loss(head: FusedCrossEntropyHead) -> Callable[..., Any]:

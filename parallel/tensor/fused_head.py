@@ -133,6 +133,20 @@ class FusedCrossEntropyHead(nn.Module):
         set_tp_rng_stream(sharded=True)
         return y
 
+    def sum_and_count(self, out: Any, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, count of targets that are not -100)`` after checking that ``out`` is
+        the sum this head formed (:meth:`check_returned`): the ``(sum, count)`` a loss over
+        sequence shards all-reduces (``SequenceShardedLoss``) when the head ran armed with
+        ``reduction="sum"``.
+
+        Example:
+            >>> with heads_compute_loss([head], y, reduction="sum"):
+            ...     out = model(x)
+            >>> total, count = head.sum_and_count(out, y)
+        """
+        self.check_returned(out)
+        return out, (target != -100).sum()  # the armed forward's ignore_index: loss()'s default
+
     def check_returned(self, out: Any) -> None:
         """Raise unless ``out`` is what this head's last armed or deferred forward returned: a
         model that changes its logits after the head (logit scaling, soft-capping, a slice) would

@@ -622,8 +622,6 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
                 f"sequence_parallel_size={cp.size} with pipeline.stages={stages}: not offered in the engine yet; "
                 "parallelize(cp=..., pp=...) composes them (docs/context_parallel.md)"
             )
-        if fused.enabled:
-            raise ValueError(f"sequence_parallel_size={cp.size} with fused_cross_entropy.enabled: not supported yet")
         if tp_size > 1 and not tp_cfg.gather_logits:
             raise ValueError(
                 f"sequence_parallel_size={cp.size} with tensor_parallel.gather_logits=false: the engine forms the loss "

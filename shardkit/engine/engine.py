@@ -281,10 +281,10 @@ class Engine(nn.Module):
         self.tput_timer.start()  # stopped by step(): DeepSpeed's timed span
         self.parallel.set_phase("forward")
         with self.config.precision.forward_context(self.ctx.device.type):
+            if self._sequence_split is not None:  # with fused heads too: it arms them over the shards
+                return self._sequence_split(self._wrapped, args, kwargs)
             if self.parallel.fused_heads:
                 return self._forward_fused_loss(args, kwargs)
-            if self._sequence_split is not None:
-                return self._sequence_split(self._wrapped, args, kwargs)
             return self._wrapped(*args, **kwargs)
 
     def _forward_fused_loss(self, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -276,7 +276,11 @@ def initialize(
             engine: Engine = PipelineEngine(**common)
         else:
             tp_state = (plan, vocab_sizes(model)) if plan is not None else None
-            sequence_split = SequenceSplitForward(ctx, cfg.context_parallel.layout, parallel.stats) if cp > 1 else None
+            sequence_split = (
+                SequenceSplitForward(ctx, cfg.context_parallel.layout, parallel.stats, fused_heads=parallel.fused_heads)
+                if cp > 1
+                else None
+            )
             engine = Engine(tp_state=tp_state, sequence_split=sequence_split, **common)
         loader = None
         if training_data is not None:  # DeepSpeed's pipeline engine reads its data in order

@@ -18,6 +18,9 @@ only) and the engine keeps this rank's tokens (``shard_sequence`` in the config'
   of this rank's part × cp, for the same reason), so a loss the script forms from them sees the
   whole sequence. That costs one whole ``[batch, seq, vocab]`` tensor per rank: pass ``labels=``
   where the model takes them;
+* with ``fused_cross_entropy`` and ``labels=``, the LM head forms the sum of this rank's token
+  losses from its hidden states (no logits at all: ``logits`` in the output is None), and that
+  sum and the count of valid targets are reduced over cp as above;
 * an ``attention_mask`` of ones is dropped (there is nothing to mask); any other mask, and
   ``position_ids``, are refused: the cp plan numbers each rank's tokens by their place in the
   whole sequence and its attention is causal over all of it. Pad on the right with ``-100``
@@ -34,6 +37,7 @@ from torch import nn
 
 from shardkit.comm import CommStats, ParallelContext
 from shardkit.parallel.context import SequenceLayout, SequenceShardedLoss, gather_sequence
+from shardkit.parallel.tensor.fused_head import FusedCrossEntropyHead, heads_compute_loss
 
 __all__ = ["SequenceSplitForward"]
 
@@ -83,6 +87,8 @@ class SequenceSplitForward:
         layout: the config's ``context_parallel.layout``.
         stats: optional :class:`~shardkit.comm.CommStats` for the shape check, the loss's
             ``[sum, count]`` all-reduce and the logits' gather.
+        fused_heads: the model's fused cross-entropy heads (``fused_cross_entropy``): a call
+            with ``labels=`` takes its loss from them, with no logits formed.
 
     Example:
         >>> split = SequenceSplitForward(ctx, "zigzag")
@@ -90,9 +96,17 @@ class SequenceSplitForward:
         >>> out.loss                                                # the whole sequence's mean loss
     """
 
-    def __init__(self, ctx: ParallelContext, layout: SequenceLayout, stats: CommStats | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ParallelContext,
+        layout: SequenceLayout,
+        stats: CommStats | None = None,
+        fused_heads: list[FusedCrossEntropyHead] | None = None,
+    ) -> None:
         self.ctx, self.layout, self.stats = ctx, layout, stats
-        self.loss = SequenceShardedLoss(ctx, layout, _token_loss_sum, stats=stats)
+        self.heads = list(fused_heads or [])
+        how = self.heads[0].sum_and_count if self.heads else _token_loss_sum
+        self.loss = SequenceShardedLoss(ctx, layout, how, stats=stats)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> Any:
         """``module(*args, **kwargs)`` on this rank's tokens: its output with the replica's ``loss``
@@ -133,7 +147,12 @@ class SequenceSplitForward:
             kwargs["input_ids"] = x
         else:
             args = (x, *args[1:])
-        out = module(*args, **kwargs)
+        fused = y is not None and bool(self.heads)
+        if fused:  # the head returns the sum of this rank's token losses in place of the logits
+            with heads_compute_loss(self.heads, y, reduction="sum"):
+                out = module(*args, **kwargs)
+        else:
+            out = module(*args, **kwargs)
         logits = _logits_of(out)
         if y is not None:
             for_backward, reported = self.loss(logits, y, divide_by=items)
@@ -144,8 +163,10 @@ class SequenceSplitForward:
                     "form the loss from the logits it returns (the whole sequence's)"
                 )
             if isinstance(out, tuple):  # return_dict=False: Hugging Face's order with labels
-                return (loss, *out)
+                return (loss, None, *out[1:]) if fused else (loss, *out)
             out["loss"] = loss
+            if fused:
+                out["logits"] = None  # none were formed
             return out
         cp = self.ctx.size("cp")
         if logits.requires_grad:  # the dp strategies average over dp × cp: this rank's share × cp

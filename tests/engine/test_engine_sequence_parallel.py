@@ -81,12 +81,15 @@ def test_hf_labels_loop_with_the_sequence_split_equals_one_process(dist_pool, st
     assert out[0] == out[1]  # the replica's loss, the same on every cp rank
 
 
-def _padded_body() -> None:
+def _padded_body(fused: bool) -> None:
     """Right-padded rows: the padding's labels are -100 (HF's collator), so the replica's loss
-    weighs the valid tokens over both cp ranks, whose halves hold different counts of them."""
+    weighs the valid tokens over both cp ranks, whose halves hold different counts of them.
+    With ``fused_cross_entropy`` the head forms each rank's sum with no logits at all."""
     import shardkit
 
     config = _sp_config(0, 2, "ring") | {"gradient_accumulation_steps": 1}  # this backward reduces
+    if fused:
+        config["fused_cross_entropy"] = {"enabled": True, "chunk_tokens": 5}  # chunks across the rows
     with ParallelContext.from_world(cp=2) as ctx:
         engine, *_ = shardkit.initialize(model=_gpt2_sdpa(), config=config, ctx=ctx)
         x = gpt2_batch(0, 0)
@@ -96,6 +99,7 @@ def _padded_body() -> None:
         labels[0, 3:] = -100
         labels[1, 6:] = -100
         out = engine(input_ids=x, labels=labels)
+        assert (out.logits is None) == fused
         engine.backward(out.loss)
         dense = _gpt2_sdpa()
         want = dense(input_ids=x, labels=labels).loss
@@ -114,8 +118,9 @@ def _padded_body() -> None:
             engine(input_ids=x, labels=labels, position_ids=torch.arange(SEQ).expand(MICRO, SEQ))
 
 
-def test_padded_batch_weighs_every_valid_token_of_the_replica(dist_pool):
-    dist_pool.run(_padded_body, world_size=2, timeout=120)
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused-ce"])
+def test_padded_batch_weighs_every_valid_token_of_the_replica(dist_pool, fused: bool):
+    dist_pool.run(_padded_body, fused, world_size=2, timeout=120)
 
 
 def _tinygpt_body() -> list[float]:
@@ -197,8 +202,8 @@ def test_sequence_parallel_size_config_keys():
         load_config(tp_config(0, 1) | {"context_parallel": {"layout": "striped"}}, world_size=2)
     with pytest.raises(ValueError, match="pipeline.stages=2: not offered in the engine yet"):
         load_config(_sp_config(0, 2, "ring") | {"pipeline": {"stages": 2}}, world_size=4)
-    with pytest.raises(ValueError, match="fused_cross_entropy"):
-        load_config(_sp_config(0, 2, "ring") | {"fused_cross_entropy": {"enabled": True}}, world_size=2)
+    fused = load_config(_sp_config(0, 2, "ring") | {"fused_cross_entropy": {"enabled": True}}, world_size=2)
+    assert fused.fused_cross_entropy.enabled and fused.context_parallel.size == 2
     with pytest.raises(ValueError, match="gather_logits true"):
         sp_tp = _sp_config(0, 2, "ring") | {"tensor_parallel": {"size": 2, "gather_logits": False}}
         load_config(sp_tp, world_size=4)
