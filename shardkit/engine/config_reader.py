@@ -617,11 +617,6 @@ def _read(r: Reader, world_size: int, data: dict[str, Any]) -> EngineConfig:
             "is its PipelineModule's loss_fn); parallelize(fused_cross_entropy=True) fuses a pipeline's last stage"
         )
     if cp.size > 1:  # what the engine's forward over sequence shards does not combine with
-        if stages > 1:
-            raise ValueError(
-                f"sequence_parallel_size={cp.size} with pipeline.stages={stages}: not offered in the engine yet; "
-                "parallelize(cp=..., pp=...) composes them (docs/context_parallel.md)"
-            )
         if tp_size > 1 and not tp_cfg.gather_logits:
             raise ValueError(
                 f"sequence_parallel_size={cp.size} with tensor_parallel.gather_logits=false: the engine forms the loss "

@@ -207,7 +207,7 @@ def initialize(
         _check_supported(cfg)
         tp, pp, cp = cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.context_parallel.size
         plan = _check_layout(model, cfg, tp_plan, blocks, loss_fn)
-        sequence_plan = _check_sequence_split(model, cfg, cp_plan)
+        sequence_plan = _check_sequence_split(model, cfg, cp_plan, loss_fn)
         blocks = default_blocks(model, blocks) if pp > 1 else None
         if isinstance(optimizer, torch.optim.Optimizer):  # its own groups, with their options
             owned = set(model.parameters())
@@ -453,7 +453,7 @@ def _check_layout(model: nn.Module, cfg: EngineConfig, tp_plan: Any, blocks: Any
     return plan
 
 
-def _check_sequence_split(model: nn.Module, cfg: EngineConfig, cp_plan: Any) -> dict[str, str] | None:
+def _check_sequence_split(model: nn.Module, cfg: EngineConfig, cp_plan: Any, loss_fn: Any = None) -> dict[str, str] | None:
     """The context-parallel plan to apply (None with ``sequence_parallel_size`` 1), checked
     against the model and the rest of the config before any collective."""
     cp = cfg.context_parallel.size
@@ -461,6 +461,12 @@ def _check_sequence_split(model: nn.Module, cfg: EngineConfig, cp_plan: Any) -> 
         if cp_plan is not None:
             raise ValueError("cp_plan: given, but the config's sequence_parallel_size is 1 (set it to the cp group size)")
         return None
+    if cfg.pipeline.stages > 1 and loss_fn is not None:
+        raise ValueError(
+            f"sequence_parallel_size={cp} with pipeline.stages={cfg.pipeline.stages} and a loss_fn (a PipelineModule's "
+            "loss_fn, or initialize(loss_fn=...)): the pipeline's loss over sequence shards is the token cross-entropy, "
+            "whose sum and count add up over the shards; a custom loss cannot be split that way. Leave loss_fn=None"
+        )
     plan = cp_plan_for(model, cp_plan)
     cp_plan_modules(model, plan)  # every pattern and style, before any collective
     _check_sequence_split_model(model, cfg)

@@ -179,6 +179,64 @@ def test_tinygpt_loss_from_gathered_logits_at_dp2_cp2(dist_pool):
     assert out[0] == out[1] and out[2] == out[3]  # cp ranks of a replica report alike
 
 
+def _pipeline_body() -> None:
+    """pipeline.stages 2 × sequence_parallel_size 2 (ZeRO-1, zigzag ring): train_batch over the
+    pipeline with each stage running this cp rank's tokens equals one process on the whole batch."""
+    import shardkit
+    from shardkit.models import TinyGPT, gpt_blocks, lm_loss
+
+    seq, micro, gas, steps = 16, 2, 2, 3
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}},
+        "zero_optimization": {"stage": 1},
+        "pipeline": {"stages": 2, "microbatches": 2},
+        "sequence_parallel_size": 2,
+        "context_parallel": {"mode": "ring"},
+    }
+
+    def model():
+        torch.manual_seed(0)
+        return TinyGPT(59, d_model=32, n_layers=2, n_heads=4, seq_len=seq)
+
+    def batch(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randint(59, (gas * micro, seq + 1), generator=g)
+
+    with ParallelContext.from_world(pp=2, cp=2) as ctx:
+        with pytest.raises(ValueError, match="and a loss_fn"):  # a custom loss cannot be split over shards
+            shardkit.initialize(model=model(), config=config, ctx=ctx, loss_fn=lambda out, y: out.sum())
+        engine, *_ = shardkit.initialize(model=model(), config=config, ctx=ctx)
+        losses = []
+        for step in range(steps):
+            rows = batch(step)
+            data = [(rows[i * micro : (i + 1) * micro, :-1], rows[i * micro : (i + 1) * micro, 1:]) for i in range(gas)]
+            losses.append(float(engine.train_batch(iter(data))))
+        full = engine.full_state_dict()
+        engine.close()
+    dense = model()
+    opt = torch.optim.SGD(dense.parameters(), lr=LR, momentum=0.9)
+    want = []
+    for step in range(steps):
+        rows = batch(step)
+        loss = lm_loss(dense(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), **FP32)
+    want_state = torch.nn.Sequential(*gpt_blocks(dense)).state_dict()
+    assert sorted(full) == sorted(want_state)
+    for name, q in want_state.items():
+        torch.testing.assert_close(full[name], q, **FP32, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_pipeline_with_the_sequence_split_equals_one_process(dist_pool):
+    dist_pool.run(_pipeline_body, world_size=4, timeout=180)
+
+
 def test_sequence_parallel_size_config_keys():
     from shardkit.engine import load_config
 
@@ -200,8 +258,6 @@ def test_sequence_parallel_size_config_keys():
         load_config(tp_config(0, 1) | {"context_parallel": {"ulysses_size": 2}}, world_size=2)
     with pytest.raises(ValueError, match="context_parallel.layout"):
         load_config(tp_config(0, 1) | {"context_parallel": {"layout": "striped"}}, world_size=2)
-    with pytest.raises(ValueError, match="pipeline.stages=2: not offered in the engine yet"):
-        load_config(_sp_config(0, 2, "ring") | {"pipeline": {"stages": 2}}, world_size=4)
     fused = load_config(_sp_config(0, 2, "ring") | {"fused_cross_entropy": {"enabled": True}}, world_size=2)
     assert fused.fused_cross_entropy.enabled and fused.context_parallel.size == 2
     with pytest.raises(ValueError, match="gather_logits true"):
