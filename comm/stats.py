@@ -211,7 +211,7 @@ class CommStats:
 
         Example:
             >>> stats.bytes_per_link(ranks_per_machine=2)   # 2 machines x 2 ranks, ZeRO-3, hpZ
-            {'within_machine': 4096, 'across_machines': 8196, 'unplaced': 0}
+            {'within_machine': 4096, 'across_machines': 8192, 'unplaced': 0}
         """
         if isinstance(ranks_per_machine, bool) or not isinstance(ranks_per_machine, int) or ranks_per_machine < 1:
             raise ValueError(f"ranks_per_machine must be an int >= 1, got {ranks_per_machine!r}")

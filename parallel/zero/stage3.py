@@ -294,6 +294,7 @@ class ShardUnits:
         self.reducer.pre_forward()
         if raised:  # collectives may have been issued whatever the reducer launched itself
             self.reshard_all()
+            self.shards.drop_secondary()  # before abandon(), which zeroes the transient count
             self.shards.abandon()
             self._end_backward()
             if self._on_abandon is not None:

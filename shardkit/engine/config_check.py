@@ -165,7 +165,7 @@ def _plan(cfg: EngineConfig, num_params: int) -> str:
         note += f" (Ψ/{model_parallel} per tensor/pipeline shard: an estimate)"
     plan = plan_memory(
         num_params // model_parallel,
-        dp=cfg.dp_size,
+        dp=cfg.dp_size * cfg.context_parallel.size,  # ZeRO shards over dp x cp (the dp_cp group)
         stage=cfg.zero.stage,
         precision=cfg.precision.dtype,
         optimizer=name,
@@ -173,6 +173,7 @@ def _plan(cfg: EngineConfig, num_params: int) -> str:
         offload_params=cfg.zero.offload_param.enabled,
         bucket_mb=cfg.zero.bucket_mb(cfg.precision.grad_bytes),
         nvme_subgroup_params=cfg.zero.sub_group_size,
+        reshard_after_forward=cfg.zero.hpz_partition_size if cfg.zero.hpz_partition_size > 1 else True,
     )
     return f"memory per rank (shardkit.parallel.zero.plan_memory){note}:\n{plan.table()}"
 

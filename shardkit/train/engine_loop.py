@@ -154,6 +154,7 @@ def _plan(model: nn.Module | int, ecfg: Any) -> dict[str, Any]:
         grad_dtype_bytes=4 if stage else None,
         offload=z.offload if stage else None,
         offload_params=z.offload_param.enabled,  # stage 3 with offload (initialize checks)
+        reshard_after_forward=z.hpz_partition_size if z.hpz_partition_size > 1 else True,  # hpZ's pieces
     )
     out: dict[str, Any] = {
         "stage": plan.name,

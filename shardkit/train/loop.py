@@ -127,6 +127,7 @@ def planned_memory(cfg: TrainConfig, model: nn.Module, dp: int) -> dict[str, Any
         gradient_as_bucket_view=opts.get("grad_buckets") == "view",
         grad_dtype_bytes=4 if stage else None,
         offload=offload,
+        reshard_after_forward=cfg.hpz if cfg.hpz > 1 else True,  # --hpz's pieces ([Note: hierarchical gathers])
     )
     out: dict[str, Any] = {
         "stage": plan.name,

@@ -231,3 +231,38 @@ def test_parameters_loaded_after_a_forward_are_the_ones_gathered(dist_pool) -> N
         opt.step()
         for name, q in ref.state_dict().items():
             torch.testing.assert_close(out[name], q, **FP32)
+
+
+def _after_a_raised_backward(reshard) -> tuple[int, dict[str, torch.Tensor]]:
+    """A backward raises after the last unit's gradients were reduced (its pieces and the others'
+    still held); the next step abandons it. The transient count must come back to 0, not below."""
+    ctx = ParallelContext.from_world()
+    torch.manual_seed(0)  # four units: when the third's backward starts the first still holds its piece
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(D, D), nn.Tanh())][:-1])
+    sdp = ShardedDataParallel(model, ctx, 3, bucket_mb=0.01, reshard_after_forward=reshard)
+    opt = ZeroOptimizer(sdp, torch.optim.SGD, lr=0.1)
+    x, y = zero3_batch(0)
+
+    def boom(grad: torch.Tensor) -> None:
+        raise RuntimeError("raised in backward")
+
+    # raised at the third unit's output gradient: the last unit's gradients are reduced by then
+    hook = sdp.module[4].register_forward_hook(lambda m, a, out: out.register_hook(boom) and None)
+    loss = nn.functional.mse_loss(sdp(x[dp_rows(ctx)]), y[dp_rows(ctx)])
+    hook.remove()
+    with pytest.raises(RuntimeError, match="raised in backward"):
+        loss.backward()
+    opt.zero_grad()
+    nn.functional.mse_loss(sdp(x[dp_rows(ctx)]), y[dp_rows(ctx)]).backward()
+    opt.step()
+    left, out = sdp._shards._transient, sdp.full_state_dict()
+    ctx.destroy()
+    return left, out
+
+
+def test_a_backward_that_raised_leaves_no_piece_counted(dist_pool) -> None:
+    flat = dist_pool.run(_after_a_raised_backward, True, world_size=4, timeout=60)
+    blocks = dist_pool.run(_after_a_raised_backward, 2, world_size=4, timeout=60)
+    for (left_flat, a), (left, b) in zip(flat, blocks):
+        assert left_flat == left == 0
+        assert all(torch.equal(a[k], b[k]) for k in a)
