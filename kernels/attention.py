@@ -302,6 +302,7 @@ def attention_block_backward(
     backend: Backend = "auto",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     out: torch.Tensor | None = None,
+    dq_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This key/value block's part of the attention gradients.
 
@@ -317,6 +318,10 @@ def attention_block_backward(
         out: optional fp32 ``[B, H, Sq, D]``, the merged output ``delta`` came from; with it the
             CPU torch path can use torch's fused flash-attention backward ([Note: bounded working
             memory]).
+        dq_into: optional contiguous fp32 ``[B, H, Sq, D]`` the block's query gradient is added
+            into (and returned as ``dq``): a ring's running ``dq``, with no second q-sized buffer
+            on the torch paths (the Triton path still computes into a fresh one, then adds).
+            ``dout`` may be strided (e.g. the transposed gradient of a ``[B, Sq, H, D]`` output).
 
     Returns:
         ``(dq, dk, dv)``: fp32 ``[B, H, Sq, D]``, ``[B, Hkv, Sk, D]``, ``[B, Hkv, Sk, D]``.
@@ -332,13 +337,21 @@ def attention_block_backward(
             raise ValueError(f"{name} must be fp32 of shape {(b, h, sq)}, got {t.dtype} {tuple(t.shape)}")
     if dout.shape != q.shape:
         raise ValueError(f"dout must have q's shape {tuple(q.shape)}, got {tuple(dout.shape)}")
+    if dq_into is not None and (
+        dq_into.shape != q.shape or dq_into.dtype != torch.float32 or not dq_into.is_contiguous() or dq_into.device != q.device
+    ):
+        raise ValueError(f"dq_into must be a contiguous fp32 tensor of q's shape {tuple(q.shape)} on q's device")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     n_kv = k.shape[1]
-    dq = torch.zeros(b, h, sq, d, dtype=torch.float32, device=q.device)
+    triton_path = resolve_backend(backend, q.device) == "triton"
+    # the kernels below add into dq, except the Triton one, which stores
+    dq = dq_into if dq_into is not None and not triton_path else torch.zeros(b, h, sq, d, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    if resolve_backend(backend, q.device) == "triton":
+    if triton_path:
         _triton_backward(dout, q, k, v, lse, delta, q_pos, k_pos, dq, dk, dv, scale=scale, causal=causal)
+        if dq_into is not None:
+            dq = dq_into.add_(dq)
         return dq, dk, dv
     pairs = _run_pairs(q_pos, k_pos, causal) if q.device.type == "cpu" and out is not None else None
     if pairs is not None:
@@ -365,7 +378,7 @@ def attention_block_backward(
             p.masked_fill_(q_pos[lo:hi, None] < k_pos[None, cols], 0.0)
         dv[:, :, cols] += torch.matmul(p.transpose(-1, -2), doc).sum(dim=2)
         ds = p.mul_(torch.matmul(doc, vc.transpose(-1, -2)).sub_(dg[:, :, :, lo:hi].unsqueeze(-1)))
-        dqg[:, :, :, lo:hi] = torch.matmul(ds, kc).mul_(scale)
+        dqg[:, :, :, lo:hi] += torch.matmul(ds, kc).mul_(scale)
         dk[:, :, cols] += torch.matmul(ds.transpose(-1, -2), qc).sum(dim=2).mul_(scale)
     return dq, dk, dv
 

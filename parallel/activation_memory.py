@@ -29,14 +29,14 @@ transients are smaller for these block shapes):
   residual stream's gradient and the gradients of its ``f``-wide tensors (``a·d + a·f``);
 * ``attention_backward``: the last block's MLP tensors freed too, its attention backward
   holding that mode's working buffers (ring: the travelling key/value block and its spare, the
-  fp32 dK/dV accumulator and its spare, fp32 dQ, the block's gradients; SDPA/Ulysses: dQ, dK,
+  fp32 dK/dV accumulator and its spare, fp32 dQ (added into in place), the block's dK/dV; SDPA/Ulysses: dQ, dK,
   dV and the kernel's fp32 accumulator; on the CPU path, ring attention also holds torch's
   fused CPU kernel's per-run gradients and buffers).
 
 Example:
     >>> plan = activation_bytes(seq_len=512, batch=2, d_model=64, n_layers=2, n_heads=4, vocab_size=59, cp=2)
     >>> plan.per_rank, plan.peak_at
-    (4896768, 'attention_backward')
+    (4892672, 'mlp_backward')
 """
 
 from __future__ import annotations
@@ -266,18 +266,20 @@ def activation_bytes(
     mlp_work = a * d + a * f  # the residual stream's gradient, then the f-wide gradients of the MLP
     if ring:
         attn_work = (
-            2 * a * dh  # the output's gradient and its contiguous copy
+            a * dh  # the output's gradient, strided as autograd hands it (no contiguous copy)
             + 4 * heads  # delta = rowsum(dO * O), fp32
-            + 4 * dh  # dq, fp32
+            + 4 * dh  # dq, fp32: every step adds into it (dq_into)
             + 2 * 2 * a * dkv  # the travelling key/value block and its spare
             + 2 * 2 * 4 * dkv  # the fp32 dk/dv accumulator travelling one rank behind, and its spare
-            + 4 * (dh + 2 * dkv)  # this step's block gradients, fp32
+            + 4 * 2 * dkv  # this step's dk/dv, fp32
+            + (4 * dh if device != "cpu" else 0)  # the Triton kernel's own dq (stored, then added)
         )
         if device == "cpu":  # kernels/attention.py, _cpu_flash_backward (zigzag: each run half a shard)
             # torch's CPU flash backward on strided views of the runs: the gradients of two
-            # consecutive (query run, key run) pairs (6) and about 3 fp32 buffers of its own, read
-            # off the profiler's timeline: 9 half-shard buffers
-            attn_work += 9 * 4 * dh // 2
+            # consecutive (query run, key run) pairs and fp32 buffers of its own, 8 half-shard
+            # buffers in all (fitted to the measured peaks: 9 before the query gradient was added
+            # into the ring's dq in place)
+            attn_work += 8 * 4 * dh // 2
             if a != 4:  # fp32 copies of q, k, v, dout
                 attn_work += 4 * 4 * dh
             elif kv != heads:  # k, v repeated to the query heads

@@ -32,7 +32,10 @@ place (after a ``.contiguous()``, which is now a no-op) makes autograd refuse th
 would for any saved tensor.
 
 Bytes per rank and layer: forward ``(N - 1)`` key/value blocks (``2 B Hkv S/N D`` elements
-each); backward ``N - 1`` key/value blocks plus ``N`` fp32 ``dk``/``dv`` blocks.
+each); backward ``N - 1`` key/value blocks plus ``N`` fp32 ``dk``/``dv`` blocks. At the backward's
+peak a rank holds two key/value blocks and two fp32 ``dk``/``dv`` blocks (the one being filled,
+the one in transfer), one fp32 ``dq`` that every step adds into in place (``dq_into``), and the
+output gradient as autograd hands it (strided: no contiguous copy).
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = fctx.saved_tensors
         ring: Ring = fctx.ring
         group, n, me, positions, stats = ring.group, ring.size, ring.rank, ring.positions, fctx.stats
-        dout = dout.contiguous()
+        # dout stays as autograd hands it (the transposed gradient of the [B, S, H, D] output): the
+        # kernels read strides, and a contiguous copy would be one more q-sized buffer at the peak
         delta = (dout.float() * out).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv, kv_spare = torch.stack([k, v]), torch.empty((2, *k.shape), dtype=k.dtype, device=k.device)
@@ -139,11 +143,10 @@ class RingAttention(torch.autograd.Function):
         for step in range(n):
             kv_handle = ring_shift(kv_spare, kv, group=group, async_op=True, stats=stats) if step < n - 1 else None
             src = (me - step) % n
-            bq, bk, bv = attention_block_backward(
+            _, bk, bv = attention_block_backward(
                 dout, q, kv[0], kv[1], lse, delta, positions[me], positions[src],
-                scale=fctx.scale, causal=fctx.causal, backend=fctx.backend, out=out,
+                scale=fctx.scale, causal=fctx.causal, backend=fctx.backend, out=out, dq_into=dq,
             )  # fmt: skip
-            dq += bq
             if dkv_handle is not None:  # block src's accumulator, arriving from rank me - 1
                 dkv, dkv_spare = dkv_handle.wait(), dkv
             dkv[0] += bk

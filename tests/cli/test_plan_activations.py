@@ -1,10 +1,10 @@
 """``shardkit plan --model tinygpt --seq-len S --cp N``: activations per rank next to the model states.
 
 The expected bytes are written out by hand from docs/planner.md, "Activations", for the demo
-TinyGPT (d_model 128, 4 layers, 4 heads, 59 tokens, fp32; 16 sequences of 512 tokens): at cp 1 the
-peak falls in the last block's MLP backward; with ring attention at cp 2 its attention backward
-holds 4H - 8 bytes per token more than that (flash-style kernels on a GPU: the two moments
-nearly tie, [Note: activation moments]).
+TinyGPT (d_model 128, 4 layers, 4 heads, 59 tokens, fp32; 16 sequences of 512 tokens): the peak
+falls in the last block's MLP backward at cp 1 and, with ring attention, at cp 2 too: the ring's
+backward (its dq added into in place, its output gradient not copied) holds ad - 4H + 8 bytes per
+token less than the MLP's, so cp 2 is exactly half of cp 1 ([Note: activation moments]).
 """
 
 from __future__ import annotations
@@ -32,10 +32,18 @@ def _demo_peak(cp: int) -> int:
     if cp == 1:
         return mlp
     # the last block's MLP side freed (LayerNorm 2 input and stats, fc, GELU and fc2 inputs); its ring
-    # backward holds dO and its copy 2ad, delta 4H, fp32 dq ad, the key/value block and its spare
-    # 4ad, the fp32 dk/dv accumulator and its spare 4ad, the block gradients 3ad, the residual ad
-    attention = saved - (2 * a * d + 8 + 2 * a * f) * t + (15 * a * d + 4 * heads) * t
+    # backward holds dO ad (strided, not copied), delta 4H, fp32 dq ad, the key/value block and its
+    # spare 4ad, the fp32 dk/dv accumulator and its spare 4ad, the step's dk/dv 2ad, the Triton
+    # kernel's own dq ad, the residual ad
+    attention = saved - (2 * a * d + 8 + 2 * a * f) * t + (14 * a * d + 4 * heads) * t
     return max(mlp, attention)
+
+
+def _demo_mlp_peak(cp: int) -> int:
+    a, d, f, heads, layers, batch, seq = 4, 128, 512, 4, 4, 16, 512
+    t = batch * seq // cp
+    block = 2 * a * d + 16 + 2 * a * d + 3 * a * d + a * d + 4 * heads + 2 * a * f
+    return 16 * t + 8 * (seq // cp) + layers * block * t + (a * d + a * f) * t
 
 
 def _activation_rows(out: str) -> dict[str, list[str]]:
@@ -57,10 +65,12 @@ def test_plan_prints_activations_at_cp1_and_cp2(capsys: pytest.CaptureFixture[st
     # columns: tokens/rank saved working peak ratio "peak at"
     assert rows["1"][0] == "8192" and rows["2"][0] == "4096"
     one, two = _demo_peak(1), _demo_peak(2)
-    assert (one, two) == (290_590_720, 145_328_128)
+    assert (one, two) == (290_590_720, 145_295_360)
     assert rows["1"][3] == format_gb(one, _MB) == "291" and rows["2"][3] == format_gb(two, _MB) == "145"
     assert rows["1"][4] == "1.00x" and rows["2"][4] == f"{two / one:.2f}x" == "0.50x"
-    assert rows["1"][5:] == ["mlp", "backward"] and rows["2"][5:] == ["attention", "backward"]
+    # ring's working buffers now stay under the MLP backward's: both peaks are there
+    assert rows["1"][5:] == ["mlp", "backward"] and rows["2"][5:] == ["mlp", "backward"]
+    assert _demo_peak(2) == _demo_mlp_peak(2)
     # model states over dp x cp = 2 ranks, then states + activations per stage
     assert "dp x cp = 1 x 2 = 2 ranks" in out and re.search(r"^Ψ = [\d,]+ params \([\d,]+ trainable\), dp = 2,", out, re.M)
     ddp_total = re.search(r"^0 DDP +(?:\S+ +){5}(\S+)", out, re.M).group(1)
