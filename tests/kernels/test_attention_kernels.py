@@ -375,3 +375,30 @@ def test_cpu_flash_route_equals_the_chunked_route(causal, h_kv, dtype):
         routes.append((out, lse, dq, dk, dv))
     _assert_all_close(routes[0], routes[1], **FP32)
     _assert_all_close(routes[0], _reference(q, k, v, dout, q_pos, torch.arange(n), causal=causal), **FP32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_out", [False, True], ids=["chunked", "cpu-flash"])
+def test_backward_adds_dq_into_a_given_accumulator_and_reads_a_strided_dout(backend, with_out):
+    """Ring attention's use: ``dq_into`` receives this block's query gradient added to what it
+    held (the other blocks'), and a ``dout`` that is the transposed gradient of a [B, S, H, D]
+    output gives the same gradients as its contiguous copy."""
+    if with_out and backend == "triton":
+        pytest.skip("out= selects the torch path's CPU flash route only")
+    q, k, v, dout = _inputs(1, 2, 1, 16, 16, 16)
+    pos = torch.arange(16)
+    out, lse = attention_block_forward(q, k, v, pos, pos, backend=backend)
+    delta = (dout * out).sum(-1)
+    extra = dict(out=out) if with_out else {}
+    want = attention_block_backward(dout, q, k, v, lse, delta, pos, pos, backend=backend, **extra)
+    strided = dout.transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, S, D] view of [B, S, H, D] memory
+    assert not strided.is_contiguous()
+    held = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+    acc = held.clone()
+    got = attention_block_backward(strided, q, k, v, lse, delta, pos, pos, backend=backend, dq_into=acc, **extra)
+    assert got[0] is acc
+    torch.testing.assert_close(acc, held + want[0], rtol=1e-6, atol=1e-6)
+    for a, w in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="dq_into"):
+        attention_block_backward(dout, q, k, v, lse, delta, pos, pos, backend=backend, dq_into=acc.double())
