@@ -133,6 +133,14 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--offload", choices=["cpu", "nvme"], help="optimizer state off the device (stages 1-3)")
     plan.add_argument("--offload-params", action="store_true", help="stage 3: parameter shard off the device too")
+    plan.add_argument(
+        "--hpz",
+        type=int,
+        default=1,
+        metavar="B",
+        help="stage 3: hierarchical gathers (ZeRO++'s hpZ) in blocks of B of the dp x cp ranks: each keeps a 1/B piece "
+        "of every block's parameters from its forward to its backward (default 1: off)",
+    )
     plan.add_argument("--device-gb", type=float, metavar="GB", help="device memory (1e9 bytes) to check fits against")
     plan.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB", help="gradient bucket MiB (default %(default)s)")
     plan.add_argument(
@@ -213,6 +221,11 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     if args.stage is not None and args.stage != 3 and args.offload_params:
         raise ValueError("--offload-params needs --stage 3 (or no --stage)")
+    if args.hpz != 1:
+        if args.hpz < 1 or (args.dp * cp) % args.hpz or (args.stage is not None and args.stage != 3):
+            raise ValueError(f"--hpz {args.hpz}: a divisor of dp x cp = {args.dp * cp}, with --stage 3 (or no --stage)")
+        if args.hpz < args.dp * cp:
+            kw["reshard_after_forward"] = args.hpz
     activations = _plan_activations(args, cp) if args.model == "tinygpt" else None  # its flag errors first
     table = plan_table(what, **kw)  # type: ignore[arg-type]
     if cp > 1:

@@ -587,7 +587,7 @@ def plan_table(num_params: int | nn.Module, *, stages: Iterable[int] = (0, 1, 2,
     """:func:`plan_memory` for each of ``stages`` (default 0-3) with the same settings.
 
     Stage 0 (DDP) cannot offload: with ``offload`` set it is planned without offload, and
-    ``offload_params`` applies to stage 3 only.
+    ``offload_params`` and ``reshard_after_forward`` apply to stage 3 only.
 
     Example:
         >>> t = plan_table(7_500_000_000, dp=64, precision="fp16")
@@ -602,8 +602,8 @@ def plan_table(num_params: int | nn.Module, *, stages: Iterable[int] = (0, 1, 2,
         kw = dict(kwargs)
         if s == 0:
             kw.pop("offload", None)
+        if s != 3:
             kw.pop("offload_params", None)
-        elif s != 3:
-            kw.pop("offload_params", None)
+            kw.pop("reshard_after_forward", None)
         plans.append(plan_memory(num_params, stage=s, **kw))  # type: ignore[arg-type]
     return StageTable(tuple(plans))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from shardkit.cli import main as cli_main
 from shardkit.parallel.zero.planner import format_gb
@@ -126,3 +127,28 @@ def test_plan_activation_usage_errors_name_the_flag(argv: list[str], message: st
     with pytest.raises(SystemExit) as e:
         cli_main(["plan", *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_plan_hpz_adds_the_pieces_to_stage_3_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--hpz B``: the stage-3 row's transient grows by the 1/B pieces plan_memory counts
+    (zero/planner.py, written out in tests/zero/test_zero_plan_agreement.py against a
+    measurement); stages 0-2 are unchanged; a non-divisor is refused."""
+    from shardkit.models import TinyGPT
+    from shardkit.parallel.zero import plan_memory
+    from shardkit.data import ALPHABET
+
+    def rows(argv: list[str]) -> dict[str, list[str]]:
+        dims = ["--d-model", "64", "--n-layers", "2", "--n-heads", "4", "--seq-len", "64"]
+        assert cli_main(["plan", "--model", "tinygpt", "--dp", "8", *dims, *argv]) == 0
+        out = capsys.readouterr().out
+        return {line.split()[0]: line.split() for line in out.splitlines() if re.match(r"^[0-3] (DDP|ZeRO)", line)}
+
+    flat, hpz = rows([]), rows(["--hpz", "4"])
+    assert [flat[s] for s in "012"] == [hpz[s] for s in "012"]
+    with torch.device("meta"):
+        model = TinyGPT(len(ALPHABET), 64, 2, 4, 64)
+    want = plan_memory(model, dp=8, stage=3, reshard_after_forward=4).transient
+    assert want > plan_memory(model, dp=8, stage=3).transient
+    assert hpz["3"][6] == format_gb(want, _MB) != flat["3"][6]  # the transient column
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--model", "tinygpt", "--dp", "8", "--hpz", "3"])
