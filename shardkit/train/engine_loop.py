@@ -46,9 +46,10 @@ from shardkit.data import get_batch, load_corpus
 from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
 
+from .comm_report import bytes_per_link, comm_summary, fmt_links
 from .config import TrainConfig
 from .fault_injection import parse_fault
-from .progress import ProgressBar, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
+from .progress import ProgressBar, fmt_comm, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
 from .run_plot import plot_run
 
 __all__ = ["auto_values", "build_model", "train_from_config"]
@@ -327,7 +328,9 @@ def _train(
         "skipped_steps": engine.skipped_steps,
         "loss_scale": engine.get_loss_scale(),
         "global_steps": engine.global_steps,
-        "comm": None,
+        "comm": comm_summary(engine.parallel.comm_stats()),
+        # payload bytes by link when the world spans machines (CommStats.bytes_per_link)
+        "comm_links": bytes_per_link(engine.parallel.comm_stats(), world),
     }
     result = {"summary": summary, "train_losses": train_losses, "evals": evals, "lrs": lrs, "ranks": [summary]}
     if world > 1:  # one gather, so rank 0 prints all summaries in rank order
@@ -377,7 +380,7 @@ def _print_summary(cfg: TrainConfig, ecfg: Any, ranks: list[dict[str, Any]], n_p
     )
     for s in ranks:
         scale = f" | loss scale {s['loss_scale']:g}, {s['skipped_steps']} skipped" if s["loss_scale"] is not None else ""
-        print(fmt_rank_summary(s) + scale)
+        print(fmt_rank_summary(s) + scale + f" | comm {fmt_comm(s['comm'])}{fmt_links(s.get('comm_links'))}")
         print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")  # engine.memory_report() vs plan_memory
     if len(ranks) > 1:
         print(fmt_total_throughput(ranks, ecfg.context_parallel.size * ecfg.tensor_parallel.size * ecfg.pipeline.stages))

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.comm import CommStats, Heartbeat, ParallelContext
+from shardkit.comm import Heartbeat, ParallelContext
 from shardkit.comm.heartbeat import watch_run
 from shardkit.data import get_batch, load_corpus
 from shardkit.hf_models import LogitsOnly, hf_tp_plan
@@ -39,6 +39,7 @@ from shardkit.parallel.strategy import get_strategy_class
 from shardkit.parallel.tensor import gpt_plan
 from shardkit.parallel.zero import plan_memory
 
+from .comm_report import bytes_per_link, fmt_links
 from .config import LAUNCH_WORLD_ENV, Precision, TrainConfig
 from .device import resolve_device
 from .engine_loop import build_model
@@ -405,7 +406,7 @@ def _train(
         "loss_scale": report.loss_scale,
         "comm": report.comm,
         # payload bytes by link when the world spans machines (CommStats.bytes_per_link)
-        "comm_links": _bytes_per_link(par.comm_stats(), world),
+        "comm_links": bytes_per_link(par.comm_stats(), world),
     }
     result = TrainResult(summary, train_losses, evals, lrs, ranks=[summary])
     if rank == 0 and cfg.sample > 0 and cfg.model_ranks == 1:  # TP/PP hold parts of the model
@@ -449,19 +450,6 @@ def _layout(cfg: TrainConfig, dp: int) -> str:
     return f" dp={dp}{cp} x tp={cfg.tp} x pp={cfg.pp}{pipe}"
 
 
-def _bytes_per_link(stats: list[CommStats], world: int) -> dict[str, int] | None:
-    """This rank's payload bytes within and across machines (``LOCAL_WORLD_SIZE`` ranks each),
-    summed over its stats objects; None when the world is one machine."""
-    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if per_machine >= world:
-        return None
-    total = {"within_machine": 0, "across_machines": 0, "unplaced": 0}
-    for s in stats:
-        for k, v in s.bytes_per_link(per_machine).items():
-            total[k] += v
-    return total
-
-
 def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int) -> None:
     print(
         f"== summary: {cfg.model} {n_params / 1e6:.2f}M params, strategy={cfg.strategy}{_layout(cfg, len(ranks) // cfg.model_ranks)}, world={len(ranks)}, "
@@ -472,13 +460,7 @@ def _print_summary(cfg: TrainConfig, ranks: list[dict[str, Any]], n_params: int)
             fmt_rank_summary(s)
             + (f" (+ {fmt_bytes(s['offloaded_bytes'])} offloaded)" if s.get("offloaded_bytes") else "")
             + (f" | loss scale {s['loss_scale']:g}, {s['skipped_steps']} skipped" if s["loss_scale"] is not None else "")
-            + f" | comm {fmt_comm(s['comm'])}"
-            + (
-                f" ({fmt_bytes(s['comm_links']['across_machines'])} across machines, "
-                f"{fmt_bytes(s['comm_links']['within_machine'])} within)"
-                if s.get("comm_links")
-                else ""
-            )
+            + f" | comm {fmt_comm(s['comm'])}{fmt_links(s.get('comm_links'))}"
         )
         if s.get("plan"):
             print(f"       | {fmt_memory_vs_plan(s, s['plan'])}")

@@ -82,6 +82,11 @@ def test_zero2_fp32_two_ranks_equal_one_process(tmp_path: Path, fp32_single: dic
     _same_evals(log, fp32_single)
     assert len({r["final_eval_loss"] for r in log["ranks"]}) == 1  # the replicas agree
     assert "memory measured (planner ZeRO-2)" in out  # memory_report next to the plan
+    # each rank's collectives: ZeRO-2's reduce-scatters and all-gathers, as the flag path reports them
+    for r in log["ranks"]:
+        assert r["comm"]["reduce_scatter"]["bytes"] > 0 and r["comm"]["all_gather"]["bytes"] > 0
+        assert r["comm_links"] is None  # one machine
+    assert "| comm all_gather" in out
     # the config's WarmupDecayLR, not the demo's cosine: lr of step k is the scheduler's after k - 1 steps
     for k, lr in enumerate(log["lr"]):
         assert lr == pytest.approx(warmup_decay_lr(k - 1), rel=1e-6, abs=1e-12), (k, log["lr"])
