@@ -23,13 +23,13 @@ def with_shardkit(script: str) -> str:
     return script.replace("import deepspeed\n", SHARDKIT_IMPORT)
 
 
-def run_script(script: str, tmp_path: Path, name: str, config: dict, extra_args: Sequence[str] = ()) -> dict:
+def run_script(script: str, tmp_path: Path, name: str, config: dict, extra_args: Sequence[str] = (), nproc: int = 2) -> dict:
     """Write ``script`` to ``tmp_path/NAME.py`` and ``config`` to ``ds_config.json``, run it under
-    torchrun on 2 processes and return what rank 0 wrote to ``NAME.json``."""
+    torchrun on ``nproc`` processes and return what rank 0 wrote to ``NAME.json``."""
     (tmp_path / f"{name}.py").write_text(script)
     (tmp_path / "ds_config.json").write_text(json.dumps(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", f"{name}.py"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), f"{name}.py"]
     cmd += ["--deepspeed", "--deepspeed_config", "ds_config.json", "--out", f"{name}.json", *extra_args]
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500)
     assert run.returncode == 0, run.stderr[-4000:]

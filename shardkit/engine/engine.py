@@ -135,6 +135,10 @@ class Engine(nn.Module):
         """The ZeRO stage, 0-3."""
         return self.config.zero.stage
 
+    def zero_hpz_partition_size(self) -> int:
+        """``zero_hpz_partition_size``: the ranks stage 3's backward gathers within (1: off)."""
+        return self.config.zero.hpz_partition_size
+
     def gradient_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
         return self.config.gradient_accumulation_steps
