@@ -84,6 +84,20 @@ def test_two_machines_train_bitwise_like_one(tmp_path: Path, layout: str) -> Non
         assert "across machines" in outs[0][0] or "across machines" in outs[1][0]
 
 
+def _wait_listening(port: int, proc: subprocess.Popen, *, timeout: float) -> None:
+    """Return once something accepts connections on 127.0.0.1:``port`` (``proc``'s torchrun agent
+    hosting the c10d rendezvous store); fail if ``proc`` ends first or ``timeout`` passes."""
+    t0 = time.perf_counter()
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            assert proc.poll() is None, "the first machine ended before it hosted the rendezvous store"
+            assert time.perf_counter() - t0 < timeout, f"no rendezvous store on port {port} after {timeout} s"
+            time.sleep(0.05)
+
+
 def _consolidated_model(ckpt: Path, out: Path) -> dict:
     from shardkit.consolidate import consolidate
 
@@ -117,7 +131,9 @@ def test_lost_machine_the_run_goes_on_with_one_and_ends_like_an_uninterrupted_ru
     elastic += ["--max-restarts", "1", "--ckpt-dir", "b", "--resume", "auto", "--log-json", str(tmp_path / "b.json")]
     t0 = time.perf_counter()
     first = subprocess.Popen(elastic, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # the first machine hosts the rendezvous store
+    # the first machine must host the rendezvous store (the test kills the second): wait until its
+    # agent listens on the endpoint before starting the second, which then joins as a client
+    _wait_listening(int(endpoint.rsplit(":", 1)[1]), first, timeout=120)
     second = subprocess.Popen(
         elastic, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
