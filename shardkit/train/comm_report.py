@@ -1,44 +1,21 @@
-"""What a training run's summary says about its communication: the payload per op, and per link.
+"""What a training run's summary says about where its communication went: per link.
 
 Both training loops (the parallelize path, ``loop.py``, and the ``--config`` engine path,
-``engine_loop.py``) report each rank's collectives from the :class:`~shardkit.comm.CommStats`
-objects its model records into: :func:`comm_summary` merges them, :func:`bytes_per_link` splits
-their payload by where each group lies when the world spans machines, and :func:`fmt_links`
-writes that split for the summary line.
+``engine_loop.py``) take the payload per op from ``ParallelModel.report()``; :func:`bytes_per_link`
+splits it by where each group lies when the world spans machines (from the
+:class:`~shardkit.comm.CommStats` objects the model records into), and :func:`fmt_links` writes
+that split for the summary line.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
-
 from shardkit.comm import CommStats
 
 from .progress import fmt_bytes
 
-__all__ = ["bytes_per_link", "comm_summary", "fmt_links"]
-
-
-def comm_summary(stats: Sequence[CommStats]) -> dict[str, Any] | None:
-    """The rank's objects' :meth:`CommStats.summary` merged: ``{op: {"calls", "bytes", "groups"}}``
-    (None when nothing was recorded). An object given twice counts once.
-
-    Example:
-        >>> comm_summary(par.comm_stats())["all_gather"]["bytes"]
-        154980352
-    """
-    out: dict[str, Any] = {}
-    for s in {id(s): s for s in stats}.values():
-        for op, v in s.summary().items():
-            entry = out.setdefault(op, {"calls": 0, "bytes": 0, "groups": {}})
-            entry["calls"] += v["calls"]
-            entry["bytes"] += v["bytes"]
-            for label, g in v["groups"].items():
-                have = entry["groups"].setdefault(label, {"calls": 0, "bytes": 0})
-                have["calls"] += g["calls"]
-                have["bytes"] += g["bytes"]
-    return out or None
+__all__ = ["bytes_per_link", "fmt_links"]
 
 
 def bytes_per_link(stats: Sequence[CommStats], world: int) -> dict[str, int] | None:

@@ -46,7 +46,7 @@ from shardkit.data import get_batch, load_corpus
 from shardkit.models import TinyGPT, lm_loss
 from shardkit.parallel.zero import plan_memory
 
-from .comm_report import bytes_per_link, comm_summary, fmt_links
+from .comm_report import bytes_per_link, fmt_links
 from .config import TrainConfig
 from .fault_injection import parse_fault
 from .progress import ProgressBar, fmt_comm, fmt_memory_vs_plan, fmt_rank_summary, fmt_total_throughput
@@ -328,7 +328,7 @@ def _train(
         "skipped_steps": engine.skipped_steps,
         "loss_scale": engine.get_loss_scale(),
         "global_steps": engine.global_steps,
-        "comm": comm_summary(engine.parallel.comm_stats()),
+        "comm": engine.parallel.report(engine.optimizer).comm,  # as the flag path's summary
         # payload bytes by link when the world spans machines (CommStats.bytes_per_link)
         "comm_links": bytes_per_link(engine.parallel.comm_stats(), world),
     }

@@ -1,11 +1,11 @@
-"""The training summary's communication report: merged CommStats and the split by link."""
+"""The training summary's split of communication by link."""
 
 from __future__ import annotations
 
 import pytest
 
 from shardkit.comm import CommStats
-from shardkit.train.comm_report import bytes_per_link, comm_summary, fmt_links
+from shardkit.train.comm_report import bytes_per_link, fmt_links
 
 
 def _stats() -> tuple[CommStats, CommStats]:
@@ -15,21 +15,6 @@ def _stats() -> tuple[CommStats, CommStats]:
     model.record("all_gather", "shardkit_dp[0, 1, 2, 3]", 40)
     model.record("all_reduce", "shardkit_tp[0, 1]", 8)
     return wrapper, model
-
-
-def test_comm_summary_merges_a_ranks_objects_once_each() -> None:
-    wrapper, model = _stats()
-    merged = comm_summary([wrapper, model, wrapper])
-    assert merged["all_gather"] == {
-        "calls": 3,
-        "bytes": 540,
-        "groups": {
-            "shardkit_dp[0, 1, 2, 3]": {"calls": 2, "bytes": 440},
-            "shardkit_dp_cp_block[0, 1]": {"calls": 1, "bytes": 100},
-        },
-    }
-    assert merged["all_reduce"]["bytes"] == 8
-    assert comm_summary([CommStats()]) is None
 
 
 def test_bytes_per_link_uses_the_machine_size_torchrun_gives(monkeypatch: pytest.MonkeyPatch) -> None:
