@@ -29,8 +29,8 @@ Spawns ``--nproc`` local gloo ranks (one torch thread each on 2 cores) and measu
    in the JSON (``max_abs_diff_vs_sdpa``, and between each shardkit method and its peer), and a
    difference above ``TOLERANCE`` stops the run. Then all methods are timed interleaved, repeat
    by repeat (the order rotated each repeat), each call after a barrier; a repeat's time is the
-   slowest rank's. Peak memory per rank: the smallest of ``MEMORY_CALLS`` profiled calls per
-   method (``MEMORY_METHOD``).
+   slowest rank's. Peak memory per rank: the first settled of up to ``MEMORY_TRIES`` profiled
+   calls per method (``MEMORY_METHOD``).
 
 2. **Model level**: one training step's forward + backward (``par.forward_backward(x, y)``, no
    optimizer step) of TinyGPT (``shardkit.models``; default d_model=128, 2 layers, 8 heads,
@@ -41,10 +41,12 @@ Spawns ``--nproc`` local gloo ranks (one torch thread each on 2 cores) and measu
    of ``--cps`` (each rank its ``S/cp`` tokens, zigzag; gradients averaged over dp_cp), the
    configuration the issue's goal is about; ``cp{N}_ulysses`` is the same with
    ``"mode": "ulysses"`` (``--model-modes``), which runs the stock SDPA kernel on whole
-   sequences of fewer heads, so it shows how much of ring's numbers are its attention kernels.
+   sequences of fewer heads, so it shows how much of ring's numbers are its attention kernels;
+   ``cp{N}_hybrid`` (at cp >= 4) is ``"mode": "hybrid", "ulysses_size": 2``: all-to-all within
+   pairs of cp ranks, the ring across the pairs (Megatron-Core's ``a2a+p2p``).
    Step time: min/median over interleaved repeats (slowest rank per repeat). Peak activation
-   memory: the profiler peak of a ``forward_backward`` above its start, the smallest of
-   ``MEMORY_CALLS`` calls (``MEMORY_METHOD``; the
+   memory: the profiler peak of a ``forward_backward`` above its start, the first settled of up
+   to ``MEMORY_TRIES`` calls (``MEMORY_METHOD``; the
    gradients of an earlier step are already allocated and accumulated into, so this is
    activations and temporaries), the max over ranks. Reported: per-rank memory over cp1's at the
    same length (``memory_ratio_vs_cp1``; ideal ``1/cp``) and that times cp
@@ -82,10 +84,11 @@ import torch.nn.functional as F
 from shardkit.comm import ParallelContext
 from shardkit.models import TinyGPT
 from shardkit.parallel import parallelize
+from shardkit.parallel.profiled_peak import settled_peak_bytes
 from shardkit.parallel.context import context_parallel_attention, gather_sequence, gpt_cp_plan, shard_sequence
 
 from bench_workers import machine_info, reporting_errors, run_workers, worker_env
-from tp import peak_bytes, summarize
+from tp import summarize
 
 BASELINE = "sdpa_full_cp1"
 RING = "shardkit_ring_zigzag"
@@ -107,8 +110,10 @@ SHORT = {
 }
 #: max abs difference (output and input gradients, fp32) from the cp=1 SDPA that stops the run
 TOLERANCE = 1e-3
-#: profiled calls per method; the smallest peak is reported (MEMORY_METHOD)
-MEMORY_CALLS = 3
+#: the all-to-all group size of the model rows' hybrid mode (cp 4: 2 x 2)
+HYBRID_ULYSSES = 2
+#: most profiled calls per method until every rank has had a settled one (MEMORY_METHOD)
+MEMORY_TRIES = 24
 
 MEMORY_METHOD = (
     "torch.profiler(profile_memory=True) records every allocation and free of torch's CPU allocator "
@@ -118,9 +123,13 @@ MEMORY_METHOD = (
     "rank's q, k, v, upstream gradient) exist before the call and are not counted; the output, the input "
     "gradients and everything saved or temporary are. Model: the batch and the gradients of an earlier "
     "step exist before the call (backward accumulates into them), so the peak is activations plus "
-    "temporaries. gloo's own staging buffers are not torch allocations and are not seen. The smallest of "
-    "MEMORY_CALLS profiled calls per method (or cp), separate from the timed calls: a collective's tensors "
-    "that gloo releases from its own thread a little late can add up to ~5% to one call's peak."
+    "temporaries. gloo's own staging buffers are not torch allocations and are not seen. The trace holds "
+    "only the profiling thread's frees: a collective's tensor that gloo's worker thread releases last is "
+    "freed unseen and would count as alive to the end of the call. So calls are profiled (separate from "
+    "the timed calls) until each rank has had a settled one, a call that frees everything it allocated, "
+    "at most MEMORY_TRIES each (shardkit.parallel.profiled_peak.settled_peak_bytes); each rank reports "
+    "its first settled call's peak (memory_settled_call_per_rank: its number, or -MEMORY_TRIES with the "
+    "smallest peak when none settled)."
 )
 TIMING_METHOD = (
     "wall time of one call (forward + backward) per method per repeat, each call after a barrier over "
@@ -165,8 +174,8 @@ def _repeats(round_s: float, least: int, args: argparse.Namespace) -> int:
 
 
 def _over_ranks(
-    samples: dict[str, list[float]], peaks: dict[str, int]
-) -> tuple[dict[str, list[list[float]]], dict[str, list[int]]]:
+    samples: dict[str, list[float]], peaks: dict[str, tuple[int, int]]
+) -> tuple[dict[str, list[list[float]]], dict[str, list[tuple[int, int]]]]:
     """Every rank's samples and peaks (collective over the world)."""
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (samples, peaks))
@@ -176,15 +185,22 @@ def _over_ranks(
     )
 
 
-def _row(per_rank: list[list[float]], peaks: list[int] | None) -> dict[str, Any]:
+def _settled_peaks(fns: dict[str, Callable[[], Any]]) -> dict[str, tuple[int, int]]:
+    """``{name: (peak bytes, settled call)}`` on this rank (collective over the world: every rank
+    profiles each method equally often; see MEMORY_METHOD)."""
+    return {name: settled_peak_bytes(fn, tries=MEMORY_TRIES, group=dist.group.WORLD) for name, fn in fns.items()}
+
+
+def _row(per_rank: list[list[float]], peaks: list[tuple[int, int]] | None) -> dict[str, Any]:
     """Min/median over repeats of the slowest rank's time per repeat, and the peak memory."""
     slowest = [max(r) for r in zip(*per_rank)]
     out: dict[str, Any] = {"available": True, **summarize(slowest)}
     out["samples_ms"] = [round(1e3 * s, 3) for s in slowest]
     out["median_ms_per_rank"] = [1e3 * statistics.median(r) for r in per_rank]
     if peaks is not None:
-        out["peak_bytes"] = max(peaks)
-        out["peak_bytes_per_rank"] = peaks
+        out["peak_bytes"] = max(p for p, _ in peaks)
+        out["peak_bytes_per_rank"] = [p for p, _ in peaks]
+        out["memory_settled_call_per_rank"] = [c for _, c in peaks]
     return out
 
 
@@ -318,7 +334,7 @@ def attention_bench(ctx: ParallelContext, S: int, args: argparse.Namespace, ds_c
         fns = {name: fn for name, (_, fn) in methods.items()}
         repeats = _repeats(round_s, args.repeats, args)
         samples = _interleaved(fns, args.warmup, repeats)
-        peaks = {name: min(peak_bytes(fn) for _ in range(MEMORY_CALLS)) for name, fn in fns.items()}
+        peaks = _settled_peaks(fns)
     finally:
         torch_cp._cp_options.enable_load_balance = saved
     per_rank, peaks_per_rank = _over_ranks(samples, peaks)
@@ -368,8 +384,11 @@ def model_bench(ctxs: dict[int, ParallelContext], S: int, args: argparse.Namespa
     pars = {"cp1": parallelize(copy.deepcopy(dense), None, dp="none")}
     for cp, ctx in ctxs.items():
         for mode in args.model_modes:
+            if mode == "hybrid" and cp < 2 * HYBRID_ULYSSES:
+                continue  # hybrid with one all-to-all group is Ulysses, with groups of one rank ring
+            opts = {"plan": gpt_cp_plan(), "mode": mode, **({"ulysses_size": HYBRID_ULYSSES} if mode == "hybrid" else {})}
             configs[f"cp{cp}_{mode}"] = (cp, mode)
-            pars[f"cp{cp}_{mode}"] = parallelize(copy.deepcopy(dense), ctx, dp="ddp", cp={"plan": gpt_cp_plan(), "mode": mode})
+            pars[f"cp{cp}_{mode}"] = parallelize(copy.deepcopy(dense), ctx, dp="ddp", cp=opts)
     del dense
     # first step, untimed (it warms up): every configuration's loss and (dp_cp-averaged) gradients are cp=1's
     losses, grads, round_s = {}, {}, 0.0
@@ -385,7 +404,7 @@ def model_bench(ctxs: dict[int, ParallelContext], S: int, args: argparse.Namespa
     fns = {name: (lambda par=par: par.forward_backward(x, y)) for name, par in pars.items()}
     repeats = _repeats(round_s, args.model_repeats, args)
     samples = _interleaved(fns, args.warmup, repeats)
-    peaks = {name: min(peak_bytes(fn) for _ in range(MEMORY_CALLS)) for name, fn in fns.items()}
+    peaks = _settled_peaks(fns)
     per_rank, peaks_per_rank = _over_ranks(samples, peaks)
     rows = {name: _row(per_rank[name], peaks_per_rank[name]) for name in fns}
     for name, (cp, mode) in configs.items():
@@ -531,9 +550,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument(
         "--model-modes",
         nargs="+",
-        default=["ring", "ulysses"],
-        choices=["ring", "ulysses"],
-        help="cp modes of the model rows (ring is the one the goal is about; ulysses shows what the attention kernels cost)",
+        default=["ring", "ulysses", "hybrid"],
+        choices=["ring", "ulysses", "hybrid"],
+        help="cp modes of the model rows (ring is the one the goal is about; ulysses shows what the attention kernels "
+        "cost; hybrid: all-to-all groups of HYBRID_ULYSSES ranks, the ring across them, at cp >= 2 x HYBRID_ULYSSES)",
     )
     p.add_argument("--model-repeats", type=int, default=3, help="model: least timed repeats per configuration")
     p.add_argument("--max-repeats", type=int, default=7, help="most timed repeats per (cp, length)")
@@ -583,6 +603,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tolerance": TOLERANCE,
         "timing_method": TIMING_METHOD,
         "memory_method": MEMORY_METHOD,
+        "memory_tries": MEMORY_TRIES,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "torch": torch.__version__,
         "deepspeed": raw["deepspeed"],

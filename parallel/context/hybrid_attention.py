@@ -68,6 +68,6 @@ def hybrid_attention(
         for g in range(split.ring_size)
     ]
     ring = Ring(split.ring, split.ring_size, split.ring_rank, positions)
-    qh, kh, vh = (SequenceToHeads.apply(t, split.a2a, stats) for t in (q, k, v))
+    qh, kh, vh = (SequenceToHeads.apply(t, split.a2a, stats, None) for t in (q, k, v))
     out = RingAttention.apply(qh, kh, vh, ring, causal, scale, backend, stats)
-    return HeadsToSequence.apply(out, split.a2a, stats)  # it packs its send buffer itself: no copy first
+    return HeadsToSequence.apply(out, split.a2a, stats, None)  # it packs its send buffer itself: no copy first

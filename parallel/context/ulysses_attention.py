@@ -16,7 +16,12 @@ key/value head its query heads use; the repeat's backward sums the copies' gradi
 other count is a ``ValueError``.
 
 The all-gathered sequence is in the layout's order (rank after rank); it is permuted to
-sequence order before the attention (the causal mask needs it) and back after.
+sequence order before the attention (the causal mask needs it), in the same copy that unpacks
+the all-to-all, and back after. The output comes back laid out ``[B, S/N, H, D]``, so the
+model's ``out.transpose(1, 2).reshape(B, S/N, H*D)`` for its output projection is a view.
+Memory: the projection keeps that tensor for its backward and SDPA keeps its own output on the
+head shards, so a layer saves one ``[B, S/N, H*D]`` tensor more than at cp = 1 or in ring
+attention, where the two are one buffer (the planner's ``proj_input``, docs/planner.md).
 """
 
 from __future__ import annotations
@@ -52,57 +57,84 @@ def check_ulysses_heads(heads: int, kv_heads: int, cp: int, *, mode: str = "ulys
 
 
 class SequenceToHeads(torch.autograd.Function):
-    """``(x, group, stats)``: ``[B, H, S/N, D]`` (this rank's tokens, all heads) -> ``[B, H/N, S, D]``
-    (the ``N`` ranks' tokens of ``group``, rank after rank; this rank's heads); backward is the
-    inverse all-to-all.
+    """``(x, group, stats, reorder)``: ``[B, H, S/N, D]`` (this rank's tokens, all heads) ->
+    ``[B, H/N, S, D]`` (the ``N`` ranks' tokens of ``group``; this rank's heads). The tokens come
+    rank after rank, or, with ``reorder`` (a ``[S]`` index), token ``i`` of the result is token
+    ``reorder[i]`` of that order, gathered in the same copy that unpacks the all-to-all. Backward
+    is the inverse all-to-all.
 
     Example:
-        >>> qh = SequenceToHeads.apply(q, ctx.group("cp"), None)    # [B, H, S/N, D] -> [B, H/N, S, D]
+        >>> qh = SequenceToHeads.apply(q, ctx.group("cp"), None, None)    # [B, H, S/N, D] -> [B, H/N, S, D]
     """
 
     @staticmethod
-    def forward(fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
-        fctx.group, fctx.stats = group, stats
-        return _sequence_to_heads(x, group, stats)
+    def forward(
+        fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: torch.Tensor | None
+    ) -> torch.Tensor:
+        fctx.group, fctx.stats, fctx.reorder = group, stats, reorder
+        return _sequence_to_heads(x, group, stats, reorder)
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _heads_to_sequence(grad, fctx.group, fctx.stats), None, None
+        return _heads_to_sequence(grad, fctx.group, fctx.stats, fctx.reorder), None, None, None
 
 
 class HeadsToSequence(torch.autograd.Function):
-    """``(x, group, stats)``: the inverse of :class:`SequenceToHeads`.
+    """``(x, group, stats, reorder)``: the inverse of :class:`SequenceToHeads` (``reorder`` the
+    same index: row ``i`` of ``x`` is token ``reorder[i]`` of the rank-after-rank order). The
+    result is laid out ``[B, S/N, H, D]`` in memory (a transposed view), the layout a model's
+    output projection reads it in, so reshaping it to ``[B, S/N, H*D]`` copies nothing.
 
     Example:
-        >>> out = HeadsToSequence.apply(oh, ctx.group("cp"), None)  # [B, H/N, S, D] -> [B, H, S/N, D]
+        >>> out = HeadsToSequence.apply(oh, ctx.group("cp"), None, None)  # [B, H/N, S, D] -> [B, H, S/N, D]
     """
 
     @staticmethod
-    def forward(fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
-        fctx.group, fctx.stats = group, stats
-        return _heads_to_sequence(x, group, stats)
+    def forward(
+        fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: torch.Tensor | None
+    ) -> torch.Tensor:
+        fctx.group, fctx.stats, fctx.reorder = group, stats, reorder
+        return _heads_to_sequence(x, group, stats, reorder, model_layout=True)
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _sequence_to_heads(grad, fctx.group, fctx.stats), None, None
+        return _sequence_to_heads(grad, fctx.group, fctx.stats, fctx.reorder), None, None, None
 
 
-def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+def _sequence_to_heads(
+    x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: torch.Tensor | None
+) -> torch.Tensor:
     n = group.size()
     b, h, s, d = x.shape
     send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # [N (head group), B, H/N, S/N, D]
     recv = torch.empty_like(send)
     all_to_all(recv, send, group=group, stats=stats)  # [N (source rank), B, H/N, S/N, D]
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
+    heads = recv.permute(1, 2, 0, 3, 4)  # [B, H/N, N, S/N, D], a view
+    if reorder is None:
+        return heads.reshape(b, h // n, n * s, d)
+    return heads[:, :, reorder // s, reorder % s]  # one gather: [B, H/N, S, D]
 
 
-def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+def _heads_to_sequence(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    stats: CommStats | None,
+    reorder: torch.Tensor | None,
+    *,
+    model_layout: bool = False,
+) -> torch.Tensor:
     n = group.size()
     b, hn, seq, d = x.shape
+    if reorder is not None:  # back to rank-after-rank order: row i goes to token reorder[i]
+        x = torch.empty_like(x).index_copy_(2, reorder, x)
     send = x.reshape(b, hn, n, seq // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [N (token rank), B, H/N, S/N, D]
     recv = torch.empty_like(send)
     all_to_all(recv, send, group=group, stats=stats)  # [N (head group), B, H/N, S/N, D]
-    return recv.transpose(0, 1).reshape(b, n * hn, seq // n, d)
+    if not model_layout:
+        return recv.transpose(0, 1).reshape(b, n * hn, seq // n, d)
+    out = recv.new_empty(b, seq // n, n, hn, d)  # [B, S/N, H, D] in memory
+    out.permute(0, 2, 3, 1, 4).copy_(recv.transpose(0, 1))
+    return out.permute(0, 2, 3, 1, 4).reshape(b, n * hn, seq // n, d)  # a view: [B, H, S/N, D]
 
 
 def ulysses_attention(
@@ -133,6 +165,6 @@ def ulysses_attention(
     order = torch.cat([shard_positions(seq_len, cp=n, rank=r, layout=layout, device=q.device) for r in range(n)])
     to_sequence = torch.argsort(order)  # layout order -> sequence order
     group = ctx.group("cp")
-    qh, kh, vh = (SequenceToHeads.apply(t, group, stats).index_select(2, to_sequence) for t in (q, k, v))
+    qh, kh, vh = (SequenceToHeads.apply(t, group, stats, to_sequence) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
-    return HeadsToSequence.apply(out.index_select(2, order).contiguous(), group, stats)
+    return HeadsToSequence.apply(out, group, stats, to_sequence)

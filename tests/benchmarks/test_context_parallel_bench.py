@@ -25,10 +25,11 @@ REPO = Path(__file__).resolve().parents[2]
 def test_a_repeat_counts_the_slowest_rank() -> None:
     import context_parallel as cpb
 
-    row = cpb._row([[0.010, 0.030, 0.020], [0.015, 0.010, 0.040]], [100, 300])
+    row = cpb._row([[0.010, 0.030, 0.020], [0.015, 0.010, 0.040]], [(100, 1), (300, -24)])
     assert row["samples_ms"] == [15.0, 30.0, 40.0]
     assert row["min_ms"] == pytest.approx(15.0) and row["median_ms"] == pytest.approx(30.0) and row["n"] == 3
     assert row["peak_bytes"] == 300 and row["peak_bytes_per_rank"] == [100, 300]
+    assert row["memory_settled_call_per_rank"] == [1, -24]
 
 
 @pytest.mark.timeout(300)  # a hang guard; 35-90 s on 2 busy cores (spawn and imports dominate)
@@ -45,6 +46,7 @@ def test_quick_run_writes_consistent_json(tmp_path: Path) -> None:
     assert res["nproc"] == 2 and res["backend"] == "gloo" and res["cps"] == [2] and "--quick" in res["command"]
     assert res["torch"] and res["cpus"] and "profiler" in res["memory_method"]
     settings = res["settings"]
+    tries = res["memory_tries"]
     have_deepspeed = importlib.util.find_spec("deepspeed") is not None
 
     att = res["attention"]["cp2"]
@@ -68,6 +70,7 @@ def test_quick_run_writes_consistent_json(tmp_path: Path) -> None:
             assert 0 < r["min_ms"] <= r["median_ms"] and r["n"] == repeats == len(r["samples_ms"]), name
             assert r["min_ms"] == pytest.approx(min(r["samples_ms"]), abs=1e-3)  # samples: the slowest rank's, rounded
             assert r["peak_bytes"] == max(r["peak_bytes_per_rank"]) > 0 and len(r["peak_bytes_per_rank"]) == 2
+            assert all(c in (*range(1, tries + 1), -tries) for c in r["memory_settled_call_per_rank"]), name
             assert r["layout"] == (
                 "full sequence"
                 if name == "sdpa_full_cp1"
@@ -104,6 +107,7 @@ def test_quick_run_writes_consistent_json(tmp_path: Path) -> None:
         for name, c in configs.items():
             assert 0 < c["min_ms"] <= c["median_ms"] and c["n"] == e["repeats"], name
             assert c["peak_bytes"] == max(c["peak_bytes_per_rank"]) > 0
+            assert all(k in (*range(1, tries + 1), -tries) for k in c["memory_settled_call_per_rank"]), name
             if name == "cp1":
                 continue
             assert (c["cp"], c["mode"], c["tokens_per_rank"]) == (2, name.split("_")[1], int(S) // 2)
