@@ -17,7 +17,7 @@ other count is a ``ValueError``.
 
 The all-gathered sequence is in the layout's order (rank after rank); it is permuted to
 sequence order before the attention (the causal mask needs it), in the same copy that unpacks
-the all-to-all, and back after. The output comes back laid out ``[B, S/N, H, D]``, so the
+the all-to-all ([Note: Ulysses' wire layout]), and back after. The output comes back laid out ``[B, S/N, H, D]``, so the
 model's ``out.transpose(1, 2).reshape(B, S/N, H*D)`` for its output projection is a view.
 Memory: the projection keeps that tensor for its backward and SDPA keeps its own output on the
 head shards, so a layer saves one ``[B, S/N, H*D]`` tensor more than at cp = 1 or in ring
@@ -36,7 +36,7 @@ from shardkit.comm import CommStats, ParallelContext, all_to_all
 
 from .sequence_layout import SequenceLayout, shard_positions
 
-__all__ = ["HeadsToSequence", "SequenceToHeads", "check_ulysses_heads", "ulysses_attention"]
+__all__ = ["HeadsToSequence", "Reorder", "SequenceToHeads", "check_ulysses_heads", "ulysses_attention"]
 
 
 def check_ulysses_heads(heads: int, kv_heads: int, cp: int, *, mode: str = "ulysses") -> None:
@@ -56,12 +56,16 @@ def check_ulysses_heads(heads: int, kv_heads: int, cp: int, *, mode: str = "ulys
         raise ValueError(f"mode={mode!r} needs the {kv_heads} key/value heads to divide by {by}={cp} or to divide it ({other})")
 
 
+#: ``(order, to_sequence)``: ``order[i]`` is the sequence position of token ``i`` in the
+#: rank-after-rank (layout) order, ``to_sequence`` its inverse (``argsort(order)``)
+Reorder = tuple[torch.Tensor, torch.Tensor]
+
+
 class SequenceToHeads(torch.autograd.Function):
     """``(x, group, stats, reorder)``: ``[B, H, S/N, D]`` (this rank's tokens, all heads) ->
     ``[B, H/N, S, D]`` (the ``N`` ranks' tokens of ``group``; this rank's heads). The tokens come
-    rank after rank, or, with ``reorder`` (a ``[S]`` index), token ``i`` of the result is token
-    ``reorder[i]`` of that order, gathered in the same copy that unpacks the all-to-all. Backward
-    is the inverse all-to-all.
+    rank after rank, or, with ``reorder`` (a :data:`Reorder`), in sequence order, gathered in the
+    copy that unpacks the all-to-all. Backward is the inverse all-to-all.
 
     Example:
         >>> qh = SequenceToHeads.apply(q, ctx.group("cp"), None, None)    # [B, H, S/N, D] -> [B, H/N, S, D]
@@ -69,21 +73,22 @@ class SequenceToHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: torch.Tensor | None
+        fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: Reorder | None
     ) -> torch.Tensor:
         fctx.group, fctx.stats, fctx.reorder = group, stats, reorder
-        return _sequence_to_heads(x, group, stats, reorder)
+        return _sequence_to_heads(x, group, stats, None if reorder is None else reorder[1])
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _heads_to_sequence(grad, fctx.group, fctx.stats, fctx.reorder), None, None, None
+        order = None if fctx.reorder is None else fctx.reorder[0]
+        return _heads_to_sequence(grad, fctx.group, fctx.stats, order), None, None, None
 
 
 class HeadsToSequence(torch.autograd.Function):
-    """``(x, group, stats, reorder)``: the inverse of :class:`SequenceToHeads` (``reorder`` the
-    same index: row ``i`` of ``x`` is token ``reorder[i]`` of the rank-after-rank order). The
-    result is laid out ``[B, S/N, H, D]`` in memory (a transposed view), the layout a model's
-    output projection reads it in, so reshaping it to ``[B, S/N, H*D]`` copies nothing.
+    """``(x, group, stats, reorder)``: the inverse of :class:`SequenceToHeads` (with ``reorder``,
+    ``x`` is in sequence order). The result is laid out ``[B, S/N, H, D]`` in memory (a
+    transposed view), the layout a model's output projection reads it in, so reshaping it to
+    ``[B, S/N, H*D]`` copies nothing.
 
     Example:
         >>> out = HeadsToSequence.apply(oh, ctx.group("cp"), None, None)  # [B, H/N, S, D] -> [B, H, S/N, D]
@@ -91,50 +96,51 @@ class HeadsToSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: torch.Tensor | None
+        fctx: Any, x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: Reorder | None
     ) -> torch.Tensor:
         fctx.group, fctx.stats, fctx.reorder = group, stats, reorder
-        return _heads_to_sequence(x, group, stats, reorder, model_layout=True)
+        return _heads_to_sequence(x, group, stats, None if reorder is None else reorder[0])
 
     @staticmethod
     def backward(fctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return _sequence_to_heads(grad, fctx.group, fctx.stats, fctx.reorder), None, None, None
+        to_sequence = None if fctx.reorder is None else fctx.reorder[1]
+        return _sequence_to_heads(grad, fctx.group, fctx.stats, to_sequence), None, None, None
+
+
+# [Note: Ulysses' wire layout]
+# Both all-to-alls send [N, S/N, B, H/N, D] chunks (token-major): chunk j of a sequence-to-heads
+# send is head group j's heads of this rank's tokens; chunk j of a heads-to-sequence send is
+# rank j's tokens of this rank's heads. A received buffer viewed as [S, B, H/N, D] is then the
+# ranks' tokens in layout order, so the move to or from sequence order is one index_select over
+# its first dimension, the same copy that packs or unpacks the buffer: one copy on each side of
+# every all-to-all, and no buffer besides send, receive and result.
 
 
 def _sequence_to_heads(
-    x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, reorder: torch.Tensor | None
+    x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, to_sequence: torch.Tensor | None
 ) -> torch.Tensor:
     n = group.size()
     b, h, s, d = x.shape
-    send = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # [N (head group), B, H/N, S/N, D]
+    send = x.reshape(b, n, h // n, s, d).permute(1, 3, 0, 2, 4).contiguous()  # [N (head group), S/N, B, H/N, D]
     recv = torch.empty_like(send)
-    all_to_all(recv, send, group=group, stats=stats)  # [N (source rank), B, H/N, S/N, D]
-    heads = recv.permute(1, 2, 0, 3, 4)  # [B, H/N, N, S/N, D], a view
-    if reorder is None:
-        return heads.reshape(b, h // n, n * s, d)
-    return heads[:, :, reorder // s, reorder % s]  # one gather: [B, H/N, S, D]
+    all_to_all(recv, send, group=group, stats=stats)  # [N (source rank), S/N, B, H/N, D]
+    heads = recv.view(n * s, b, h // n, d).permute(1, 2, 0, 3)  # [B, H/N, S (layout order), D], a view
+    return heads.contiguous() if to_sequence is None else heads.index_select(2, to_sequence)
 
 
 def _heads_to_sequence(
-    x: torch.Tensor,
-    group: dist.ProcessGroup,
-    stats: CommStats | None,
-    reorder: torch.Tensor | None,
-    *,
-    model_layout: bool = False,
+    x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None, order: torch.Tensor | None
 ) -> torch.Tensor:
     n = group.size()
     b, hn, seq, d = x.shape
-    if reorder is not None:  # back to rank-after-rank order: row i goes to token reorder[i]
-        x = torch.empty_like(x).index_copy_(2, reorder, x)
-    send = x.reshape(b, hn, n, seq // n, d).permute(2, 0, 1, 3, 4).contiguous()  # [N (token rank), B, H/N, S/N, D]
+    tokens = x.permute(2, 0, 1, 3)  # [S, B, H/N, D], a view
+    send = tokens.contiguous() if order is None else tokens.index_select(0, order)  # layout order
+    send = send.view(n, seq // n, b, hn, d)  # [N (token rank), S/N, B, H/N, D]
     recv = torch.empty_like(send)
-    all_to_all(recv, send, group=group, stats=stats)  # [N (head group), B, H/N, S/N, D]
-    if not model_layout:
-        return recv.transpose(0, 1).reshape(b, n * hn, seq // n, d)
+    all_to_all(recv, send, group=group, stats=stats)  # [N (head group), S/N, B, H/N, D]
     out = recv.new_empty(b, seq // n, n, hn, d)  # [B, S/N, H, D] in memory
-    out.permute(0, 2, 3, 1, 4).copy_(recv.transpose(0, 1))
-    return out.permute(0, 2, 3, 1, 4).reshape(b, n * hn, seq // n, d)  # a view: [B, H, S/N, D]
+    out.copy_(recv.permute(2, 1, 0, 3, 4))
+    return out.view(b, seq // n, n * hn, d).transpose(1, 2)  # [B, H, S/N, D], a view
 
 
 def ulysses_attention(
@@ -161,10 +167,12 @@ def ulysses_attention(
     if k.shape[1] < n:  # each kv head repeated so that every rank gets the one its queries use
         k = k.repeat_interleave(n // k.shape[1], dim=1)
         v = v.repeat_interleave(n // v.shape[1], dim=1)
-    seq_len = q.shape[2] * n
-    order = torch.cat([shard_positions(seq_len, cp=n, rank=r, layout=layout, device=q.device) for r in range(n)])
-    to_sequence = torch.argsort(order)  # layout order -> sequence order
+    reorder = None  # contiguous: the ranks' tokens, rank after rank, are the sequence
+    if layout != "contiguous":
+        seq_len = q.shape[2] * n
+        order = torch.cat([shard_positions(seq_len, cp=n, rank=r, layout=layout, device=q.device) for r in range(n)])
+        reorder = (order, torch.argsort(order))
     group = ctx.group("cp")
-    qh, kh, vh = (SequenceToHeads.apply(t, group, stats, to_sequence) for t in (q, k, v))
+    qh, kh, vh = (SequenceToHeads.apply(t, group, stats, reorder) for t in (q, k, v))
     out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
-    return HeadsToSequence.apply(out, group, stats, to_sequence)
+    return HeadsToSequence.apply(out, group, stats, reorder)
