@@ -113,7 +113,9 @@ class HeadsToSequence(torch.autograd.Function):
 # rank j's tokens of this rank's heads. A received buffer viewed as [S, B, H/N, D] is then the
 # ranks' tokens in layout order, so the move to or from sequence order is one index_select over
 # its first dimension, the same copy that packs or unpacks the buffer: one copy on each side of
-# every all-to-all, and no buffer besides send, receive and result.
+# every all-to-all, and no buffer besides send, receive and result. In the contiguous layout the
+# layout order is the sequence, and the heads side is a strided view of the received buffer
+# (attention reads strides): no result buffer at all, as DeepSpeed's all-to-all.
 
 
 def _sequence_to_heads(
@@ -125,7 +127,7 @@ def _sequence_to_heads(
     recv = torch.empty_like(send)
     all_to_all(recv, send, group=group, stats=stats)  # [N (source rank), S/N, B, H/N, D]
     heads = recv.view(n * s, b, h // n, d).permute(1, 2, 0, 3)  # [B, H/N, S (layout order), D], a view
-    return heads.contiguous() if to_sequence is None else heads.index_select(2, to_sequence)
+    return heads if to_sequence is None else heads.index_select(2, to_sequence)  # strided [S, B, H/N, D] memory, or a copy
 
 
 def _heads_to_sequence(
