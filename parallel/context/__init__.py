@@ -29,12 +29,15 @@ from .plan import ContextParallelOptions, context_parallelize, gpt_cp_plan, hf_g
 from .ring_attention import ring_attention
 from .sequence_layout import LAYOUTS, SequenceLayout, check_sequence_length, gather_sequence, shard_positions, shard_sequence
 from .sequence_loss import SequenceShardedLoss
+from .sequence_rng import add_cp_dropout_hooks, cp_rng_region
 from .ulysses_attention import check_ulysses_heads, ulysses_attention
 
 __all__ = [
     "ContextParallelMode",
     "ContextParallelOptions",
     "SequenceShardedLoss",
+    "add_cp_dropout_hooks",
+    "cp_rng_region",
     "context_parallelize",
     "gpt_cp_plan",
     "hf_gpt2_cp_plan",

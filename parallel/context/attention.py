@@ -63,6 +63,7 @@ def _check(
     layout: object,
     scale: object,
     ulysses_size: object,
+    dropout_p: object = 0.0,
 ) -> None:
     if not isinstance(ctx, ParallelContext):
         raise TypeError(f"ctx must be a ParallelContext, got {type(ctx).__name__}")
@@ -94,7 +95,14 @@ def _check(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     cp = ctx.size("cp")
+    if dropout_p and cp > 1 and mode != "ulysses":
+        raise ValueError(
+            f"dropout_p={dropout_p} with mode={mode!r}: attention dropout under cp needs mode='ulysses' (whole "
+            "sequences on head shards, SDPA's own dropout); the blockwise ring/hybrid kernels have none"
+        )
     if layout == "zigzag" and cp > 1 and s % 2:
         raise ValueError(
             f"layout='zigzag' gives each rank two chunks: the local sequence length must be even, got {s} "
@@ -121,6 +129,7 @@ def context_parallel_attention(
     backend: Backend = "auto",
     stats: CommStats | None = None,
     ulysses_size: int | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """This cp rank's part of ``F.scaled_dot_product_attention(q, k, v, is_causal=causal)`` over
     the full sequence, from every rank's part of ``q``, ``k``, ``v``.
@@ -146,6 +155,10 @@ def context_parallel_attention(
         ulysses_size: with ``mode="hybrid"``, the ranks of each all-to-all group (a divisor of
             cp; :meth:`ParallelContext.cp_split` creates the groups on first use, a collective
             over the world).
+        dropout_p: attention dropout (pass 0 in eval, as SDPA's callers do); ``mode="ulysses"``
+            only (at cp > 1). Each cp rank draws its heads' masks from its own stream ([Note:
+            dropout under context parallelism]), so the masks are independent like the dense
+            model's, not the same draws.
 
     Returns:
         ``[batch, heads, S/cp, head_dim]`` in ``q``'s dtype.
@@ -160,11 +173,12 @@ def context_parallel_attention(
         >>> out = context_parallel_attention(q, k, v, ctx=ctx, mode="ring")
         >>> full = gather_sequence(out, ctx, dim=2)                   # == SDPA(q_full, k_full, v_full, is_causal=True)
     """
-    _check(q, k, v, ctx, mode, causal, layout, scale, ulysses_size)
+    _check(q, k, v, ctx, mode, causal, layout, scale, ulysses_size, dropout_p)
     if ctx.size("cp") == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
     if mode == "ulysses":
-        return ulysses_attention(q, k, v, ctx=ctx, causal=causal, layout=layout, scale=scale, stats=stats)
+        return ulysses_attention(q, k, v, ctx=ctx, causal=causal, layout=layout, scale=scale, stats=stats, dropout_p=dropout_p)
     if mode == "hybrid":
         assert ulysses_size is not None
         return hybrid_attention(

@@ -3,16 +3,16 @@ indices into positions.
 
 [Note: what a cp plan changes]
 Under context parallelism a model runs on this rank's ``S/cp`` tokens and, outside attention,
-nothing needs to change: embeddings, norms, MLPs and the head work per token. Two things do:
+nothing needs to change: embeddings, norms, MLPs and the head work per token. Three things do:
 
 * **attention** (style ``"attention"``): every ``F.scaled_dot_product_attention`` call made
   inside the module's forward becomes :func:`~shardkit.parallel.context.context_parallel_attention`
   over ``ctx.group("cp")`` (a ``TorchFunctionMode`` active while the module runs, as PyTorch's
   own ``context_parallel`` does for SDPA). The call's ``is_causal``, ``scale`` and GQA heads are
-  kept; an explicit ``attn_mask`` or attention dropout is refused (``ValueError``): a mask built
-  for ``S/cp`` local tokens means nothing over the full sequence, and the blockwise attention
-  has no dropout. TinyGPT, HF GPT-2 and Llama (``attn_implementation="sdpa"``, the default)
-  call SDPA this way when the batch has no padding mask; right-padded batches need none (with
+  kept, and so is its ``dropout_p`` in ``mode="ulysses"`` (ring and hybrid refuse attention
+  dropout: their blockwise kernels have none); an explicit ``attn_mask`` is refused
+  (``ValueError``): a mask built for ``S/cp`` local tokens means nothing over the full
+  sequence. TinyGPT, HF GPT-2 and Llama (``attn_implementation="sdpa"``, the default) call SDPA this way when the batch has no padding mask; right-padded batches need none (with
   ``ignore_index`` targets on the padding, a causal model's real tokens never see it). An
   ``attention_mask=`` passed to the model itself is refused on every rank by a hook on the
   model, all-ones or not: Hugging Face drops an all-ones mask, so a rank whose shard has no
@@ -24,6 +24,8 @@ nothing needs to change: embeddings, norms, MLPs and the head work per token. Tw
   position in the full sequence of this rank's ``i``-th token
   (:func:`~shardkit.parallel.context.shard_positions`). Indices ``>= S/cp`` (a KV cache, an
   offset) are refused.
+* **dropout**: every dropout module of the model draws from this cp rank's own stream while it
+  trains, as Ulysses' attention dropout does ([Note: dropout under context parallelism]).
 
 Plans are data, like the TP plans: ``{module pattern: style}`` with ``*`` matching one name.
 """
@@ -45,6 +47,7 @@ from shardkit.kernels.runtime import Backend
 
 from .attention import MODES, ContextParallelMode, check_ulysses_size, context_parallel_attention
 from .sequence_layout import LAYOUTS, SequenceLayout, shard_positions
+from .sequence_rng import add_cp_dropout_hooks
 
 __all__ = [
     "ContextParallelOptions",
@@ -192,11 +195,6 @@ class _AttentionOverShards(TorchFunctionMode):
                 "supports causal or full attention only: drop the padding mask (right-padded batches with "
                 "ignore_index targets need none) or use cp=1"
             )
-        if dropout_p:
-            raise ValueError(
-                f"{self.where}: context parallelism does not apply attention dropout (dropout_p={dropout_p}); "
-                "set the model's attention dropout to 0"
-            )
         s = self.settings
         self.calls += 1
         if query.shape[2] == 1:
@@ -212,7 +210,7 @@ class _AttentionOverShards(TorchFunctionMode):
             raise ValueError(f"{self.where}: {query.shape[1]} query heads over {key.shape[1]} key heads without enable_gqa")
         return context_parallel_attention(
             query, key, value, ctx=s.ctx, mode=s.mode, causal=bool(is_causal), layout=s.layout, scale=scale,
-            backend=s.backend, stats=s.stats, ulysses_size=s.ulysses_size,
+            backend=s.backend, stats=s.stats, ulysses_size=s.ulysses_size, dropout_p=dropout_p,
         )  # fmt: skip
 
 
@@ -356,6 +354,7 @@ def context_parallelize(
         ctx.cp_split(ulysses_size)
     settings = _Settings(ctx, mode, layout, backend, stats, ulysses_size)
     handles: list[RemovableHandle] = [model.register_forward_pre_hook(_refuse_attention_mask, with_kwargs=True)]
+    handles += add_cp_dropout_hooks(model, ctx.group("cp"))  # [Note: dropout under context parallelism]
     for name, (module, style) in found.items():
         hook = _attention_hooks if style == "attention" else _position_hook
         handles += hook(module, name, settings)

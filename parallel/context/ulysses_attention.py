@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from shardkit.comm import CommStats, ParallelContext, all_to_all
 
 from .sequence_layout import SequenceLayout, shard_positions
+from .sequence_rng import cp_rng_region
 
 __all__ = ["HeadsToSequence", "Reorder", "SequenceToHeads", "check_ulysses_heads", "ulysses_attention"]
 
@@ -155,6 +156,7 @@ def ulysses_attention(
     layout: SequenceLayout = "zigzag",
     scale: float | None = None,
     stats: CommStats | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Ulysses attention over ``ctx``'s cp axis: see [Note: Ulysses attention].
 
@@ -176,5 +178,7 @@ def ulysses_attention(
         reorder = (order, torch.argsort(order))
     group = ctx.group("cp")
     qh, kh, vh = (SequenceToHeads.apply(t, group, stats, reorder) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=causal, scale=scale, enable_gqa=kh.shape[1] != qh.shape[1])
+    gqa = kh.shape[1] != qh.shape[1]
+    with cp_rng_region(group, enabled=dropout_p > 0):  # this rank's heads, its own masks
+        out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa)
     return HeadsToSequence.apply(out, group, stats, reorder)

@@ -476,7 +476,7 @@ def _check_sequence_split(model: nn.Module, cfg: EngineConfig, cp_plan: Any, los
 def _check_sequence_split_model(model: nn.Module, cfg: EngineConfig) -> None:
     """What the model's config says about the split, named by the config's keys before any
     collective (the attention would refuse the same at its first forward): heads an all-to-all
-    cannot split, attention dropout."""
+    cannot split, attention dropout outside Ulysses."""
     conf, cpc = getattr(model, "config", None), cfg.context_parallel
     where = f"sequence_parallel_size={cpc.size} with context_parallel.mode={cpc.mode!r}"
     heads = getattr(conf, "num_attention_heads", getattr(conf, "n_heads", None))
@@ -491,10 +491,11 @@ def _check_sequence_split_model(model: nn.Module, cfg: EngineConfig) -> None:
             raise ValueError(f"{where}: the model's {heads // tp} heads per tp rank: {e}") from None
     for key in ("attn_pdrop", "attention_dropout", "dropout"):
         p = getattr(conf, key, None)
-        if isinstance(p, (int, float)) and p > 0 and model.training:
+        if isinstance(p, (int, float)) and p > 0 and model.training and cpc.mode != "ulysses":
             raise ValueError(
-                f"sequence_parallel_size={cpc.size}: the model's config.{key}={p} drops attention weights, which "
-                f"attention over sequence shards does not do; set it to 0 (or build the model with {key}=0.0)"
+                f"{where}: the model's config.{key}={p} drops attention weights, which the {cpc.mode} mode's "
+                f"blockwise attention does not do; use context_parallel.mode 'ulysses' or set it to 0 (or build "
+                f"the model with {key}=0.0)"
             )
 
 

@@ -501,9 +501,10 @@ class TrainConfig:
             return
         if self.strategy == "none":
             raise ValueError("--cp needs --strategy ddp, zero1, zero2 or zero3: the cp ranks' gradients are summed")
-        if self.dropout:
+        if self.dropout and self.cp_mode != "ulysses":
             raise ValueError(
-                f"--cp with --dropout {self.dropout}: attention over sequence shards has no dropout; use --dropout 0"
+                f"--cp with --dropout {self.dropout}: the model drops attention weights, which --cp-mode "
+                f"{self.cp_mode}'s blockwise attention does not do; use --cp-mode ulysses or --dropout 0"
             )
         if self.sample:
             raise ValueError("--sample with --cp: generation runs on whole sequences; use --sample 0")

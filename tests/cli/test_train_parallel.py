@@ -94,7 +94,7 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
         (dict(nproc=2, tp=2, seq_len=33, sequence_parallel=True), "seq_len=33"),
         (dict(nproc=3, cp=2, strategy="ddp"), "multiple of cp x tp x pp"),
         (dict(nproc=2, cp=2), "--cp needs --strategy"),
-        (dict(nproc=2, cp=2, strategy="ddp", dropout=0.1), "--dropout 0"),
+        (dict(nproc=2, cp=2, strategy="ddp", dropout=0.1), "use --cp-mode ulysses or --dropout 0"),
         (dict(nproc=2, cp=2, strategy="ddp", seq_len=30), "multiple of 2 x cp = 4"),
         (dict(nproc=4, cp=4, strategy="ddp", n_heads=2, d_model=32, cp_mode="ulysses"), "--cp-mode ring"),
         (dict(nproc=2, cp=2, strategy="ddp", sample=100), "--sample 0"),
@@ -108,6 +108,10 @@ def test_train_matches_the_single_process_run(tmp_path: Path, single: dict, args
 def test_bad_parallel_combinations_name_the_flag(kwargs: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):
         TrainConfig(**kwargs).validate()
+
+
+def test_dropout_under_cp_is_accepted_with_ulysses() -> None:
+    TrainConfig(nproc=2, cp=2, strategy="ddp", dropout=0.1, cp_mode="ulysses").validate()
 
 
 def test_a_torchrun_worker_validates_against_its_world() -> None:

@@ -8,6 +8,8 @@ are plain torch in one process (HF's own ``labels=`` loss, SGD + momentum, clipp
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -263,6 +265,42 @@ def test_sequence_parallel_size_config_keys():
     with pytest.raises(ValueError, match="gather_logits true"):
         sp_tp = _sp_config(0, 2, "ring") | {"tensor_parallel": {"size": 2, "gather_logits": False}}
         load_config(sp_tp, world_size=4)
+
+
+def _gpt2_dropout_body() -> tuple[list[float], float, float]:
+    """GPT-2 as Hugging Face builds it (attention, residual and embedding dropout 0.1) under
+    Ulysses: it trains; in eval mode its loss is the dense model's with the same weights."""
+    import shardkit
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=SEQ, vocab_size=VOCAB, attn_implementation="sdpa")
+    assert cfg.attn_pdrop == cfg.resid_pdrop == cfg.embd_pdrop == 0.1
+    torch.manual_seed(0)
+    with ParallelContext.from_world(cp=2) as ctx:
+        engine, *_ = shardkit.initialize(model=transformers.GPT2LMHeadModel(cfg), config=_sp_config(0, 2, "ulysses"), ctx=ctx)
+        torch.manual_seed(1)
+        losses = []
+        for step in range(2):
+            for micro in range(GAS):
+                x = gpt2_batch(step, micro)
+                out = engine(input_ids=x, labels=x)
+                engine.backward(out.loss)
+                engine.step()
+                losses.append(float(out.loss))
+        engine.module.eval()
+        x = gpt2_batch(5, 0)
+        with torch.no_grad():
+            cp_eval = float(engine(input_ids=x, labels=x).loss)
+        dense = transformers.GPT2LMHeadModel(cfg).eval()
+        dense.load_state_dict(engine.full_state_dict(), strict=False)
+        with torch.no_grad():
+            dense_eval = float(dense(input_ids=x, labels=x).loss)
+        return losses, cp_eval, dense_eval
+
+
+def test_gpt2_with_its_default_dropout_trains_under_ulysses(dist_pool):
+    (losses, cp_eval, dense_eval), _ = dist_pool.run(_gpt2_dropout_body, world_size=2, timeout=120)
+    assert all(math.isfinite(v) for v in losses)
+    assert cp_eval == pytest.approx(dense_eval, rel=1e-5)
 
 
 def _refusals_body() -> None:
