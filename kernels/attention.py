@@ -156,10 +156,13 @@ def _run_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> list[t
     each fully visible or the same run under the causal mask; None when some pair is partly
     visible otherwise (see [Note: bounded working memory])."""
     if not causal:
-        return [(slice(None), slice(None), False)]
+        return [(slice(0, q_pos.numel()), slice(0, k_pos.numel()), False)]
     q_runs, k_runs = _runs(q_pos), _runs(k_pos)
     if len(q_runs) * len(k_runs) > _MAX_RUN_PAIRS:
         return None
+    if q_pos.numel() == k_pos.numel() and torch.equal(q_pos, k_pos) and bool((q_pos[1:] > q_pos[:-1]).all()):
+        # the same increasing positions (a ring's own block): causal by index is causal by position
+        return [(slice(0, q_pos.numel()), slice(0, k_pos.numel()), True)]
     pairs = []
     for qs in q_runs:
         q_lo, q_hi = int(q_pos[qs.start]), int(q_pos[qs.stop - 1])
@@ -173,6 +176,29 @@ def _run_pairs(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> list[t
                 pairs.append((qs, ks, True))
             else:
                 return None
+    return _joined(pairs)
+
+
+def _joined(pairs: list[tuple[slice, slice, bool]]) -> list[tuple[slice, slice, bool]]:
+    """Fully visible pairs with the same query rows and adjacent key columns (then the same key
+    columns and adjacent query rows) as one pair: fewer, larger kernel calls and merges (a zigzag
+    shard sees a whole other shard's first or second run in one call, as PyTorch's ring does)."""
+    for side in (1, 0):  # join key columns, then query rows
+        out: list[tuple[slice, slice, bool]] = []
+        for pair in pairs:
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and not pair[2]
+                and not last[2]
+                and last[1 - side] == pair[1 - side]
+                and last[side].stop == pair[side].start
+            ):
+                joined = slice(last[side].start, pair[side].stop)
+                out[-1] = (last[0], joined, False) if side == 1 else (joined, last[1], False)
+            else:
+                out.append(pair)
+        pairs = sorted(out, key=lambda p: (p[1].start, p[0].start)) if side == 1 else out
     return pairs
 
 
@@ -194,13 +220,26 @@ def _cpu_flash_forward(
     out: torch.Tensor, lse: torch.Tensor, scale: float,
 ) -> None:  # fmt: skip
     """The run pairs through torch's fused CPU flash attention (in fp32, as the chunked path),
-    merged into ``out``/``lse``."""
+    into ``out``/``lse``, which may start uninitialized: each row is set by its first pair,
+    merged with later ones, and set to (0, -inf) when no pair covers it."""
     q, kx, vx = q.float(), _expand_kv(k, q.shape[1]).float(), _expand_kv(v, q.shape[1]).float()
+    written: list[slice] = []
     for qs, ks, causal in pairs:
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _rows(q, qs), _rows(kx, ks), _rows(vx, ks), 0.0, causal, scale=scale
         )
-        merge_attention_blocks(out[:, :, qs], lse[:, :, qs], o, m)
+        if any(w.start < qs.stop and qs.start < w.stop for w in written):
+            merge_attention_blocks(out[:, :, qs], lse[:, :, qs], o, m)
+        else:  # the rows' first block: merging into (0, -inf) is a copy
+            out[:, :, qs] = o
+            lse[:, :, qs] = m
+            written.append(qs)
+    seen = torch.zeros(q.shape[2], dtype=torch.bool)
+    for w in written:
+        seen[w] = True
+    if not bool(seen.all()):  # rows that see no key of this block
+        out[:, :, ~seen] = 0
+        lse[:, :, ~seen] = float("-inf")
 
 
 def _cpu_flash_backward(
@@ -208,18 +247,34 @@ def _cpu_flash_backward(
     pairs: list[tuple[slice, slice, bool]], dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, scale: float,
 ) -> None:  # fmt: skip
     """The run pairs' gradients through torch's fused CPU flash-attention backward, given the
-    merged ``out`` and ``lse`` (so each block's part is exact), added into ``dq``/``dk``/``dv``."""
+    merged ``out`` and ``lse`` (so each block's part is exact), added into ``dq``; ``dk``/``dv``
+    may start uninitialized: each column is set by its first pair, added to by later ones, and
+    zeroed when no pair covers it."""
     h, n_kv = q.shape[1], k.shape[1]
     q, kx, vx, dout = q.float(), _expand_kv(k, h).float(), _expand_kv(v, h).float(), dout.float()
+    written: list[slice] = []  # key columns of dk/dv set so far (they start uninitialized)
     for qs, ks, causal in pairs:
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _rows(dout, qs), _rows(q, qs), _rows(kx, ks), _rows(vx, ks), _rows(out, qs), _rows(lse, qs), 0.0, causal,
             scale=scale,
         )  # fmt: skip
         dq[:, :, qs] += gq
-        b, _, sk, d = gk.shape
-        dk[:, :, ks] += gk.view(b, n_kv, h // n_kv, sk, d).sum(2)
-        dv[:, :, ks] += gv.view(b, n_kv, h // n_kv, sk, d).sum(2)
+        if n_kv != h:  # each key/value head's gradient: the sum over its query heads
+            b, _, sk, d = gk.shape
+            gk, gv = gk.view(b, n_kv, h // n_kv, sk, d).sum(2), gv.view(b, n_kv, h // n_kv, sk, d).sum(2)
+        if any(w.start < ks.stop and ks.start < w.stop for w in written):
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+        else:
+            dk[:, :, ks] = gk
+            dv[:, :, ks] = gv
+            written.append(ks)
+    seen = torch.zeros(k.shape[2], dtype=torch.bool)
+    for w in written:
+        seen[w] = True
+    if not bool(seen.all()):  # keys no query of this block sees: no gradient
+        dk[:, :, ~seen] = 0
+        dv[:, :, ~seen] = 0
 
 
 def attention_block_forward(
@@ -259,14 +314,17 @@ def attention_block_forward(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     b, h, sq, d = q.shape
     n_kv = k.shape[1]
+    triton_path = resolve_backend(backend, q.device) == "triton"
+    pairs = _run_pairs(q_pos, k_pos, causal) if q.device.type == "cpu" and not triton_path else None
+    if pairs is not None:  # it sets every row itself
+        out = torch.empty(b, h, sq, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        _cpu_flash_forward(q, k, v, pairs, out, lse, scale)
+        return out, lse
     out = torch.zeros(b, h, sq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
-    if resolve_backend(backend, q.device) == "triton":
+    if triton_path:
         _triton_forward(q, k, v, q_pos, k_pos, out, lse, scale=scale, causal=causal)
-        return out, lse
-    pairs = _run_pairs(q_pos, k_pos, causal) if q.device.type == "cpu" else None
-    if pairs is not None:
-        _cpu_flash_forward(q, k, v, pairs, out, lse, scale)
         return out, lse
     kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)  # [B, Hkv, 1, Sk, D]
     qg = _grouped(q, n_kv)
@@ -346,14 +404,16 @@ def attention_block_backward(
     triton_path = resolve_backend(backend, q.device) == "triton"
     # the kernels below add into dq, except the Triton one, which stores
     dq = dq_into if dq_into is not None and not triton_path else torch.zeros(b, h, sq, d, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    pairs = _run_pairs(q_pos, k_pos, causal) if q.device.type == "cpu" and out is not None and not triton_path else None
+    # the CPU flash path sets every key column itself (first write, then adds; unseen keys 0)
+    alloc = torch.empty if pairs is not None else torch.zeros
+    dk = alloc(k.shape, dtype=torch.float32, device=q.device)
+    dv = alloc(k.shape, dtype=torch.float32, device=q.device)
     if triton_path:
         _triton_backward(dout, q, k, v, lse, delta, q_pos, k_pos, dq, dk, dv, scale=scale, causal=causal)
         if dq_into is not None:
             dq = dq_into.add_(dq)
         return dq, dk, dv
-    pairs = _run_pairs(q_pos, k_pos, causal) if q.device.type == "cpu" and out is not None else None
     if pairs is not None:
         assert out is not None
         if out.shape != q.shape:

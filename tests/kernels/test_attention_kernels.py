@@ -339,13 +339,21 @@ def test_run_pairs_cover_the_chunked_layouts():
 
     q_pos, k_pos = _zigzag(16, 2, 0), _zigzag(16, 2, 1)  # rank 0 (0-3, 12-15) over rank 1's keys (4-11: one run)
     assert _run_pairs(q_pos, k_pos, True) == [(slice(4, 8), slice(0, 8), False)]
-    assert _run_pairs(q_pos, q_pos, True) == [
-        (slice(0, 4), slice(0, 4), True),
-        (slice(4, 8), slice(0, 4), False),
-        (slice(4, 8), slice(4, 8), True),
+    # a block over itself with increasing positions: causal by index is causal by position, one call
+    assert _run_pairs(q_pos, q_pos, True) == [(slice(0, 8), slice(0, 8), True)]
+    three = torch.tensor([0, 1, 5, 6, 2])  # not increasing: run by run, visible neighbours joined
+    assert _run_pairs(three, three, True) == [
+        (slice(0, 2), slice(0, 2), True),
+        (slice(2, 5), slice(0, 2), False),  # 5-6 and 2 see 0-1
+        (slice(2, 4), slice(2, 4), True),
+        (slice(2, 5), slice(4, 5), False),  # 5-6 and 2 see 2
     ]
     assert _run_pairs(torch.arange(8, 21), torch.arange(21), True) is None  # a run cut at 8
-    assert _run_pairs(torch.tensor([3, 1, 2]), torch.tensor([0, 5]), False) == [(slice(None), slice(None), False)]
+    assert _run_pairs(torch.tensor([3, 1, 2]), torch.tensor([0, 5]), False) == [(slice(0, 3), slice(0, 2), False)]
+    # cp 4 (chunks of 2): fully visible pairs side by side are joined into one call
+    r0, r1 = _zigzag(16, 4, 0), _zigzag(16, 4, 1)  # rank 0: 0-1, 14-15; rank 1: 2-3, 12-13
+    assert _run_pairs(r0, r1, True) == [(slice(2, 4), slice(0, 4), False)]  # 14-15 sees both key runs
+    assert _run_pairs(r1, r0, True) == [(slice(0, 4), slice(0, 2), False)]  # both query runs see 0-1
 
 
 @pytest.mark.parametrize("causal", [True, False])
