@@ -28,10 +28,11 @@ transients are smaller for these block shapes):
 * ``mlp_backward``: the head's tensors freed, the last block's MLP backward holding the
   residual stream's gradient and the gradients of its ``f``-wide tensors (``a·d + a·f``);
 * ``attention_backward``: the last block's MLP tensors freed too, its attention backward
-  holding that mode's working buffers (ring: the travelling key/value block and its spare, the
-  fp32 dK/dV accumulator and its spare, fp32 dQ (added into in place), the block's dK/dV; SDPA/Ulysses: dQ, dK,
-  dV and the kernel's fp32 accumulator; on the CPU path, ring attention also holds torch's
-  fused CPU kernel's per-run gradients and buffers).
+  holding that mode's working buffers (ring, and hybrid on its head shards: the travelling
+  key/value block and its spare, the fp32 dK/dV accumulator and its spare, fp32 dQ (added into
+  in place), the block's dK/dV; SDPA/Ulysses: dQ, dK, dV and the kernel's fp32 accumulator; on
+  the CPU path, ring attention also holds torch's fused CPU kernel's per-run gradients and
+  buffers).
 
 Example:
     >>> plan = activation_bytes(seq_len=512, batch=2, d_model=64, n_layers=2, n_heads=4, vocab_size=59, cp=2)
@@ -55,7 +56,7 @@ __all__ = [
     "activation_table",
 ]
 
-ContextParallelMode = Literal["ring", "ulysses"]
+ContextParallelMode = Literal["ring", "ulysses", "hybrid"]
 #: whose attention kernels the working buffers are those of: ``"cuda"`` (flash attention at cp = 1
 #: and in Ulysses, shardkit's Triton blockwise kernels in ring attention) or ``"cpu"`` (torch's
 #: CPU flash attention, which ring attention runs on each zigzag run's strided view)
@@ -80,6 +81,7 @@ class ActivationPlan:
             ``positions``, ``layers`` (every block; with checkpointing their inputs only),
             ``head`` (final LayerNorm and LM head inputs) and ``loss`` (fp32 log-probabilities).
         moments: predicted bytes on this rank at each candidate peak ([Note: activation moments]).
+        ulysses_size: the all-to-all group size of ``mode="hybrid"`` (else ``None``).
     """
 
     seq_len: int
@@ -94,6 +96,7 @@ class ActivationPlan:
     per_layer: Mapping[str, int]
     parts: Mapping[str, int]
     moments: Mapping[str, int]
+    ulysses_size: int | None = None
 
     @property
     def saved(self) -> int:
@@ -144,6 +147,7 @@ def activation_bytes(
     cp: int = 1,
     tp: int = 1,
     mode: ContextParallelMode = "ring",
+    ulysses_size: int | None = None,
     checkpointing: bool = False,
     device: AttentionDevice = "cuda",
 ) -> ActivationPlan:
@@ -170,7 +174,11 @@ def activation_bytes(
         tp: tensor-parallel ranks, Megatron's split without sequence parallelism (heads, the MLP's
             hidden width and the vocabulary divide by tp; LayerNorm inputs and the linears' inputs
             are replicated).
-        mode: ``"ring"`` or ``"ulysses"`` (ignored at ``cp == 1``, where attention is plain SDPA).
+        mode: ``"ring"``, ``"ulysses"`` or ``"hybrid"`` (ignored at ``cp == 1``, where attention
+            is plain SDPA).
+        ulysses_size: with ``mode="hybrid"``, ``U``, the cp ranks of each all-to-all group (a
+            divisor of cp): ring attention over ``cp / U`` ranks on head shards of ``U`` ranks'
+            tokens.
         checkpointing: every block recomputed in backward (``parallelize(blocks=gpt_blocks,
             checkpointing=True)``): forward keeps each block's input, backward holds one
             recomputed block at a time.
@@ -200,8 +208,13 @@ def activation_bytes(
     for name, value in sizes.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if mode not in ("ring", "ulysses"):
-        raise ValueError(f"mode must be 'ring' or 'ulysses', got {mode!r}")
+    if mode not in ("ring", "ulysses", "hybrid"):
+        raise ValueError(f"mode must be 'ring', 'ulysses' or 'hybrid', got {mode!r}")
+    if mode == "hybrid":
+        if isinstance(ulysses_size, bool) or not isinstance(ulysses_size, int) or ulysses_size < 1 or cp % ulysses_size:
+            raise ValueError(f"mode='hybrid' needs ulysses_size, a positive divisor of cp={cp}; got {ulysses_size!r}")
+    elif ulysses_size is not None:
+        raise ValueError(f"ulysses_size applies to mode='hybrid' only, got mode={mode!r}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     if d_model % n_heads:
@@ -215,20 +228,25 @@ def activation_bytes(
         )
     heads, kv = _split(n_heads, tp, "n_heads"), _split(kv_heads, tp, "kv_heads")
     f = _split(ffn_hidden, tp, "ffn_hidden")
-    if cp > 1 and mode == "ulysses" and (heads % cp or (kv % cp and cp % kv)):
+    a2a = cp if mode == "ulysses" else (ulysses_size or 1) if mode == "hybrid" else 1  # the all-to-all group
+    if cp > 1 and a2a > 1 and (heads % a2a or (kv % a2a and a2a % kv)):
         raise ValueError(
-            f"mode='ulysses' splits each rank's {heads} query and {kv} key/value heads (n_heads / tp, kv_heads / tp) "
-            f"over cp={cp}: query heads must divide by cp, key/value heads divide by cp or divide it; or use mode='ring'"
+            f"mode={mode!r} splits each rank's {heads} query and {kv} key/value heads (n_heads / tp, kv_heads / tp) "
+            f"over {a2a} ranks: query heads must divide by {a2a}, key/value heads divide by it or divide it; "
+            "or use mode='ring'"
         )
     a, d, head_dim = dtype_bytes, d_model, d_model // n_heads
     dh, dkv = heads * head_dim, kv * head_dim  # this rank's attention widths (d / tp, d_kv / tp)
     vocab = -(-vocab_size // tp)  # vocab-parallel head: each rank's ceil(V / tp) columns
     tokens = batch * seq_len // cp
-    ring, ulysses = cp > 1 and mode == "ring", cp > 1 and mode == "ulysses"
+    # hybrid is ring attention on head shards: per token of this rank, the same bytes as ring with
+    # the key/value heads repeated up to U, plus Ulysses' separate projection input
+    ring, ulysses, hybrid = cp > 1 and mode == "ring", cp > 1 and mode == "ulysses", cp > 1 and mode == "hybrid"
+    kv_eff = max(kv, a2a) if cp > 1 else kv  # key/value heads after the all-to-all's repeat (GQA)
 
     # bytes per token one block saves, in the order its forward runs
-    if ulysses:  # q, k, v on head shards: all S tokens of heads/cp heads (kv heads repeated up to cp)
-        qkv = a * (dh + 2 * max(kv, cp) * head_dim)
+    if ulysses or hybrid:  # q, k, v on head shards: U ranks' tokens of heads/U heads (kv heads repeated up to U)
+        qkv = a * (dh + 2 * kv_eff * head_dim)
     else:  # cp = 1: the fused qkv output the q/k/v views keep; ring: their contiguous copies
         qkv = a * (dh + 2 * dkv)
     per_token = {
@@ -236,10 +254,11 @@ def activation_bytes(
         "norm1_stats": 8,  # fp32 mean and 1/std
         "qkv_input": a * d,
         "qkv": qkv,
-        "attention_out": (4 if ring else a) * dh,  # ring attention merges its blocks in fp32
+        "attention_out": (4 if ring or hybrid else a) * dh,  # ring attention merges its blocks in fp32
         "attention_lse": 4 * heads,
         # a view of attention_out at cp = 1 (flash's [B, S, H, D] layout) and in fp32 ring attention
-        # (the same layout); Ulysses' copy, and ring's rounded bf16/fp16 output
+        # (the same layout); the all-to-all's output under Ulysses and hybrid, and ring's rounded
+        # bf16/fp16 output
         "proj_input": a * dh if cp > 1 and not (ring and a == 4) else 0,
         "norm2_input": a * d,
         "norm2_stats": 8,
@@ -264,28 +283,33 @@ def activation_bytes(
     layers_bwd = (n_layers - 1) * block_input + layer if checkpointing else n_layers * layer
     logits = max(a * vocab + (4 * vocab if a != 4 else 0), 2 * 4 * vocab)  # fwd: logits (+ fp32 copy); bwd: two fp32 grads
     mlp_work = a * d + a * f  # the residual stream's gradient, then the f-wide gradients of the MLP
-    if ring:
+    if ring or hybrid:  # hybrid: the same per token, over U ranks' tokens of heads/U heads
+        kvw = kv_eff * head_dim  # this rank's key/value width per token (kv heads repeated up to U)
         attn_work = (
             a * dh  # the output's gradient, strided as autograd hands it (no contiguous copy)
             + 4 * heads  # delta = rowsum(dO * O), fp32
             + 4 * dh  # dq, fp32: every step adds into it (dq_into)
-            + 2 * 2 * a * dkv  # the travelling key/value block and its spare
-            + 2 * 2 * 4 * dkv  # the fp32 dk/dv accumulator travelling one rank behind, and its spare
-            + 4 * 2 * dkv  # this step's dk/dv, fp32
+            + 2 * 2 * a * kvw  # the travelling key/value block and its spare
+            + 2 * 2 * 4 * kvw  # the fp32 dk/dv accumulator travelling one rank behind, and its spare
+            + 4 * 2 * kvw  # this step's dk/dv, fp32
             + (4 * dh if device != "cpu" else 0)  # the Triton kernel's own dq (stored, then added)
         )
         if device == "cpu":  # kernels/attention.py, _cpu_flash_backward (zigzag: each run half a shard)
-            # torch's CPU flash backward on strided views of the runs: the gradients of two
-            # consecutive (query run, key run) pairs and fp32 buffers of its own, 8 half-shard
-            # buffers in all (fitted to the measured peaks: 9 before the query gradient was added
-            # into the ring's dq in place)
-            attn_work += 8 * 4 * dh // 2
+            # torch's CPU flash backward on strided views of the runs, adjacent visible runs
+            # joined into one call (a block over itself is one causal call): that call's dq, dk,
+            # dv over the whole block (6 half-shard buffers) and fp32 buffers of its own, 7 in
+            # all (fitted to the measured peaks: 8 when each run pair was its own call, 9 before
+            # the query gradient was added into the ring's dq in place); the same per token in
+            # hybrid (its calls span U ranks' runs of heads/U heads)
+            attn_work += 7 * 4 * dh // 2
             if a != 4:  # fp32 copies of q, k, v, dout
                 attn_work += 4 * 4 * dh
-            elif kv != heads:  # k, v repeated to the query heads
+            elif kv_eff != heads:  # k, v repeated to the query heads
                 attn_work += 2 * 4 * dh
+        if hybrid:  # the gradients' all-to-all back to sequence shards: its send and receive buffers
+            attn_work += 2 * a * dh
     else:  # SDPA backward (cp = 1 and Ulysses' head shards): the output's gradient, dq, dk, dv, an fp32 dq accumulator
-        kv_width = max(kv, cp) * head_dim if ulysses else dkv
+        kv_width = kv_eff * head_dim
         attn_work = a * dh + a * (dh + 2 * kv_width) + 4 * dh
         if device == "cpu":  # the CPU kernel's contiguous copy of the output's gradient
             attn_work += a * dh
@@ -308,6 +332,7 @@ def activation_bytes(
         per_layer=per_layer,
         parts=parts,
         moments=moments,
+        ulysses_size=ulysses_size if hybrid else None,
     )
 
 

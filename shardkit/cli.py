@@ -91,7 +91,13 @@ Details: docs/checkpoint.md."""
 _SUFFIX = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _PLAN_MODEL_FLAGS = ("d_model", "n_layers", "n_heads", "seq_len")
 _TRAIN_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
-_PLAN_ACTIVATION_FLAGS = {"batch_size": "--batch-size", "cp": "--cp", "cp_mode": "--cp-mode", "device": "--device"}
+_PLAN_ACTIVATION_FLAGS = {
+    "batch_size": "--batch-size",
+    "cp": "--cp",
+    "cp_mode": "--cp-mode",
+    "cp_ulysses": "--cp-ulysses",
+    "device": "--device",
+}
 
 
 def _count(text: str) -> int:
@@ -164,7 +170,8 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     acts = plan.add_argument_group('activations (--model tinygpt; docs/planner.md, "Activations")')
     acts.add_argument("--batch-size", type=int, metavar="B", help=f"sequences per rank (default {_TRAIN_DEFAULTS['batch_size']})")
     acts.add_argument("--cp", type=int, metavar="N", help="context-parallel ranks: each holds 1/N of every sequence (default 1)")
-    acts.add_argument("--cp-mode", choices=["ring", "ulysses"], help="attention over the cp ranks (default ring)")
+    acts.add_argument("--cp-mode", choices=["ring", "ulysses", "hybrid"], help="attention over the cp ranks (default ring)")
+    acts.add_argument("--cp-ulysses", type=int, metavar="U", help="with --cp-mode hybrid: cp ranks per all-to-all group")
     acts.add_argument(
         "--device",
         choices=["cuda", "cpu"],
@@ -264,6 +271,14 @@ def _plan_activations(args: argparse.Namespace, cp: int) -> list[ActivationPlan]
         raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2 x cp = {2 * cp} (zigzag: two chunks per cp rank)")
     if cp > 1 and mode == "ulysses" and args.n_heads % cp:
         raise ValueError(f"--cp-mode ulysses splits the {args.n_heads} heads (--n-heads) over --cp {cp}: they must divide")
+    if args.cp_ulysses is not None and mode != "hybrid":
+        raise ValueError(f"--cp-ulysses {args.cp_ulysses} applies to --cp-mode hybrid only")
+    if mode == "hybrid" and (args.cp_ulysses is None or args.cp_ulysses < 1 or cp % args.cp_ulysses):
+        raise ValueError(f"--cp-mode hybrid needs --cp-ulysses U, a divisor of --cp {cp}; got {args.cp_ulysses}")
+    if mode == "hybrid" and args.n_heads % args.cp_ulysses:
+        raise ValueError(
+            f"--cp-mode hybrid splits the {args.n_heads} heads (--n-heads) over --cp-ulysses {args.cp_ulysses}: they must divide"
+        )
     kw = dict(
         seq_len=args.seq_len,
         batch=batch,
@@ -272,10 +287,17 @@ def _plan_activations(args: argparse.Namespace, cp: int) -> list[ActivationPlan]
         n_heads=args.n_heads,
         vocab_size=len(ALPHABET),
         dtype_bytes=4 if args.precision == "fp32" else 2,
-        mode=mode,
         device=args.device or "cuda",
     )
-    return [activation_bytes(**kw, cp=c) for c in sorted({1, cp})]
+    plans = [activation_bytes(**kw, cp=1)]
+    if cp > 1:
+        plans.append(activation_bytes(**kw, cp=cp, mode=mode, ulysses_size=args.cp_ulysses if mode == "hybrid" else None))
+    return plans
+
+
+def _cp_mode_text(args: argparse.Namespace) -> str:
+    mode = args.cp_mode or "ring"
+    return f"hybrid {args.cp_ulysses}x{(args.cp or 1) // args.cp_ulysses}" if mode == "hybrid" else mode
 
 
 def _render_activations(args: argparse.Namespace, plans: list[ActivationPlan], table: StageTable) -> str:
@@ -290,7 +312,7 @@ def _render_activations(args: argparse.Namespace, plans: list[ActivationPlan], t
     head = (
         f"activations per rank in {name} (1e{9 if name == 'GB' else 6}) of one forward + backward: TinyGPT "
         f"d_model {args.d_model}, {args.n_layers} layers, {args.n_heads} heads; batch {last.batch} x {last.seq_len} tokens, "
-        f"{a} activations, cp-mode {args.cp_mode or 'ring'}, {last.device} attention kernels; "
+        f"{a} activations, cp-mode {_cp_mode_text(args)}, {last.device} attention kernels; "
         'peak = saved + working buffers (docs/planner.md, "Activations")'
     )
     totals = []

@@ -94,6 +94,9 @@ def test_plan_activation_flags_reach_the_plan(capsys: pytest.CaptureFixture[str]
     ring_cuda = _activation_rows(capsys.readouterr().out)["4"]
     assert float(ring_cpu[3]) > float(ring_cuda[3])  # the CPU path's slice copies
     assert ring_cpu[5:] == ["attention", "backward"]
+    assert cli_main([*argv, "--cp-mode", "hybrid", "--cp-ulysses", "2", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "cp-mode hybrid 2x2" in out and float(_activation_rows(out)["4"][3]) > float(ring_cpu[3])  # + the all-to-all
 
 
 def test_plan_without_cp_prints_the_cp1_row_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,7 +123,10 @@ def test_plan_activations_check_the_device_size(capsys: pytest.CaptureFixture[st
         (["--params", "1B", "--cp", "2"], "--cp needs --model tinygpt"),
         (["--params", "1B", "--batch-size", "8"], "--batch-size needs --model tinygpt"),
         (["--params", "1B", "--cp-mode", "ring"], "--cp-mode needs --model tinygpt"),
-        (["--model", "tinygpt", "--cp-mode", "hybrid"], "invalid choice: 'hybrid'"),
+        (["--model", "tinygpt", "--cp-mode", "tree"], "invalid choice: 'tree'"),
+        (["--model", "tinygpt", "--cp", "4", "--cp-mode", "hybrid"], "--cp-mode hybrid needs --cp-ulysses U"),
+        (["--model", "tinygpt", "--cp", "4", "--cp-ulysses", "2"], "--cp-ulysses 2 applies to --cp-mode hybrid only"),
+        (["--params", "1B", "--cp-ulysses", "2"], "--cp-ulysses needs --model tinygpt"),
     ],
 )
 def test_plan_activation_usage_errors_name_the_flag(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

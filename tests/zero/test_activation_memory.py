@@ -77,10 +77,11 @@ def test_ring_per_term_bytes_by_hand() -> None:
 
 
 def test_cpu_ring_adds_the_cpu_kernels_buffers() -> None:
-    """Torch's CPU kernel per zigzag run (two per rank): 8 half-shard fp32 buffers; the Triton
-    kernel's own dq (added into the ring's accumulator) is not there on the CPU path."""
+    """Torch's CPU kernel on the joined runs (a block over itself in one call): 7 half-shard fp32
+    buffers; the Triton kernel's own dq (added into the ring's accumulator) is not there on the
+    CPU path."""
     cuda, cpu = activation_bytes(**_RING), activation_bytes(**_RING, device="cpu")
-    assert cpu.moments["attention_backward"] - cuda.moments["attention_backward"] == 8 * 4 * 16 // 2 * 12 - 4 * 16 * 12
+    assert cpu.moments["attention_backward"] - cuda.moments["attention_backward"] == 7 * 4 * 16 // 2 * 12 - 4 * 16 * 12
     assert cpu.moments["loss"] == cuda.moments["loss"]
 
 
@@ -154,12 +155,14 @@ def test_bf16_keeps_fp32_where_the_code_does() -> None:
         ({"cp": 0}, "cp must be a positive int"),
         ({"batch": -1}, "batch must be a positive int"),
         ({"seq_len": 10}, "seq_len=10 must be a multiple of 2 x cp = 4"),
-        ({"mode": "hybrid"}, "mode must be"),
+        ({"mode": "tree"}, "mode must be"),
+        ({"mode": "hybrid"}, "needs ulysses_size"),
         ({"device": "tpu"}, "device must be"),
         ({"d_model": 18}, "d_model=18 must be divisible by n_heads=4"),
         ({"kv_heads": 3}, "kv_heads=3"),
         ({"tp": 3}, "n_heads=4 must be divisible by tp=3"),
         ({"cp": 4, "seq_len": 16, "mode": "ulysses", "kv_heads": 4, "n_heads": 4, "tp": 2}, "mode='ulysses' splits"),
+        ({"cp": 4, "seq_len": 16, "mode": "hybrid", "ulysses_size": 4, "n_heads": 2, "d_model": 16}, "mode='hybrid' splits"),
         ({"dtype_bytes": 0}, "dtype_bytes must be"),
     ],
 )
@@ -260,3 +263,48 @@ def test_prediction_matches_measured_peak_cp1_and_cp2(dist_pool, checkpointing: 
         predicted, measured = want2 / want1, got2 / got1
         assert abs(predicted - measured) <= REL_RATIO * measured, (s, f"cp2 {mode}/cp1", predicted, measured)
     assert measured > 0.5  # cp 2 halves the tokens, not the bytes: ring's copies and buffers stay
+
+
+def _measured_hybrid_peak(s: int) -> int:
+    """This rank's settled peak of one forward + backward of TinyGPT under hybrid attention at
+    cp 4 (all-to-all pairs, the ring across them), after a warm-up step."""
+    from shardkit.comm import ParallelContext
+    from shardkit.models import TinyGPT
+    from shardkit.parallel import parallelize
+    from shardkit.parallel.context import gpt_cp_plan
+
+    gen = torch.Generator().manual_seed(s)
+    x, y = torch.randint(VOCAB, (BATCH, s), generator=gen), torch.randint(VOCAB, (BATCH, s), generator=gen)
+    with ParallelContext.from_world(cp=4) as ctx:
+        torch.manual_seed(0)
+        cp = {"plan": gpt_cp_plan(), "mode": "hybrid", "ulysses_size": 2}
+        par = parallelize(TinyGPT(VOCAB, D, LAYERS, HEADS, s), ctx, dp="ddp", cp=cp)
+        par.forward_backward(x, y)
+        return settled_peak_bytes(lambda: par.forward_backward(x, y), tries=24, group=ctx.group("cp"))[0]
+
+
+def test_prediction_matches_measured_peak_hybrid_cp4(dist_pool) -> None:
+    s = LENGTHS[-1]  # 512 tokens per rank at cp 4 (B = 4)
+    got = max(dist_pool.run(_measured_hybrid_peak, s, world_size=4, timeout=180))
+    kw = dict(seq_len=s, batch=BATCH, d_model=D, n_layers=LAYERS, n_heads=HEADS, vocab_size=VOCAB, device="cpu")
+    want = activation_bytes(**kw, cp=4, mode="hybrid", ulysses_size=2).per_rank
+    assert _within(want, got), ("hybrid", want, got, want / got - 1)
+
+
+def test_hybrid_plan_sits_between_its_two_halves() -> None:
+    """Hybrid's per-token terms: ring attention's fp32 output and working buffers, Ulysses' own
+    projection input; at U = 1 the saved bytes are ring's but for that projection input."""
+    kw = dict(seq_len=512, batch=4, d_model=64, n_layers=2, n_heads=4, vocab_size=59, cp=4)
+    ring = activation_bytes(**kw, mode="ring")
+    one = activation_bytes(**kw, mode="hybrid", ulysses_size=1)
+    assert one.per_layer["proj_input"] == 4 * 64 * one.tokens and ring.per_layer["proj_input"] == 0
+    others = lambda plan: {k: v for k, v in plan.per_layer.items() if k != "proj_input"}  # noqa: E731
+    assert others(one) == others(ring)
+    two = activation_bytes(**kw, mode="hybrid", ulysses_size=2)
+    assert two.per_layer["attention_out"] == ring.per_layer["attention_out"]  # fp32, as ring merges it
+    with pytest.raises(ValueError, match="ulysses_size"):
+        activation_bytes(**kw, mode="hybrid")
+    with pytest.raises(ValueError, match="ulysses_size"):
+        activation_bytes(**kw, mode="ring", ulysses_size=2)
+    with pytest.raises(ValueError, match="over 4 ranks"):
+        activation_bytes(**{**kw, "n_heads": 2, "d_model": 64}, mode="hybrid", ulysses_size=4)
