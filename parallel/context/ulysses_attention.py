@@ -17,8 +17,9 @@ other count is a ``ValueError``.
 
 The all-gathered sequence is in the layout's order (rank after rank); it is permuted to
 sequence order before the attention (the causal mask needs it), in the same copy that unpacks
-the all-to-all ([Note: Ulysses' wire layout]), and back after. The output comes back laid out ``[B, S/N, H, D]``, so the
-model's ``out.transpose(1, 2).reshape(B, S/N, H*D)`` for its output projection is a view.
+the all-to-all ([Note: Ulysses' wire layout]), and back after. The output comes back laid out
+``[B, S/N, H, D]``, so the model's ``out.transpose(1, 2).reshape(B, S/N, H*D)`` for its output
+projection is a view.
 Memory: the projection keeps that tensor for its backward and SDPA keeps its own output on the
 head shards, so a layer saves one ``[B, S/N, H*D]`` tensor more than at cp = 1 or in ring
 attention, where the two are one buffer (the planner's ``proj_input``, docs/planner.md).
