@@ -12,7 +12,8 @@ nothing needs to change: embeddings, norms, MLPs and the head work per token. Th
   kept, and so is its ``dropout_p`` in ``mode="ulysses"`` (ring and hybrid refuse attention
   dropout: their blockwise kernels have none); an explicit ``attn_mask`` is refused
   (``ValueError``): a mask built for ``S/cp`` local tokens means nothing over the full
-  sequence. TinyGPT, HF GPT-2 and Llama (``attn_implementation="sdpa"``, the default) call SDPA this way when the batch has no padding mask; right-padded batches need none (with
+  sequence. TinyGPT, HF GPT-2 and Llama (``attn_implementation="sdpa"``, the default) call SDPA
+  this way when the batch has no padding mask; right-padded batches need none (with
   ``ignore_index`` targets on the padding, a causal model's real tokens never see it). An
   ``attention_mask=`` passed to the model itself is refused on every rank by a hook on the
   model, all-ones or not: Hugging Face drops an all-ones mask, so a rank whose shard has no
@@ -196,6 +197,12 @@ class _AttentionOverShards(TorchFunctionMode):
                 "ignore_index targets need none) or use cp=1"
             )
         s = self.settings
+        if dropout_p and s.mode != "ulysses":
+            raise ValueError(
+                f"{self.where}: attention dropout (dropout_p={dropout_p}) under context parallelism needs "
+                f"mode='ulysses'; the {s.mode} mode's blockwise attention has none: use mode='ulysses' or set the "
+                "model's attention dropout to 0"
+            )
         self.calls += 1
         if query.shape[2] == 1:
             raise ValueError(

@@ -153,6 +153,13 @@ def _refusals_body() -> None:
         for bad in (1.0, -0.1, "0.1", True):
             with pytest.raises(ValueError, match="dropout_p must be"):
                 context_parallel_attention(q, q, q, ctx=ctx, mode="ulysses", dropout_p=bad)
+        # a model whose attention drops weights, under ring: refused by the module's name, at once
+        model = TinyGPT(VOCAB, D, LAYERS, HEADS, S, dropout=0.1)
+        context_parallelize(model, ctx, gpt_cp_plan(), mode="ring")
+        with pytest.raises(ValueError, match=r"blocks\.0\.attn: attention dropout \(dropout_p=0\.1\).*needs mode='ulysses'"):
+            model(shard_sequence(torch.zeros(1, S, dtype=torch.long), ctx, dim=1))
+        model.eval()  # eval passes dropout_p=0: nothing to refuse
+        model(shard_sequence(torch.zeros(1, S, dtype=torch.long), ctx, dim=1))
 
 
 def test_attention_dropout_is_refused_where_the_kernels_have_none(dist_pool):
