@@ -215,6 +215,19 @@ def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return part if part.stride(-1) == 1 else part.contiguous()
 
 
+def _overlaps(written: list[slice], rows: slice) -> bool:
+    """Whether ``rows`` meets any of the ``written`` ranges (then it is merged or added into)."""
+    return any(w.start < rows.stop and rows.start < w.stop for w in written)
+
+
+def _uncovered(written: list[slice], n: int) -> torch.Tensor | None:
+    """A bool mask of the ``n`` indices no ``written`` range covers, or None when there is none."""
+    seen = torch.zeros(n, dtype=torch.bool)
+    for w in written:
+        seen[w] = True
+    return None if bool(seen.all()) else ~seen
+
+
 def _cpu_flash_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pairs: list[tuple[slice, slice, bool]],
     out: torch.Tensor, lse: torch.Tensor, scale: float,
@@ -228,18 +241,16 @@ def _cpu_flash_forward(
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _rows(q, qs), _rows(kx, ks), _rows(vx, ks), 0.0, causal, scale=scale
         )
-        if any(w.start < qs.stop and qs.start < w.stop for w in written):
+        if _overlaps(written, qs):
             merge_attention_blocks(out[:, :, qs], lse[:, :, qs], o, m)
         else:  # the rows' first block: merging into (0, -inf) is a copy
             out[:, :, qs] = o
             lse[:, :, qs] = m
             written.append(qs)
-    seen = torch.zeros(q.shape[2], dtype=torch.bool)
-    for w in written:
-        seen[w] = True
-    if not bool(seen.all()):  # rows that see no key of this block
-        out[:, :, ~seen] = 0
-        lse[:, :, ~seen] = float("-inf")
+    unseen = _uncovered(written, q.shape[2])
+    if unseen is not None:  # rows that see no key of this block
+        out[:, :, unseen] = 0
+        lse[:, :, unseen] = float("-inf")
 
 
 def _cpu_flash_backward(
@@ -262,19 +273,17 @@ def _cpu_flash_backward(
         if n_kv != h:  # each key/value head's gradient: the sum over its query heads
             b, _, sk, d = gk.shape
             gk, gv = gk.view(b, n_kv, h // n_kv, sk, d).sum(2), gv.view(b, n_kv, h // n_kv, sk, d).sum(2)
-        if any(w.start < ks.stop and ks.start < w.stop for w in written):
+        if _overlaps(written, ks):
             dk[:, :, ks] += gk
             dv[:, :, ks] += gv
         else:
             dk[:, :, ks] = gk
             dv[:, :, ks] = gv
             written.append(ks)
-    seen = torch.zeros(k.shape[2], dtype=torch.bool)
-    for w in written:
-        seen[w] = True
-    if not bool(seen.all()):  # keys no query of this block sees: no gradient
-        dk[:, :, ~seen] = 0
-        dv[:, :, ~seen] = 0
+    unseen = _uncovered(written, k.shape[2])
+    if unseen is not None:  # keys no query of this block sees: no gradient
+        dk[:, :, unseen] = 0
+        dv[:, :, unseen] = 0
 
 
 def attention_block_forward(
