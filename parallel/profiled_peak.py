@@ -47,6 +47,13 @@ class ProfiledMemory:
     unfreed_bytes: int
 
 
+def _device_kind(device: object) -> str:
+    """``"cpu"`` or ``"cuda"`` from the ``device`` argument (either case), else a ``ValueError``."""
+    if not isinstance(device, str) or device.lower() not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'CPU' or 'CUDA' (the profiler's device type), got {device!r}")
+    return device.lower()
+
+
 def profiled_memory(fn: Callable[[], Any], *, device: str = "CPU") -> ProfiledMemory:
     """Profile one ``fn()`` (its return value dropped inside the trace) and replay the allocator's
     events on ``device``.
@@ -66,13 +73,15 @@ def profiled_memory(fn: Callable[[], Any], *, device: str = "CPU") -> ProfiledMe
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
+    kind = _device_kind(device)
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events: list[tuple[int, int, int]] = []  # (time, ptr, +size / -size)
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         node = stack.pop()
-        if node.tag == _EventType.Allocation and node.typed[1].device.type == device.lower():
+        if node.tag == _EventType.Allocation and node.typed[1].device.type == kind:
             events.append((node.start_time_ns, node.typed[1].ptr, node.typed[1].alloc_size))
         stack.extend(node.children)
     cur = peak = missed = 0
@@ -118,13 +127,17 @@ def settled_peak_bytes(
 
     ``fn`` must keep nothing between calls (e.g. a forward + backward after a first, warm-up
     call; its return value is dropped), else no call settles and the smallest peak is returned.
-    With ``group``, ``fn`` is collective over it: every rank calls it equally often, until each
-    has had a settled call (one all-reduce per call, outside the traces).
+    With ``group``, every rank of it calls ``fn`` equally often, until each has had a settled
+    call (one all-reduce per call, outside the traces). ``group`` must hold every rank that
+    takes part in ``fn``'s collectives (a training step's gradient reduction spans dp x cp: pass
+    that group or the world), else ranks stop at different calls and the next collectives pair
+    up across calls.
 
     Args:
         fn: the call to measure; run up to ``tries`` times.
         tries: the most calls to profile (at least 1).
-        group: the process group ``fn``'s collectives run over, or ``None`` for a local ``fn``.
+        group: a group holding every rank ``fn``'s collectives involve (e.g. ``dist.group.WORLD``),
+            or ``None`` for a local ``fn``.
         device: ``"CPU"`` or ``"CUDA"``.
 
     Returns:
@@ -132,11 +145,12 @@ def settled_peak_bytes(
         smallest peak of the calls and ``-tries`` when none settled.
 
     Example:
-        >>> settled_peak_bytes(lambda: par.forward_backward(x, y), group=ctx.group("cp"))  # after a first step
+        >>> settled_peak_bytes(lambda: par.forward_backward(x, y), group=dist.group.WORLD)  # after a first step
         (10567692, 2)
     """
     if isinstance(tries, bool) or not isinstance(tries, int) or tries < 1:
         raise ValueError(f"tries must be a positive int, got {tries!r}")
+    kind = _device_kind(device)
     settled: tuple[int, int] | None = None
     peaks = []
     for call in range(1, tries + 1):
@@ -146,7 +160,7 @@ def settled_peak_bytes(
             settled = (m.peak_bytes, call)
         done = settled is not None
         if group is not None:
-            flag = torch.tensor([int(done)], device="cuda" if device == "CUDA" else "cpu")
+            flag = torch.tensor([int(done)], device="cuda" if kind == "cuda" else "cpu")
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
             done = bool(flag.item())
         if done:

@@ -273,6 +273,8 @@ def _plan_activations(args: argparse.Namespace, cp: int) -> list[ActivationPlan]
         raise ValueError(f"--cp-mode ulysses splits the {args.n_heads} heads (--n-heads) over --cp {cp}: they must divide")
     if args.cp_ulysses is not None and mode != "hybrid":
         raise ValueError(f"--cp-ulysses {args.cp_ulysses} applies to --cp-mode hybrid only")
+    if mode == "hybrid" and cp == 1:
+        raise ValueError("--cp-mode hybrid needs --cp N > 1 (the cp ranks it splits into all-to-all groups)")
     if mode == "hybrid" and (args.cp_ulysses is None or args.cp_ulysses < 1 or cp % args.cp_ulysses):
         raise ValueError(f"--cp-mode hybrid needs --cp-ulysses U, a divisor of --cp {cp}; got {args.cp_ulysses}")
     if mode == "hybrid" and args.n_heads % args.cp_ulysses:

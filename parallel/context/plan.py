@@ -333,7 +333,8 @@ def context_parallelize(
         The hook handles (``handle.remove()`` on each undoes the plan).
 
     Raises:
-        ValueError: an unknown style or mode, or a pattern that names no module.
+        ValueError: an unknown style or mode, a pattern that names no module, or a model that
+            already carries a cp plan.
 
     Example:
         >>> ctx = ParallelContext.from_env(cp=2)
@@ -356,6 +357,12 @@ def context_parallelize(
     found = plan_modules(model, plan)
     if ctx.size("cp") == 1:  # the plan is valid; nothing to change on one rank
         return []
+    if _refuse_attention_mask in model._forward_pre_hooks.values():
+        raise ValueError(
+            f"{type(model).__name__}: a cp plan is already applied to this model (context_parallelize, or "
+            "parallelize(cp=...)); applying it twice would map the positions twice. Remove the first one's "
+            "hooks (the handles it returned) or apply it once"
+        )
     if mode == "hybrid":  # the groups now, on every rank: a pipeline later runs some layers on some ranks only
         assert ulysses_size is not None
         ctx.cp_split(ulysses_size)

@@ -72,6 +72,16 @@ def test_the_settled_peak_is_the_first_call_that_frees_all_it_allocates() -> Non
         settled_peak_bytes(sometimes_missed, tries=0)
 
 
+@pytest.mark.parametrize("device", ["gpu", "cuda:0", None])
+def test_an_unknown_device_is_refused_before_the_call(device) -> None:
+    calls = []
+    for measure in (profiled_memory, profiled_peak_bytes, settled_peak_bytes):
+        with pytest.raises(ValueError, match="device must be 'CPU' or 'CUDA'"):
+            measure(lambda: calls.append(1), device=device)
+    assert not calls
+    assert profiled_memory(lambda: torch.ones(N), device="cpu").peak_bytes == 4 * N  # either case
+
+
 def _settled_over_ranks() -> tuple[tuple[int, int], int]:
     """Rank r's calls miss a free for its first r + 1 calls; each call does one all-to-all, so
     the ranks must call equally often. (Its buffers exist before the calls: a buffer allocated

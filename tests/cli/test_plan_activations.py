@@ -125,6 +125,7 @@ def test_plan_activations_check_the_device_size(capsys: pytest.CaptureFixture[st
         (["--params", "1B", "--cp-mode", "ring"], "--cp-mode needs --model tinygpt"),
         (["--model", "tinygpt", "--cp-mode", "tree"], "invalid choice: 'tree'"),
         (["--model", "tinygpt", "--cp", "4", "--cp-mode", "hybrid"], "--cp-mode hybrid needs --cp-ulysses U"),
+        (["--model", "tinygpt", "--cp-mode", "hybrid", "--cp-ulysses", "2"], "--cp-mode hybrid needs --cp N > 1"),
         (["--model", "tinygpt", "--cp", "4", "--cp-ulysses", "2"], "--cp-ulysses 2 applies to --cp-mode hybrid only"),
         (["--params", "1B", "--cp-ulysses", "2"], "--cp-ulysses needs --model tinygpt"),
     ],

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardkit.comm import ParallelContext
+from shardkit.parallel import parallelize
 from shardkit.parallel.context import (
     SequenceShardedLoss,
     context_parallelize,
@@ -159,10 +160,20 @@ def _edge_body():
         context_parallelize(gpt2, ctx, hf_gpt2_cp_plan())
         with pytest.raises(ValueError, match="the full sequence has 64 tokens"):
             gpt2(input_ids=torch.zeros(1, 32, dtype=torch.long), use_cache=False)
+        # a second plan would map the positions twice (the error would blame a KV cache)
+        with pytest.raises(ValueError, match="a cp plan is already applied to this model"):
+            context_parallelize(gpt2, ctx, hf_gpt2_cp_plan(), mode="ulysses")
+        with pytest.raises(ValueError, match="a cp plan is already applied to this model"):
+            parallelize(gpt2, ctx, dp="ddp", cp={"plan": hf_gpt2_cp_plan(), "mode": "ring"})
+        fresh = _gpt2()
+        for h in context_parallelize(fresh, ctx, hf_gpt2_cp_plan()):  # undone, it may be applied again
+            h.remove()
+        context_parallelize(fresh, ctx, hf_gpt2_cp_plan())
     return True
 
 
 def test_edge_cases_are_named(dist_pool):
-    """One token per rank (HF drops the causal flag), sharded position_ids, and a sequence longer
-    than the position table: each a ValueError saying what to do, on every rank."""
+    """One token per rank (HF drops the causal flag), sharded position_ids, a sequence longer
+    than the position table, a plan applied twice: each a ValueError saying what to do, on every
+    rank."""
     assert all(dist_pool.run(_edge_body, world_size=2, timeout=120))
