@@ -53,7 +53,7 @@ USAGES = (
 
 @dataclass(frozen=True)
 class Layout:
-    """One composition of the strategies. ``dp_size`` x ``tp`` x (2 if ``pp`` else 1) ranks."""
+    """One composition of the strategies. ``dp_size`` x ``tp`` x (2 if ``pp`` else 1) x ``cp`` ranks."""
 
     dp: str  # parallelize's dp=: ddp | zero1 | zero2 | zero3
     dp_size: int
@@ -61,10 +61,12 @@ class Layout:
     sp: bool = False
     pp: str | None = None  # the schedule: gpipe | 1f1b | interleaved | zb-h1
     offload: str | None = None  # cpu | nvme (ZeRO only)
+    cp: int = 1  # context parallelism: each sequence over cp ranks
+    cp_mode: str | None = None  # ring | ulysses | hybrid
 
     @property
     def world(self) -> int:
-        return self.dp_size * self.tp * (2 if self.pp else 1)
+        return self.dp_size * self.tp * (2 if self.pp else 1) * self.cp
 
 
 #: Only valid compositions are values: parallelize refuses zero3 with pp (as DeepSpeed) and
@@ -82,6 +84,7 @@ LAYOUTS: dict[str, Layout] = {
     "pp:1f1b*zero1+nvme": Layout("zero1", 2, pp="1f1b", offload="nvme"),
     "pp:interleaved*ddp": Layout("ddp", 2, pp="interleaved"),
     "pp:zb-h1*tp": Layout("ddp", 1, tp=2, pp="zb-h1"),
+    "cp:ulysses*zero2": Layout("zero2", 1, cp=2, cp_mode="ulysses"),
 }
 
 AXES: dict[str, tuple[str, ...]] = {"model": MODELS, "usage": USAGES, "layout": tuple(LAYOUTS)}
@@ -97,6 +100,21 @@ CONSTRAINTS: tuple[tuple[str, Callable[[Mapping[str, str]], bool]], ...] = (
     (
         "sequence parallel with an HF model: hf_gpt2_plan / llama_plan have no sequence-parallel variant",
         lambda c: c.get("model", "tinygpt") != "tinygpt" and "layout" in c and LAYOUTS[c["layout"]].sp,
+    ),
+    (
+        "generate under cp: a model under a cp plan takes every input as this rank's shard of a sequence; "
+        "generation runs on an unparallelized copy (docs/context_parallel.md)",
+        lambda c: c.get("usage") == "generate" and "layout" in c and LAYOUTS[c["layout"]].cp > 1,
+    ),
+    (
+        "an HF attention mask under cp: refused on every rank (right-padded rows with ignore_index targets "
+        "need none; tinygpt's padded cell passes none and runs under cp)",
+        lambda c: (
+            c.get("usage") == "padded"
+            and c.get("model", "tinygpt") != "tinygpt"
+            and "layout" in c
+            and LAYOUTS[c["layout"]].cp > 1
+        ),
     ),
 )
 
@@ -276,6 +294,14 @@ def tp_plan(family: str, model: nn.Module, sp: bool) -> dict:
     return plan
 
 
+def cp_plan(family: str) -> dict:
+    """The family's context-parallel plan (Mixtral's attention and rotary embedding are named as
+    Llama's)."""
+    from shardkit.parallel.context import gpt_cp_plan, hf_gpt2_cp_plan, llama_cp_plan
+
+    return {"tinygpt": gpt_cp_plan, "gpt2": hf_gpt2_cp_plan}.get(family, llama_cp_plan)()
+
+
 class _HFEmbed(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -414,6 +440,8 @@ class _Job:
             kwargs.update(pp=pp, blocks=model_blocks)
         if layout.offload:
             kwargs["dp_options"] = {"offload": layout.offload, "nvme_dir": nvme_dir}
+        if layout.cp > 1:
+            kwargs["cp"] = {"plan": cp_plan(family), "mode": layout.cp_mode}
         self.par = parallelize(model, ctx, **kwargs)
         # the documented recipe: everything the module holds, frozen params included
         params = list(self.par.module.parameters()) if usage == "frozen_zero_size" else self.par.parameters()
@@ -591,16 +619,18 @@ class _Job:
             module.train(), dense.train()
 
     def replicas_agree(self) -> None:
-        """Every dp replica holds the same params (a fingerprint compared over dp)."""
+        """Every dp replica (and every cp rank of one) holds the same params (a fingerprint
+        compared over dp x cp)."""
         state = self.full_state()
         if state is None:
             state = {str(i): p.detach() for i, p in enumerate(self.par.parameters())}
         fp = torch.tensor([float(v.double().abs().sum()) + 1e-3 * float(v.double().sum()) for v in state.values()])
-        if self.dp > 1:
-            out = [torch.empty_like(fp) for _ in range(self.dp)]
-            dist.all_gather(out, fp, group=self.ctx.group("dp"))
+        group = self.ctx.group("dp_cp")
+        if group.size() > 1:
+            out = [torch.empty_like(fp) for _ in range(group.size())]
+            dist.all_gather(out, fp, group=group)
             for other in out:
-                assert torch.equal(other, fp), "dp replicas diverged"
+                assert torch.equal(other, fp), "dp/cp replicas diverged"
 
 
 def run_cell(model: str, usage: str, layout_name: str) -> None:
@@ -609,7 +639,9 @@ def run_cell(model: str, usage: str, layout_name: str) -> None:
 
     layout = LAYOUTS[layout_name]
     nvme_dir = tempfile.mkdtemp(prefix="shardkit-matrix-") if layout.offload == "nvme" else None
-    ctx = ParallelContext.from_world(dp=layout.dp_size, tp=layout.tp, pp=2 if layout.pp else 1, timeout=COMM_TIMEOUT)
+    ctx = ParallelContext.from_world(
+        dp=layout.dp_size, tp=layout.tp, pp=2 if layout.pp else 1, cp=layout.cp, timeout=COMM_TIMEOUT
+    )
     jobs: list[_Job] = []
     try:
         jobs.append(_Job(model, usage, layout, ctx, seed=0, nvme_dir=nvme_dir))

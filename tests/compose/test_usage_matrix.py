@@ -99,8 +99,13 @@ def test_constraints_exclude_exactly_the_documented_combinations():
     assert um.impossible({"model": "gpt2", "layout": "sp*zero3"})
     assert um.impossible({"usage": "generate"}) is None  # a partial cell: no axis it reads is missing
     assert um.impossible({"model": "tinygpt", "usage": "generate", "layout": "sp*zero3"}) is None
+    assert um.impossible({"usage": "generate", "layout": "cp:ulysses*zero2"})
+    assert um.impossible({"model": "llama_gqa", "usage": "padded", "layout": "cp:ulysses*zero2"})
+    assert um.impossible({"model": "tinygpt", "usage": "padded", "layout": "cp:ulysses*zero2"}) is None
     excluded = [c for c in um.full_product(um.AXES, lambda c: True) if not _allowed(c)]
-    assert len(excluded) == len(um.MODELS) * 4 + 3 * (len(um.USAGES) - 1) + 3  # 4 pp layouts; 3 HF models x sp
+    # generate x (4 pp layouts + 1 cp) x 4 models; 3 HF models x sp (every usage, generate counted once);
+    # 3 HF models x padded x cp
+    assert len(excluded) == len(um.MODELS) * 5 + 3 * (len(um.USAGES) - 1) + 3 + 3
 
 
 @st.composite
