@@ -85,6 +85,7 @@ LAYOUTS: dict[str, Layout] = {
     "pp:interleaved*ddp": Layout("ddp", 2, pp="interleaved"),
     "pp:zb-h1*tp": Layout("ddp", 1, tp=2, pp="zb-h1"),
     "cp:ulysses*zero2": Layout("zero2", 1, cp=2, cp_mode="ulysses"),
+    "cp:ring*tp": Layout("ddp", 1, tp=2, cp=2, cp_mode="ring"),
 }
 
 AXES: dict[str, tuple[str, ...]] = {"model": MODELS, "usage": USAGES, "layout": tuple(LAYOUTS)}
@@ -105,6 +106,11 @@ CONSTRAINTS: tuple[tuple[str, Callable[[Mapping[str, str]], bool]], ...] = (
         "generate under cp: a model under a cp plan takes every input as this rank's shard of a sequence; "
         "generation runs on an unparallelized copy (docs/context_parallel.md)",
         lambda c: c.get("usage") == "generate" and "layout" in c and LAYOUTS[c["layout"]].cp > 1,
+    ),
+    (
+        "dropout under ring attention: every family here drops attention weights, which the ring's "
+        "blockwise kernels do not do (refused by name; Ulysses applies it)",
+        lambda c: c.get("usage") == "dropout" and "layout" in c and LAYOUTS[c["layout"]].cp_mode == "ring",
     ),
     (
         "an HF attention mask under cp: refused on every rank (right-padded rows with ignore_index targets "
