@@ -12,8 +12,8 @@ tensors are also held by the communication backend's work object; when gloo's wo
 drops that object after the caller has dropped its own reference, the tensor is freed *on that
 thread*, a few microseconds after the collective, and the trace never sees the free: replayed,
 the tensor looks alive to the end of the call. Whether the caller or gloo lets go last is a race,
-so the same step measures 0, 1, 2 or more such tensors too high (ZeRO buckets, all-to-all and
-ring buffers: 5-10% of a context-parallel step's peak). :func:`profiled_memory` counts the bytes
+so the same step measures 0, 1, 2 or more such tensors too high (all-to-all and ring buffers,
+gradient buckets: up to about 5% of a context-parallel step's peak in perf/context_parallel.py). :func:`profiled_memory` counts the bytes
 a call allocated and never freed in its trace; a call that keeps nothing (a training step after
 its first, whose result is dropped) is exact when that count is 0. :func:`settled_peak_bytes`
 repeats the call until one is.
