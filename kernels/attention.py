@@ -215,17 +215,18 @@ def _rows(t: torch.Tensor, rows: slice) -> torch.Tensor:
     return part if part.stride(-1) == 1 else part.contiguous()
 
 
-def _overlaps(written: list[slice], rows: slice) -> bool:
-    """Whether ``rows`` meets any of the ``written`` ranges (then it is merged or added into)."""
-    return any(w.start < rows.stop and rows.start < w.stop for w in written)
-
-
-def _uncovered(written: list[slice], n: int) -> torch.Tensor | None:
-    """A bool mask of the ``n`` indices no ``written`` range covers, or None when there is none."""
-    seen = torch.zeros(n, dtype=torch.bool)
-    for w in written:
-        seen[w] = True
-    return None if bool(seen.all()) else ~seen
+def _first_write(seen: torch.Tensor, span: slice, *targets: tuple[torch.Tensor, float]) -> bool:
+    """Whether ``span`` of the uninitialized buffers is written for the first time (then the
+    caller copies into it); otherwise its unwritten part is set first, each ``(buffer, value)``
+    of ``targets`` (indexed ``[:, :, span]``), so the caller can merge or add into all of it.
+    Marks ``span`` written in ``seen`` (a bool mask over the buffers' dim 2)."""
+    part = seen[span]
+    fresh = not bool(part.any())
+    if not fresh and not bool(part.all()):  # partly written: initialize the rest
+        for buf, value in targets:
+            buf[:, :, span][:, :, ~part] = value
+    seen[span] = True
+    return fresh
 
 
 def _cpu_flash_forward(
@@ -236,21 +237,19 @@ def _cpu_flash_forward(
     into ``out``/``lse``, which may start uninitialized: each row is set by its first pair,
     merged with later ones, and set to (0, -inf) when no pair covers it."""
     q, kx, vx = q.float(), _expand_kv(k, q.shape[1]).float(), _expand_kv(v, q.shape[1]).float()
-    written: list[slice] = []
+    seen = torch.zeros(q.shape[2], dtype=torch.bool)  # rows of out/lse set so far
     for qs, ks, causal in pairs:
         o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             _rows(q, qs), _rows(kx, ks), _rows(vx, ks), 0.0, causal, scale=scale
         )
-        if _overlaps(written, qs):
-            merge_attention_blocks(out[:, :, qs], lse[:, :, qs], o, m)
-        else:  # the rows' first block: merging into (0, -inf) is a copy
+        if _first_write(seen, qs, (out, 0.0), (lse, float("-inf"))):  # merging into (0, -inf) is a copy
             out[:, :, qs] = o
             lse[:, :, qs] = m
-            written.append(qs)
-    unseen = _uncovered(written, q.shape[2])
-    if unseen is not None:  # rows that see no key of this block
-        out[:, :, unseen] = 0
-        lse[:, :, unseen] = float("-inf")
+        else:
+            merge_attention_blocks(out[:, :, qs], lse[:, :, qs], o, m)
+    if not bool(seen.all()):  # rows that see no key of this block
+        out[:, :, ~seen] = 0
+        lse[:, :, ~seen] = float("-inf")
 
 
 def _cpu_flash_backward(
@@ -263,7 +262,7 @@ def _cpu_flash_backward(
     zeroed when no pair covers it."""
     h, n_kv = q.shape[1], k.shape[1]
     q, kx, vx, dout = q.float(), _expand_kv(k, h).float(), _expand_kv(v, h).float(), dout.float()
-    written: list[slice] = []  # key columns of dk/dv set so far (they start uninitialized)
+    seen = torch.zeros(k.shape[2], dtype=torch.bool)  # key columns of dk/dv set so far
     for qs, ks, causal in pairs:
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _rows(dout, qs), _rows(q, qs), _rows(kx, ks), _rows(vx, ks), _rows(out, qs), _rows(lse, qs), 0.0, causal,
@@ -273,17 +272,15 @@ def _cpu_flash_backward(
         if n_kv != h:  # each key/value head's gradient: the sum over its query heads
             b, _, sk, d = gk.shape
             gk, gv = gk.view(b, n_kv, h // n_kv, sk, d).sum(2), gv.view(b, n_kv, h // n_kv, sk, d).sum(2)
-        if _overlaps(written, ks):
-            dk[:, :, ks] += gk
-            dv[:, :, ks] += gv
-        else:
+        if _first_write(seen, ks, (dk, 0.0), (dv, 0.0)):
             dk[:, :, ks] = gk
             dv[:, :, ks] = gv
-            written.append(ks)
-    unseen = _uncovered(written, k.shape[2])
-    if unseen is not None:  # keys no query of this block sees: no gradient
-        dk[:, :, unseen] = 0
-        dv[:, :, unseen] = 0
+        else:
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+    if not bool(seen.all()):  # keys no query of this block sees: no gradient
+        dk[:, :, ~seen] = 0
+        dv[:, :, ~seen] = 0
 
 
 def attention_block_forward(

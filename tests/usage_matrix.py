@@ -63,6 +63,7 @@ class Layout:
     offload: str | None = None  # cpu | nvme (ZeRO only)
     cp: int = 1  # context parallelism: each sequence over cp ranks
     cp_mode: str | None = None  # ring | ulysses | hybrid
+    ulysses_size: int | None = None  # hybrid's all-to-all group
 
     @property
     def world(self) -> int:
@@ -86,6 +87,7 @@ LAYOUTS: dict[str, Layout] = {
     "pp:zb-h1*tp": Layout("ddp", 1, tp=2, pp="zb-h1"),
     "cp:ulysses*zero2": Layout("zero2", 1, cp=2, cp_mode="ulysses"),
     "cp:ring*tp": Layout("ddp", 1, tp=2, cp=2, cp_mode="ring"),
+    "cp:hybrid": Layout("ddp", 1, cp=4, cp_mode="hybrid", ulysses_size=2),
 }
 
 AXES: dict[str, tuple[str, ...]] = {"model": MODELS, "usage": USAGES, "layout": tuple(LAYOUTS)}
@@ -108,9 +110,9 @@ CONSTRAINTS: tuple[tuple[str, Callable[[Mapping[str, str]], bool]], ...] = (
         lambda c: c.get("usage") == "generate" and "layout" in c and LAYOUTS[c["layout"]].cp > 1,
     ),
     (
-        "dropout under ring attention: every family here drops attention weights, which the ring's "
-        "blockwise kernels do not do (refused by name; Ulysses applies it)",
-        lambda c: c.get("usage") == "dropout" and "layout" in c and LAYOUTS[c["layout"]].cp_mode == "ring",
+        "dropout under ring or hybrid attention: every family here drops attention weights, which the "
+        "ring's blockwise kernels do not do (refused by name; Ulysses applies it)",
+        lambda c: c.get("usage") == "dropout" and "layout" in c and LAYOUTS[c["layout"]].cp_mode in ("ring", "hybrid"),
     ),
     (
         "an HF attention mask under cp: refused on every rank (right-padded rows with ignore_index targets "
@@ -448,6 +450,8 @@ class _Job:
             kwargs["dp_options"] = {"offload": layout.offload, "nvme_dir": nvme_dir}
         if layout.cp > 1:
             kwargs["cp"] = {"plan": cp_plan(family), "mode": layout.cp_mode}
+            if layout.ulysses_size is not None:
+                kwargs["cp"]["ulysses_size"] = layout.ulysses_size
         self.par = parallelize(model, ctx, **kwargs)
         # the documented recipe: everything the module holds, frozen params included
         params = list(self.par.module.parameters()) if usage == "frozen_zero_size" else self.par.parameters()

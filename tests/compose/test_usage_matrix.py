@@ -104,10 +104,11 @@ def test_constraints_exclude_exactly_the_documented_combinations():
     assert um.impossible({"model": "tinygpt", "usage": "padded", "layout": "cp:ulysses*zero2"}) is None
     excluded = [c for c in um.full_product(um.AXES, lambda c: True) if not _allowed(c)]
     assert um.impossible({"usage": "dropout", "layout": "cp:ring*tp"})
+    assert um.impossible({"usage": "dropout", "layout": "cp:hybrid"})
     assert um.impossible({"usage": "dropout", "layout": "cp:ulysses*zero2"}) is None
-    # generate x (4 pp + 2 cp layouts) x 4 models; 3 HF models x sp (every usage, generate counted
-    # once); 3 HF models x padded x 2 cp layouts; dropout x ring x 4 models
-    assert len(excluded) == len(um.MODELS) * 6 + 3 * (len(um.USAGES) - 1) + 3 + 3 * 2 + len(um.MODELS)
+    # generate x (4 pp + 3 cp layouts) x 4 models; 3 HF models x sp (every usage, generate counted
+    # once); 3 HF models x padded x 3 cp layouts; dropout x (ring, hybrid) x 4 models
+    assert len(excluded) == len(um.MODELS) * 7 + 3 * (len(um.USAGES) - 1) + 3 + 3 * 3 + 2 * len(um.MODELS)
 
 
 @st.composite

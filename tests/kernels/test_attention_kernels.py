@@ -356,6 +356,35 @@ def test_run_pairs_cover_the_chunked_layouts():
     assert _run_pairs(r1, r0, True) == [(slice(0, 4), slice(0, 2), False)]  # both query runs see 0-1
 
 
+def test_cpu_flash_route_sets_every_column_when_pairs_cover_it_in_parts(monkeypatch):
+    """Positions 0, 7, 1, 6 over themselves (a hybrid group's block with one-token chunks): the
+    joined pairs cover key 0 alone first, then keys 0-3 together. Buffers the CPU path starts
+    uninitialized are filled with NaN here, so a column added into before it was set shows."""
+    from shardkit.kernels import attention as attn
+
+    pos = torch.tensor([0, 7, 1, 6])
+    pairs = attn._run_pairs(pos, pos, True)
+    assert (slice(0, 1), slice(0, 1), False) in pairs and (slice(1, 2), slice(0, 4), False) in pairs
+    real_empty = torch.empty
+    monkeypatch.setattr(attn.torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    q, k, v, dout = _inputs(1, 2, 2, 4, 4, 8, dtype=torch.float32, seed=7)
+    out, lse = attention_block_forward(q, k, v, pos, pos)
+    delta = (dout * out).sum(-1)
+    got = attention_block_backward(dout, q, k, v, lse, delta, pos, pos, out=out)
+    monkeypatch.setattr(attn.torch, "empty", real_empty)
+    scores = (q.double() @ k.double().transpose(-1, -2)) / 8**0.5  # written out in fp64, mask by position
+    scores = scores.masked_fill(pos[:, None] < pos[None, :], float("-inf"))
+    want_lse = scores.logsumexp(-1)
+    want_out = (scores - want_lse[..., None]).exp() @ v.double()
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-6)
+    want = attention_block_backward(dout, q, k, v, lse, delta, pos, pos)  # no out: the chunked route
+    for name, a, b in zip(("dq", "dk", "dv"), got, want, strict=True):
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("h_kv", [4, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
