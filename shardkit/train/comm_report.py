@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+
 from shardkit.comm import CommStats
 
 from .progress import fmt_bytes
